@@ -167,13 +167,18 @@ class SchedulerConfig(_JsonConfig):
         if unsupported:
             raise ValueError(f"scheduler config: {unsupported} are not supported for Qwen-Image-2.1 (set them false)")
         if self.time_shift_type not in ("exponential", "linear"):
-            raise ValueError(f"scheduler config: time_shift_type must be 'exponential' or 'linear', "
-                             f"got {self.time_shift_type!r}")
+            raise ValueError(
+                f"scheduler config: time_shift_type must be 'exponential' or 'linear', got {self.time_shift_type!r}"
+            )
 
 
 # The released checkpoint's scheduler_config.json (model_reference.md section 3.6).
 QWEN21_SCHEDULER = SchedulerConfig(
-    use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
     shift_terminal=0.02,
 )
 

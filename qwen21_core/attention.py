@@ -1,0 +1,112 @@
+"""Attention for the two phases of a generation, without ever building a dense L x L mask.
+
+Prefill (prefix only): block-causal. Each prefix segment attends to every key up to its own end;
+text segments add a causal triangle over their own keys (bottom-right aligned), image blocks see
+their whole block. One SDPA call per segment; the only masks are [segment, end] for text runs, so
+memory stays O(L) with the flash/cuDNN/efficient kernels (at 1024^2 with 4 condition images, ~20k
+tokens, the largest mask is a text run x 20k bools).
+
+Decode (target only): target queries see the whole prefix and the whole target, i.e. plain full
+attention over the K/V cache. With a batch that shares one prefix, the prefix keys are kept once
+and the two parts are combined through their log-sum-exp (no B-fold copy of the prefix).
+
+Tensors are [B, S, H, D] ("BSHD") like the K/V cache; SDPA gets transposed views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .sequence import Segment
+
+# SDPA backend names accepted by the `attention_backend` option.
+BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def backend_context(name: str):
+    """A context manager restricting SDPA to one backend ("auto" = let torch choose)."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    choice = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }.get(name)
+    if choice is None:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    return sdpa_kernel([choice])
+
+
+def _sdpa(q, k, v, mask=None):
+    """SDPA on BSHD tensors; returns BSHD."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def prefix_masks(segments: tuple[Segment, ...], key_valid: torch.Tensor | None, device) -> list:
+    """One boolean mask (or None) per segment, built once per generation and shared by all layers."""
+    masks = []
+    for seg in segments:
+        mask = None
+        if seg.is_text:
+            n = seg.end - seg.start
+            causal = torch.ones(n, seg.end, dtype=torch.bool).tril(seg.start)
+            mask = causal
+        if key_valid is not None and not bool(key_valid[: seg.end].all()):
+            valid = key_valid[: seg.end][None, :]
+            mask = valid if mask is None else mask & valid
+        masks.append(None if mask is None else mask.to(device)[None, None])
+    return masks
+
+
+def prefix_attention(q, k, v, segments: tuple[Segment, ...], masks: list, out: torch.Tensor) -> torch.Tensor:
+    """Block-causal attention of the prefix. q, k, v, out: [B, P, H, D]; writes into and returns out."""
+    for seg, mask in zip(segments, masks, strict=True):
+        out[:, seg.start : seg.end] = _sdpa(q[:, seg.start : seg.end], k[:, : seg.end], v[:, : seg.end], mask)
+    return out
+
+
+def decode_attention(q, k, v, key_mask=None):
+    """Target queries [B, N, H, D] over the joint K/V [B, P+N, H, D] of their own rows."""
+    return _sdpa(q, k, v, key_mask)
+
+
+def _sdpa_with_lse(q, k, v, key_mask=None):
+    """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD."""
+    if q.is_cuda and key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+        return out, lse
+    scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, prefix_key_mask=None):
+    """Decode attention for B rows sharing one prefix, without repeating the prefix B times.
+
+    q, k_target, v_target: [B, N, H, D]; k_prefix, v_prefix: [1, P, H, D]; prefix_key_mask: [P] bool.
+    The prefix part runs once with the batch folded into the query axis; the two partial softmaxes
+    are merged through their log-sum-exp.
+    """
+    b, n, h, d = q.shape
+    q_folded = q.permute(2, 0, 1, 3).reshape(1, h, b * n, d)  # [1, H, B*N, D]
+    mask = None if prefix_key_mask is None else prefix_key_mask[None, None, None, :]
+    out_p, lse_p = _sdpa_with_lse(q_folded, k_prefix.transpose(1, 2), v_prefix.transpose(1, 2), mask)
+    out_p = out_p.reshape(h, b, n, d).transpose(0, 1)  # [B, H, N, D]
+    lse_p = lse_p.reshape(h, b, n).transpose(0, 1)
+    out_t, lse_t = _sdpa_with_lse(q.transpose(1, 2), k_target.transpose(1, 2), v_target.transpose(1, 2))
+    top = torch.maximum(lse_p, lse_t)
+    w_p = torch.exp(lse_p - top)[..., None]
+    w_t = torch.exp(lse_t - top)[..., None]
+    out = (out_p.float() * w_p + out_t.float() * w_t) / (w_p + w_t)
+    return out.to(q.dtype).transpose(1, 2)  # [B, N, H, D]

@@ -1,0 +1,257 @@
+"""The denoising loop behind `Qwen21Pipeline.sample`.
+
+Per conditioning (requests are processed in order, request-major) and per CFG branch: build the
+sequence layout, allocate the branch's K/V cache, prefill the prefix once (shared by every row of the
+batch), then run Euler steps that decode the target tokens only. Latents live in the DiT's
+normalised space inside the loop and leave it as raw VAE-space latents [B, 64, H/16, W/16].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .conditioning import Conditioning, PromptEmbedding
+from .config import SchedulerConfig
+from .scheduler import euler_step, partial_schedule
+from .sequence import build_layout
+from .transformer import Branch, QwenImage21Transformer
+
+log = logging.getLogger(__name__)
+
+LATENT_SCALE = 16  # pixels per latent token side
+SIZE_MULTIPLE = 32  # the 2x2 slot grouping needs an even latent grid
+
+
+def check_output_size(height: int, width: int):
+    """Height and width must be positive multiples of 32; the error suggests the nearest valid size."""
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer number of pixels, got {value!r}")
+        if value % SIZE_MULTIPLE:
+            nearest = max(SIZE_MULTIPLE, round(value / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+            raise ValueError(f"{name}={value} is not a multiple of {SIZE_MULTIPLE}; use {nearest}")
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h*w, C] (a plain spatial flatten; 2.1 is not patchified)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, h*w, C] -> [B, C, h, w]."""
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
+
+
+def make_noise(seed: int, shape, generator_device="cpu") -> torch.Tensor:
+    """ComfyUI's convention: one fp32 randn of the whole latent batch from a CPU generator."""
+    generator = torch.Generator(generator_device).manual_seed(int(seed))
+    return torch.randn(shape, generator=generator, dtype=torch.float32, device=generator_device)
+
+
+@dataclass
+class SampleStats:
+    """What the last `sample` did, for logs and the canvas status line."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    prefills: int = 0
+    prefix_tokens: int = 0
+    prefix_cache: str = "off"  # "on" | "off" | "reused"
+    cache_bytes: int = 0
+    decode_graph: str = "off"
+    peak_vram_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "steps_per_second": round(self.steps_per_second, 3),
+            "prefills": self.prefills,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_cache": self.prefix_cache,
+            "prefix_cache_mib": round(self.cache_bytes / 2**20, 1),
+            "decode_graph": self.decode_graph,
+            "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
+            **self.extra,
+        }
+
+
+class Sampler:
+    """Runs one `sample` call. Holds nothing after it returns (branches and caches are released)."""
+
+    def __init__(
+        self,
+        transformer: QwenImage21Transformer,
+        scheduler_config: SchedulerConfig,
+        latents_mean: torch.Tensor,
+        latents_std: torch.Tensor,
+        *,
+        prefix_cache: bool = True,
+        attention_backend: str = "auto",
+        decode_runner=None,
+    ):
+        self.transformer = transformer
+        self.scheduler_config = scheduler_config
+        self.mean = latents_mean.to(torch.float32).reshape(1, -1, 1, 1)
+        self.std = latents_std.to(torch.float32).reshape(1, -1, 1, 1)
+        self.prefix_cache = prefix_cache
+        self.attention_backend = attention_backend
+        self.decode_runner = decode_runner  # e.g. the CUDA-graph manager; None = eager decode
+        self.stats = SampleStats()
+
+    # ---- public ---------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        conditionings: list[Conditioning],
+        *,
+        height: int,
+        width: int,
+        steps: int,
+        true_cfg_scale: float = 1.0,
+        seed: int = 0,
+        noise: torch.Tensor | None = None,
+        batch_size: int = 1,
+        sigmas: list[float] | None = None,
+        start_latents: torch.Tensor | None = None,
+        denoise: float = 1.0,
+        callback: Callable | None = None,
+    ) -> torch.Tensor:
+        check_output_size(height, width)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if true_cfg_scale < 1.0:
+            raise ValueError(f"true_cfg_scale must be >= 1 (1 = no guidance), got {true_cfg_scale}")
+        h, w = height // LATENT_SCALE, width // LATENT_SCALE
+        channels = self.transformer.config.in_channels
+        rows = len(conditionings) * batch_size
+        shape = (rows, channels, h, w)
+        if noise is None:
+            noise = make_noise(seed, shape)
+        elif tuple(noise.shape) != shape:
+            raise ValueError(f"noise must have the latent shape {list(shape)}, got {list(noise.shape)}")
+        if start_latents is not None and start_latents.shape[-2:] != (h, w):
+            raise ValueError(
+                f"the input LATENT is {start_latents.shape[-2] * 16}x{start_latents.shape[-1] * 16} px but the "
+                f"sampler is set to {height}x{width}; set width/height to 0 to follow the LATENT"
+            )
+
+        schedule_sigmas, timesteps = partial_schedule(
+            self.scheduler_config, h * w, steps, denoise if start_latents is not None else 1.0, sigmas
+        )
+        device = self.transformer.device
+        self.stats = SampleStats(steps=len(timesteps), prefix_cache="on" if self.prefix_cache else "off")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        outputs = []
+        for index, cond in enumerate(conditionings):
+            row_slice = slice(index * batch_size, (index + 1) * batch_size)
+            start = None if start_latents is None else self._expand(start_latents, batch_size, index)
+            outputs.append(
+                self._sample_one(
+                    cond,
+                    noise[row_slice],
+                    start,
+                    schedule_sigmas,
+                    timesteps,
+                    (h, w),
+                    true_cfg_scale,
+                    callback,
+                    index,
+                    len(conditionings),
+                )  # fmt: skip
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.stats.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+        self.stats.seconds = time.perf_counter() - started
+        return torch.cat(outputs)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _expand(start_latents, batch_size, index):
+        if start_latents.shape[0] == 1:
+            return start_latents.expand(batch_size, -1, -1, -1)
+        return start_latents[index * batch_size : (index + 1) * batch_size]
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        return (raw.float() - self.mean.to(raw.device)) / self.std.to(raw.device)
+
+    def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+        return z.float() * self.std.to(z.device) + self.mean.to(z.device)
+
+    def _branches(self, cond: Conditioning, target_shape, batch, use_cfg):
+        prompts = [cond.positive] + ([cond.negative] if use_cfg else [])
+        cond_tokens = None
+        if cond.condition_latents:
+            cond_tokens = torch.cat([pack(lat[None].float())[0] for lat in cond.condition_latents])
+        branches = []
+        for prompt in prompts:
+            layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
+            branches.append((self.transformer.new_branch(layout, batch, self.attention_backend), prompt))
+        return branches, cond_tokens
+
+    def _prefill(self, branch: Branch, prompt: PromptEmbedding, cond_tokens):
+        self.transformer.prefill(branch, prompt.embeds, cond_tokens)
+        self.stats.prefills += 1
+        self.stats.prefix_tokens = max(self.stats.prefix_tokens, branch.layout.prefix_len)
+
+    def _velocity(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.decode_runner is not None:
+            return self.decode_runner(branch, x, t)
+        return self.transformer.decode(branch, x, t)
+
+    def _sample_one(self, cond, noise, start, sigmas, timesteps, target_shape, cfg, callback, index, count):
+        tr = self.transformer
+        device, dtype = tr.device, tr.dtype
+        batch = noise.shape[0]
+        use_cfg = cfg > 1.0 and cond.negative is not None
+        if cfg > 1.0 and cond.negative is None:
+            log.warning("true_cfg_scale=%s but the conditioning has no negative prompt: guidance is off", cfg)
+        h, w = target_shape
+        sigmas = sigmas.to(device)
+        timesteps = timesteps.to(device)
+
+        x = noise.to(device)
+        if start is not None:
+            # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0
+            z0 = self.normalize(start.to(device))
+            x = sigmas[0] * x + (1 - sigmas[0]) * z0
+        x = pack(x).to(dtype)
+
+        branches, cond_tokens = self._branches(cond, target_shape, batch, use_cfg)
+        self.stats.cache_bytes += sum(b.cache.nbytes for b, _ in branches)
+        total = len(timesteps)
+        try:
+            for i in range(total):
+                t = (timesteps[i].expand(batch).to(dtype)) / 1000
+                velocities = []
+                for branch, prompt in branches:
+                    if i == 0 or not self.prefix_cache:
+                        self._prefill(branch, prompt, cond_tokens)
+                    velocities.append(self._velocity(branch, x, t))
+                v = velocities[0]
+                if use_cfg:
+                    v_neg = velocities[1]
+                    v = v_neg + cfg * (v - v_neg)
+                x_prev = x
+                x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+                if callback is not None:
+                    x0 = x_prev.float() - sigmas[i] * v.float()
+                    callback(index * total + i + 1, total * count, self.denormalize(unpack(x0, h, w)))
+        finally:
+            for branch, _ in branches:
+                branch.release()
+        return self.denormalize(unpack(x, h, w))

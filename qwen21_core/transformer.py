@@ -1,0 +1,349 @@
+"""The Qwen-Image-2.1 single-stream transformer, split into a prefix prefill and a target decode.
+
+Numerically this is diffusers' `QwenImage21Transformer2DModel` (the reference); the structure is ours:
+
+- The prefix (prompt tokens with condition-image latents in their slots) is modulated from t=0 and
+  never sees the target, so `prefill` runs it once per generation and stores every layer's K/V
+  (after QK-norm and RoPE) in a `PrefixKVCache`. Its last layer only needs K/V, so the rest of that
+  layer is skipped, as are `norm_out`/`proj_out` for prefix rows (the reference computes and drops them).
+- `decode` runs the target tokens only against the cached prefix. Everything step-invariant (rotary
+  tables, masks, the t=0 modulation) lives in a `Branch` built once, so a step does no host sync and
+  allocates nothing for the prefix; its tensors keep fixed addresses for CUDA-graph replay.
+- Projections are fused: one QKV GEMM and one gate+up GEMM per block. Checkpoints keep their names:
+  `checkpoint_slots()` maps every diffusers key to its slice of the fused weights.
+
+Shapes: D = heads * head_dim (4096), M = D * mlp_ratio (12288), tokens are rows, [B, S, D].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..kernels.qk_norm_rope import qk_norm_rope
+from .attention import (
+    backend_context,
+    decode_attention,
+    prefix_attention,
+    prefix_masks,
+    shared_prefix_decode_attention,
+)
+from .config import TransformerConfig
+from .kv_cache import PrefixKVCache
+from .sequence import SequenceLayout, rotary_cos_sin
+
+TIMESTEP_CHANNELS = 256
+PREFILL_ROW_CHUNK = 8192  # the prefix MLP runs in row chunks so 16 condition images stay in bounded memory
+
+
+class TimestepEmbedding(nn.Module):
+    """t in [0, 1] -> sinusoid (cos first) of 1000*t -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(TIMESTEP_CHANNELS, dim, bias=False)
+        self.linear_2 = nn.Linear(dim, dim, bias=False)
+        self._freqs = {}  # device -> frequencies; not a buffer, so meta construction needs no init
+
+    def frequencies(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._freqs:
+            half = TIMESTEP_CHANNELS // 2
+            # computed on the CPU in fp32 so every device gets the same bits
+            freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+            self._freqs[key] = freqs.to(device)
+        return self._freqs[key]
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        args = (1000.0 * t.float())[:, None] * self.frequencies(t.device)[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(self.linear_1.weight.dtype)
+        return self.linear_2(F.silu(self.linear_1(emb)))
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(dim)
+
+
+class TextProjection(nn.Module):
+    """Zero-centred RMSNorm (all fp32, scale = weight + 1) -> Linear -> GELU(tanh) -> Linear."""
+
+    def __init__(self, context_dim: int, dim: int, eps: float):
+        super().__init__()
+        self.text_norm = nn.Module()
+        self.text_norm.weight = nn.Parameter(torch.zeros(context_dim))
+        self.in_layer = nn.Linear(context_dim, dim, bias=False)
+        self.out_layer = nn.Linear(dim, dim, bias=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (self.text_norm.weight.float() + 1)
+        return self.out_layer(F.gelu(self.in_layer(x32.to(x.dtype)), approximate="tanh"))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+        self.to_qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)  # rows: [q | k | v]
+        self.to_out = nn.Linear(heads * head_dim, dim, bias=False)
+        self.norm_q_weight = nn.Parameter(torch.ones(head_dim))
+        self.norm_k_weight = nn.Parameter(torch.ones(head_dim))
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, D] -> [B, S, 3, H, head_dim] view of one GEMM."""
+        return self.to_qkv(x).unflatten(-1, (3, self.heads, self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)  # rows: [gate | up], ComfyUI's fused layout
+        self.out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.hidden, dim=-1)
+        return self.out(F.silu(gate) * up)
+
+
+@dataclass
+class Modulation:
+    """Per-step block modulation, shared by all blocks: (1 + scale) and tanh(gate), each [B, 1, D]."""
+
+    scale1: torch.Tensor
+    gate1: torch.Tensor
+    scale2: torch.Tensor
+    gate2: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params: torch.Tensor) -> Modulation:
+        scale1, gate1, scale2, gate2 = (p[:, None, :] for p in params.chunk(4, dim=-1))
+        return cls(1 + scale1, gate1.tanh(), 1 + scale2, gate2.tanh())
+
+
+class Block(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.eps = config.eps
+        self.attn = Attention(config.inner_dim, config.num_attention_heads, config.attention_head_dim)
+        self.img_mlp = SwiGLU(config.inner_dim, config.mlp_dim)
+
+    def _norm(self, x):
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps)
+
+    def _finish(self, x, attn_out, mod: Modulation, row_chunk: int | None = None):
+        """Residual attention, then the MLP half (in row chunks if asked: rows are independent)."""
+        x = x + mod.gate1 * self.attn.to_out(attn_out.flatten(2))
+        if row_chunk is None or x.shape[1] <= row_chunk:
+            x = x + mod.gate2 * self.img_mlp(self._norm(x) * mod.scale2)
+        else:
+            for start in range(0, x.shape[1], row_chunk):
+                part = x[:, start : start + row_chunk]
+                part += mod.gate2 * self.img_mlp(self._norm(part) * mod.scale2)
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x
+
+    def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
+        """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last)."""
+        k_out, v_out = branch.cache.prefix(layer)
+        qkv = self.attn.qkv(self._norm(x) * mod0.scale1)
+        q, k, v = qk_norm_rope(
+            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos, branch.prefix_sin, self.eps,
+            k_out=k_out, v_out=v_out,
+        )  # fmt: skip
+        del qkv
+        if last:  # later layers read only this layer's K/V
+            return None
+        attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
+        return self._finish(x, attn, mod0, row_chunk=PREFILL_ROW_CHUNK)
+
+    def decode(self, x, mod: Modulation, branch: Branch, layer: int):
+        """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place."""
+        k_out, v_out = branch.cache.target(layer)
+        qkv = self.attn.qkv(self._norm(x) * mod.scale1)
+        q, k, v = qk_norm_rope(
+            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos, branch.target_sin, self.eps,
+            k_out=k_out, v_out=v_out,
+        )  # fmt: skip
+        del qkv
+        joint = branch.cache.joint(layer)
+        if joint is not None:
+            attn = decode_attention(q, joint[0], joint[1], branch.decode_key_mask)
+        else:
+            kp, vp = branch.cache.prefix(layer)
+            attn = shared_prefix_decode_attention(q, kp, vp, k, v, branch.prefix_key_valid)
+        return self._finish(x, attn, mod)
+
+
+@dataclass
+class Branch:
+    """One CFG branch of one generation: its layout, step-invariant tables and its K/V cache."""
+
+    layout: SequenceLayout
+    cache: PrefixKVCache
+    prefix_cos: torch.Tensor
+    prefix_sin: torch.Tensor
+    target_cos: torch.Tensor
+    target_sin: torch.Tensor
+    prefix_masks: list
+    prefix_key_valid: torch.Tensor | None  # [P] bool on device, None without padding
+    decode_key_mask: torch.Tensor | None  # [1, 1, 1, P+N] bool on device, None without padding
+    attention_backend: str = "auto"
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    def release(self):
+        self.cache.release()
+
+
+class QwenImage21Transformer(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        dim = config.inner_dim
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_in = TextProjection(config.context_in_dim, dim, config.eps)
+        self.img_in = nn.Linear(config.in_channels, dim, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
+        self.transformer_blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm_out = nn.Module()
+        self.norm_out.linear = nn.Linear(dim, dim, bias=False)
+        self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint_slots(self) -> dict[str, torch.Tensor]:
+        """Every key of a diffusers-layout checkpoint (297 for the released model) -> the tensor it fills.
+
+        Fused weights hand out row slices: to_q/to_k/to_v of `to_qkv`, gate_layer/proj of `gate_up`.
+        """
+        slots = {}
+        for name, param in self.named_parameters():
+            if ".transformer_blocks." in f".{name}":
+                continue
+            slots[name] = param
+        inner, hidden = self.config.inner_dim, self.config.mlp_dim
+        for i, block in enumerate(self.transformer_blocks):
+            p = f"transformer_blocks.{i}."
+            qkv = block.attn.to_qkv.weight
+            slots[p + "attn.to_q.weight"] = qkv[:inner]
+            slots[p + "attn.to_k.weight"] = qkv[inner : 2 * inner]
+            slots[p + "attn.to_v.weight"] = qkv[2 * inner :]
+            slots[p + "attn.to_out.0.weight"] = block.attn.to_out.weight
+            slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
+            slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
+            slots[p + "img_mlp.gate_layer.weight"] = block.img_mlp.gate_up.weight[:hidden]
+            slots[p + "img_mlp.proj.weight"] = block.img_mlp.gate_up.weight[hidden:]
+            slots[p + "img_mlp.out.weight"] = block.img_mlp.out.weight
+        return slots
+
+    @torch.no_grad()
+    def load_diffusers_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Copy a diffusers-layout state dict in (names unchanged); errors list missing/unexpected keys."""
+        slots = self.checkpoint_slots()
+        missing = sorted(set(slots) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(slots))
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"transformer state dict does not fit the config: {len(missing)} missing (e.g. {missing[:5]}), "
+                f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})"
+            )
+        for key, value in state_dict.items():
+            slot = slots.get(key)
+            if slot is None:
+                continue
+            if slot.shape != value.shape:
+                raise ValueError(f"transformer key {key}: checkpoint shape {tuple(value.shape)}, "
+                                 f"model shape {tuple(slot.shape)}")  # fmt: skip
+            slot.copy_(value)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def new_branch(self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto") -> Branch:
+        """Allocate the K/V cache and the step-invariant tables for one branch of a generation."""
+        cfg, device = self.config, self.device
+        cache = PrefixKVCache(
+            cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
+            cfg.attention_head_dim, self.dtype, device,
+        )  # fmt: skip
+        cos, sin = rotary_cos_sin(layout.positions, cfg.axes_dims_rope, device)
+        p = layout.prefix_len
+        prefix_key_valid = decode_key_mask = None
+        if layout.key_valid is not None:
+            prefix_key_valid = layout.key_valid.to(device)
+            target_valid = torch.ones(layout.target_len, dtype=torch.bool)
+            decode_key_mask = torch.cat([layout.key_valid, target_valid]).to(device)[None, None, None, :]
+        return Branch(
+            layout=layout,
+            cache=cache,
+            prefix_cos=cos[:p],
+            prefix_sin=sin[:p],
+            target_cos=cos[p:],
+            target_sin=sin[p:],
+            prefix_masks=prefix_masks(layout.segments, layout.key_valid, device),
+            prefix_key_valid=prefix_key_valid,
+            decode_key_mask=decode_key_mask,
+            attention_backend=attention_backend,
+        )
+
+    def _modulation(self, t: torch.Tensor):
+        temb = self.time_text_embed.timestep_embedder(t.to(self.dtype))
+        return temb, Modulation.from_params(self.modulation(temb))
+
+    @torch.no_grad()
+    def prefill(self, branch: Branch, prompt_embeds: torch.Tensor, condition_latents: torch.Tensor | None):
+        """Run the prefix once and fill the branch's cache with every layer's K/V.
+
+        prompt_embeds:      [L, context_dim] (one prompt, unpadded; image-slot rows are ignored).
+        condition_latents:  [I, in_channels] packed condition tokens (all images, in order) or None.
+        """
+        layout = branch.layout
+        device, dtype = self.device, self.dtype
+        text = prompt_embeds.to(device, dtype)[layout.text_source.to(device)]
+        x = torch.empty(1, layout.prefix_len, self.config.inner_dim, device=device, dtype=dtype)
+        x[0, layout.text_rows.to(device)] = self.txt_in(text)
+        if layout.image_rows.numel():
+            if condition_latents is None or condition_latents.shape[0] != layout.image_rows.numel():
+                got = None if condition_latents is None else tuple(condition_latents.shape)
+                raise ValueError(f"condition latents: expected [{layout.image_rows.numel()}, "
+                                 f"{self.config.in_channels}] packed tokens, got {got}")  # fmt: skip
+            x[0, layout.image_rows.to(device)] = self.img_in(condition_latents.to(device, dtype))
+        _, mod0 = self._modulation(torch.zeros(1, device=device))
+        blocks = self.transformer_blocks
+        with backend_context(branch.attention_backend):
+            for i, block in enumerate(blocks):
+                x = block.prefill(x, mod0, branch, i, last=i == len(blocks) - 1)
+        branch.cache.filled = True
+
+    @torch.no_grad()
+    def decode(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity for the target tokens. x: [B, N, in_channels]; t: [B] in [0, 1]. -> [B, N, out_channels]."""
+        if not branch.cache.filled:
+            raise RuntimeError("decode called before prefill: the branch's prefix K/V cache is empty")
+        temb, mod = self._modulation(t)
+        h = self.img_in(x.to(self.dtype))
+        with backend_context(branch.attention_backend):
+            for i, block in enumerate(self.transformer_blocks):
+                h = block.decode(h, mod, branch, i)
+        scale = self.norm_out.linear(F.silu(temb))[:, None, :]
+        h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
+        return self.proj_out(h)
