@@ -1,0 +1,160 @@
+"""`python -m qwen21_nodes {run, demo, make-tiny}`.
+
+run:        run an API-format (or UI-format) workflow in-process with the same node classes ComfyUI
+            loads, plus stand-ins for LoadImage / SaveImage / PreviewImage / Join- and SplitImageWithAlpha.
+demo:       the README's first command: the text-to-image workflow on the real checkpoint when the
+            models folder has it, else on a tiny random-weight checkpoint made on the spot.
+make-tiny:  write the tiny random-weight checkpoint (both layouts) to a folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from ..nodes import NODE_CLASS_MAPPINGS, host
+from .core_nodes import make_core_nodes
+from .graph import NodeError, RunResult, WorkflowError, apply_overrides, execute, find_node, load_prompt
+from .ui_format import is_ui_workflow, ui_to_api
+
+log = logging.getLogger("qwen21_nodes")
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+WORKFLOWS_DIR = PACKAGE_DIR / "workflows"
+EXAMPLE_INPUTS = WORKFLOWS_DIR / "input"
+MODELS_ENV = "QWEN21_MODELS"
+DEMO_WORKFLOW = WORKFLOWS_DIR / "api" / "text_to_image.json"
+# (model folder, Qwen21ModelLoader input) for the three files of a ComfyUI install.
+LOADER_FILES = (("diffusion_models", "diffusion_model"), ("text_encoders", "text_encoder"), ("vae", "vae"))
+# The demo on the tiny checkpoint: its files, and a size and step count that take seconds on a CPU.
+TINY_DEMO_SETTINGS = ["Qwen21Encode.output_resolution=256", "Qwen21Sampler.steps=4"]
+
+
+def node_classes(input_dir: str, output_dir: str) -> dict[str, type]:
+    if not NODE_CLASS_MAPPINGS:
+        raise RuntimeError("the Qwen21 node classes failed to import; the log above says why")
+    return {**make_core_nodes(input_dir, output_dir, os.path.join(output_dir, "temp")), **NODE_CLASS_MAPPINGS}
+
+
+def run_workflow(
+    path: str | os.PathLike,
+    *,
+    models_dir: str | os.PathLike | None = None,
+    input_dir: str | os.PathLike = EXAMPLE_INPUTS,
+    output_dir: str | os.PathLike = "output",
+    overrides: list[str] = (),
+) -> RunResult:
+    """Load, validate and run one workflow file; raises WorkflowError / NodeError on failure."""
+    host.set_models_dir(models_dir)
+    classes = node_classes(os.fspath(input_dir), os.fspath(output_dir))
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    prompt = load_prompt(ui_to_api(data, classes) if is_ui_workflow(data) else data)
+    apply_overrides(prompt, list(overrides), classes)
+    return execute(prompt, classes)
+
+
+def _saved_files(result: RunResult, output_dir: str) -> list[str]:
+    return [
+        os.path.join(output_dir if image["type"] == "output" else os.path.join(output_dir, "temp"),
+                     image["subfolder"], image["filename"])
+        for ui in result.ui.values()
+        for image in ui.get("images", [])
+    ]  # fmt: skip
+
+
+def _run_and_report(path, models_dir, input_dir, output_dir, overrides) -> int:
+    try:
+        result = run_workflow(
+            path, models_dir=models_dir, input_dir=input_dir, output_dir=output_dir, overrides=overrides
+        )
+    except (WorkflowError, NodeError, FileNotFoundError, json.JSONDecodeError) as error:
+        log.error("%s", error)
+        return 1
+    for node_id, ui in result.ui.items():
+        for status in ui.get("qwen21_status", []):
+            log.info("node %s: %s", node_id, status)
+    for file in _saved_files(result, output_dir):
+        log.info("wrote %s", file)
+    log.info("done in %.1f s", sum(result.seconds.values()))
+    return 0
+
+
+def _tiny_models(tiny_dir: Path) -> Path:
+    from ..qwen21_core.tiny import make_tiny
+
+    if not (tiny_dir / "diffusion_models").is_dir():
+        log.info("making a tiny random-weight checkpoint in %s", tiny_dir)
+        make_tiny(tiny_dir)
+    return tiny_dir
+
+
+def _demo(args) -> int:
+    models_dir = args.models or os.environ.get(MODELS_ENV)
+    overrides = []
+    if models_dir:
+        host.set_models_dir(models_dir)
+        prompt = load_prompt(DEMO_WORKFLOW.read_text())
+        loader = prompt[find_node(prompt, "Qwen21ModelLoader")]["inputs"]
+        missing = [f"{k}/{loader[n]}" for k, n in LOADER_FILES if loader[n] not in host.list_weight_files(k)]
+        if missing:
+            log.error("the models folder %s lacks %s; see README 'Model files'", models_dir, ", ".join(missing))
+            return 1
+    else:
+        log.info("no real checkpoint configured (--models or $%s): running on a tiny random-weight one", MODELS_ENV)
+        models_dir = _tiny_models(Path(args.tiny_dir))
+        overrides = _tiny_loader_settings(models_dir) + TINY_DEMO_SETTINGS
+    return _run_and_report(DEMO_WORKFLOW, models_dir, EXAMPLE_INPUTS, args.output_dir, overrides + args.set)
+
+
+def _tiny_loader_settings(models_dir: Path) -> list[str]:
+    """Point the loader at the tiny checkpoint's three files, whatever they are called."""
+    settings = []
+    for kind, name in LOADER_FILES:
+        files = sorted(p.name for p in (models_dir / kind).glob("*.safetensors"))
+        if len(files) != 1:
+            raise FileNotFoundError(f"expected one .safetensors file in {models_dir / kind}, found {files}")
+        settings.append(f"Qwen21ModelLoader.{name}={json.dumps(files[0])}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qwen21_nodes", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a workflow JSON (API or UI format) in-process")
+    run.add_argument("workflow", help="path to the workflow .json")
+    run.add_argument("--models", help=f"ComfyUI-style models folder (default: ${MODELS_ENV} or ./models)")
+    run.add_argument("--input-dir", default=str(EXAMPLE_INPUTS), help="where LoadImage reads (default: examples)")
+    run.add_argument("--output-dir", default="output", help="where SaveImage writes (default: ./output)")
+    run.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
+                     help="override an input; NODE is a node id, title or class; VALUE is JSON or text")  # fmt: skip
+
+    demo = commands.add_parser("demo", help="run the text-to-image example (tiny checkpoint if none configured)")
+    demo.add_argument("--models", help=f"models folder with the real checkpoint (default: ${MODELS_ENV})")
+    demo.add_argument(
+        "--tiny-dir", default="tiny_models", help="where the tiny checkpoint is made (default: ./tiny_models)"
+    )
+    demo.add_argument("--output-dir", default="output", help="where the image is written (default: ./output)")
+    demo.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE", help="override an input")
+
+    tiny = commands.add_parser("make-tiny", help="write a tiny random-weight checkpoint (both layouts)")
+    tiny.add_argument("dir", help="target folder")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    if args.command == "run":
+        models = args.models or os.environ.get(MODELS_ENV) or "models"
+        return _run_and_report(args.workflow, models, args.input_dir, args.output_dir, args.set)
+    if args.command == "demo":
+        return _demo(args)
+    from ..qwen21_core.tiny import make_tiny
+
+    make_tiny(Path(args.dir))
+    log.info("wrote a tiny checkpoint to %s", args.dir)
+    return 0
