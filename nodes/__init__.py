@@ -1,4 +1,34 @@
-"""Thin ComfyUI node classes (V1 API). No model math here."""
+"""Thin ComfyUI node classes (V1 API). No model math here: every node calls the core pipeline.
+
+Each node module is imported on its own, so one that fails (a missing optional dependency, say) is
+logged and leaves the others working.
+"""
+
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+# module -> {class name: display name}; class names carry the Qwen21 prefix so they never clash with core.
+_NODES = {
+    "loader": {
+        "Qwen21ModelLoader": "Qwen21 Load Model (3 files)",
+        "Qwen21DiffusersLoader": "Qwen21 Load Diffusers Folder",
+    },
+    "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
+    "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
+    "vae": {"Qwen21VAEDecode": "Qwen21 VAE Decode (RGBA)", "Qwen21VAEEncode": "Qwen21 VAE Encode"},
+}
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+
+for _module_name, _classes in _NODES.items():
+    try:
+        _module = importlib.import_module(f".{_module_name}", __name__)
+    except Exception:  # noqa: BLE001 - one broken node module must not take the pack down
+        log.exception("qwen21-nodes: failed to import nodes.%s; its nodes are unavailable", _module_name)
+        continue
+    for _class_name, _display_name in _classes.items():
+        NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)
+        NODE_DISPLAY_NAME_MAPPINGS[_class_name] = _display_name

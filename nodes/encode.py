@@ -1,0 +1,111 @@
+"""Prompt + condition-image encoder node -> QWEN21_CONDITIONING and the derived output size."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .model import CONDITIONING_TYPE, MODEL_TYPE
+
+MAX_IMAGES = 16  # what the model was trained with; the web extension shows one more socket at a time
+
+
+def _image_inputs() -> dict:
+    inputs = {}
+    for i in range(1, MAX_IMAGES + 1):
+        inputs[f"image_{i}"] = (
+            "IMAGE",
+            {
+                "tooltip": f"Condition image {i} (optional). Every image adds about (its pixels / 256) tokens to the "
+                "prefix: a 1024x1024 reference adds 4096. The prefix is computed once and cached, so after step "
+                "1 each extra image costs only attention reads.",
+            },
+        )
+        inputs[f"mask_{i}"] = (
+            "MASK",
+            {"tooltip": f"Alpha of image {i} as a ComfyUI MASK (1 - alpha, as LoadImage gives it); optional."},
+        )
+    return inputs
+
+
+def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The connected image_i (in order, gaps closed) and their masks resized to the image (ComfyUI's
+    LoadImage gives a 64x64 placeholder mask for images without alpha)."""
+    images, masks = [], []
+    for i in range(1, MAX_IMAGES + 1):
+        image, mask = kwargs.get(f"image_{i}"), kwargs.get(f"mask_{i}")
+        if image is None:
+            if mask is not None:
+                raise ValueError(f"mask_{i} is connected but image_{i} is not; connect the image the mask belongs to")
+            continue
+        if image.dim() != 4 or image.shape[0] != 1 or image.shape[-1] not in (3, 4):
+            raise ValueError(
+                f"image_{i} must be one IMAGE [1, H, W, 3|4], got shape {tuple(image.shape)}; "
+                "pick a single image from a batch (ImageFromBatch) per input"
+            )
+        if mask is not None:
+            mask = mask.reshape(-1, 1, *mask.shape[-2:])[:1].float()
+            mask = F.interpolate(mask, size=image.shape[1:3], mode="bilinear", align_corners=False)[:, 0]
+        images.append(image)
+        masks.append(mask)
+    return images, masks
+
+
+class Qwen21Encode:
+    """Encode the prompt (and negative prompt) with up to 16 condition images for Qwen-Image-2.1.
+
+    Outputs the conditioning and the output size derived from it (the first image's aspect ratio at
+    `output_resolution`^2 pixels, or a square without images), rounded to multiples of 32.
+    """
+
+    CATEGORY = "Qwen21"
+    DESCRIPTION = __doc__
+    RETURN_TYPES = (CONDITIONING_TYPE, "INT", "INT")
+    RETURN_NAMES = ("conditioning", "width", "height")
+    OUTPUT_TOOLTIPS = (
+        "Prompt embeddings and condition latents for the Qwen21 sampler.",
+        "Output width derived from the inputs (pixels).",
+        "Output height derived from the inputs (pixels).",
+    )
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE, {"tooltip": "From a Qwen21 loader."}),
+                "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What to draw or how to edit."}),
+                "negative_prompt": (
+                    "STRING",
+                    {
+                        "multiline": True,
+                        "default": "",
+                        "tooltip": "Used only when the sampler's true_cfg_scale > 1, which doubles the cost of "
+                        "every step. Leave empty for the usual cfg 1.",
+                    },
+                ),
+                "output_resolution": (
+                    "INT",
+                    {
+                        "default": 1024,
+                        "min": 256,
+                        "max": 4096,
+                        "step": 32,
+                        "tooltip": "Side of the square with the output's pixel count. Cost grows with pixels: "
+                        "2048 has 4x the tokens of 1024 and takes ~5x the time per step.",
+                    },
+                ),
+            },
+            "optional": _image_inputs(),
+        }
+
+    def encode(self, model, prompt, negative_prompt, output_resolution, **images):
+        condition_images, masks = _condition_images(images)
+        cond = model.encode(
+            prompt=prompt,
+            images=condition_images,
+            masks=masks if any(m is not None for m in masks) else None,
+            negative_prompt=negative_prompt or None,
+            output_resolution=output_resolution,
+        )
+        return (cond, cond.width, cond.height)

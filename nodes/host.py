@@ -1,0 +1,254 @@
+"""The one place where the nodes meet ComfyUI.
+
+Inside ComfyUI each service here is ComfyUI's own: model folders through `folder_paths` (standard
+folders and extra_model_paths.yaml), the progress bar with live previews, the interrupt flag, devices
+and the memory manager (ModelPatcher + load_models_gpu). Outside ComfyUI (the in-process runner,
+tests) each falls back to a plain implementation: model folders under one `--models` directory,
+progress through logging, interrupts through a flag, and no memory manager (the pipeline's own
+offload policy places the weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
+    import comfy.model_management as comfy_mm
+    import comfy.model_patcher as comfy_patcher
+    import comfy.utils as comfy_utils
+    import folder_paths as comfy_folder_paths
+except ImportError:
+    comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
+
+IN_COMFYUI = comfy_mm is not None
+
+# ComfyUI model-folder keys we read (they cover the legacy `unet` and `clip` folders too).
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers")
+WEIGHT_EXTENSIONS = (".safetensors", ".sft")
+
+
+class Interrupted(Exception):
+    """The user stopped the run (outside ComfyUI; inside, ComfyUI's own exception is raised)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Model folders
+
+
+_models_dir: str | None = None
+
+
+def set_models_dir(path: str | os.PathLike | None) -> None:
+    """Outside ComfyUI: the folder holding diffusion_models/, text_encoders/, vae/ and diffusers/."""
+    global _models_dir
+    _models_dir = None if path is None else os.path.abspath(os.fspath(path))
+
+
+def model_folders(kind: str) -> list[str]:
+    """Every folder searched for `kind` (one of MODEL_FOLDERS), in ComfyUI's order."""
+    if kind not in MODEL_FOLDERS:
+        raise ValueError(f"model folder kind must be one of {MODEL_FOLDERS}, got {kind!r}")
+    if IN_COMFYUI:
+        return list(comfy_folder_paths.get_folder_paths(kind))
+    return [os.path.join(_models_dir, kind)] if _models_dir else []
+
+
+def list_weight_files(kind: str) -> list[str]:
+    """Safetensors files under the `kind` folders, as paths relative to their folder (sorted)."""
+    if IN_COMFYUI:
+        return sorted(f for f in comfy_folder_paths.get_filename_list(kind) if f.endswith(WEIGHT_EXTENSIONS))
+    found = set()
+    for root in model_folders(kind):
+        for dirpath, _dirs, files in os.walk(root, followlinks=True):
+            for name in files:
+                if name.endswith(WEIGHT_EXTENSIONS):
+                    found.add(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def weight_file_path(kind: str, name: str) -> str:
+    """Absolute path of the weight file `name` listed by list_weight_files(kind)."""
+    for root in model_folders(kind):
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"model file {name!r} not found in the {kind} folder(s) {model_folders(kind) or '(none configured)'}; "
+        f"put it there (or add a folder through extra_model_paths.yaml) and refresh"
+    )
+
+
+def list_diffusers_folders() -> list[str]:
+    """Sub-folders of the `diffusers` model folders that hold a model_index.json (sorted)."""
+    found = set()
+    for root in model_folders("diffusers"):
+        if not os.path.isdir(root):
+            continue
+        for dirpath, dirs, files in os.walk(root, followlinks=True):
+            if "model_index.json" in files:
+                found.add(os.path.relpath(dirpath, root).replace(os.sep, "/"))
+                dirs.clear()  # a pipeline folder's components are not pipelines themselves
+    return sorted(found)
+
+
+def diffusers_folder_path(name: str) -> str:
+    for root in model_folders("diffusers"):
+        path = os.path.join(root, name)
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            return path
+    raise FileNotFoundError(
+        f"diffusers folder {name!r} (with a model_index.json) not found under {model_folders('diffusers')}; "
+        f"put the Qwen-Image-2.1 diffusers folder there and refresh"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices
+
+
+def torch_device() -> torch.device:
+    if IN_COMFYUI:
+        return comfy_mm.get_torch_device()
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def offload_device() -> torch.device:
+    if IN_COMFYUI:
+        return comfy_mm.unet_offload_device()
+    return torch.device("cpu")
+
+
+def intermediate_device() -> torch.device:
+    """Where LATENT, IMAGE and MASK tensors travel between nodes (CPU in stock ComfyUI)."""
+    if IN_COMFYUI:
+        return comfy_mm.intermediate_device()
+    return torch.device("cpu")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+# --------------------------------------------------------------------------------------------------
+# Interrupt and progress
+
+
+_interrupt_requested = threading.Event()
+
+
+def request_interrupt() -> None:
+    """Outside ComfyUI: stop the running node at its next step or tile (ComfyUI has POST /interrupt)."""
+    _interrupt_requested.set()
+
+
+def check_interrupted() -> None:
+    """Raise if the user asked to stop; clears the request, so the next run starts clean."""
+    if IN_COMFYUI:
+        comfy_mm.throw_exception_if_processing_interrupted()
+        return
+    if _interrupt_requested.is_set():
+        _interrupt_requested.clear()
+        raise Interrupted("interrupted by the user")
+
+
+def previews_enabled() -> bool:
+    """ComfyUI sends live previews only when started with --preview-method other than none."""
+    if not IN_COMFYUI:
+        return False
+    try:
+        from comfy.cli_args import LatentPreviewMethod, args
+    except ImportError:
+        return False
+    return args.preview_method != LatentPreviewMethod.NoPreviews
+
+
+class Progress:
+    """One node's progress: ComfyUI's progress bar (with an optional preview image) or log lines.
+
+    Every update is also an interruption point, as it is in ComfyUI.
+    """
+
+    def __init__(self, total: int, what: str):
+        self.total = max(int(total), 1)
+        self.what = what
+        self._bar = comfy_utils.ProgressBar(self.total) if IN_COMFYUI else None
+
+    def update(self, done: int, preview=None) -> None:
+        """done: absolute count; preview: a PIL image shown on the node (ComfyUI only)."""
+        check_interrupted()
+        if self._bar is not None:
+            payload = None if preview is None else ("JPEG", preview, _preview_max_size())
+            self._bar.update_absolute(done, self.total, payload)
+        else:
+            log.info("%s %d/%d", self.what, done, self.total)
+
+
+def _preview_max_size() -> int:
+    from comfy.cli_args import args
+
+    return getattr(args, "preview_size", 512)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory manager
+
+
+class _Holder(torch.nn.Module):
+    """What ComfyUI's ModelPatcher manages: our modules as children, plus the plain `device`
+    attribute ModelPatcher writes (transformers models have a read-only `device` property)."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device):
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self.device = device
+
+
+class ManagedModules:
+    """Modules registered with ComfyUI's memory manager, so ComfyUI counts their VRAM, evicts other
+    models to make room for them, moves them off when others need the room, and `POST /free`
+    unloads them. `on_unload` runs whenever ComfyUI unloads them (free caches tied to them).
+
+    Outside ComfyUI this is inert: `load()` does nothing and the pipeline places its own weights.
+    """
+
+    def __init__(
+        self,
+        modules: dict[str, torch.nn.Module],
+        load_device: torch.device,
+        on_unload: Callable[[], None] | None = None,
+    ):
+        self.modules = modules
+        self.patcher = None
+        if not IN_COMFYUI:
+            return
+        holder = _Holder(modules, offload_device())
+        self.patcher = comfy_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device())
+        if on_unload is not None:
+            on_detach = getattr(getattr(comfy_patcher, "CallbacksMP", None), "ON_DETACH", None)
+            if on_detach is not None:  # older ComfyUI has no callbacks; caches then live until /free
+                self.patcher.add_callback(on_detach, lambda *_args: on_unload())
+
+    def load(self, memory_required: int = 0) -> None:
+        """Put the modules on their device, evicting other models if needed. Always a full load:
+        our modules are plain torch layers that cannot run half on the GPU."""
+        if self.patcher is None:
+            return
+        comfy_mm.load_models_gpu([self.patcher], memory_required=int(memory_required), force_full_load=True)
+
+    def unload(self) -> None:
+        """Move the modules off their device now (as ComfyUI does when it needs the room)."""
+        if self.patcher is None:
+            return
+        for index, loaded in enumerate(comfy_mm.current_loaded_models):
+            if loaded.model is self.patcher:
+                comfy_mm.current_loaded_models.pop(index).model_unload()
+                comfy_mm.soft_empty_cache()
+                return

@@ -1,0 +1,133 @@
+"""Loader nodes: the three ComfyUI model files, or a diffusers folder -> QWEN21_MODEL."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..qwen21_core.pipeline import Qwen21Pipeline
+from . import host
+from .model import MODEL_TYPE, Qwen21Model
+
+log = logging.getLogger(__name__)
+
+CATEGORY = "Qwen21/loaders"
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _device_choices() -> list[str]:
+    return ["auto", "cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def _common_inputs() -> dict:
+    return {
+        "weight_dtype": (
+            list(DTYPES),
+            {
+                "default": "auto",
+                "tooltip": "auto: bf16 on a GPU, fp32 on CPU. bf16: the released precision, ~13.3 GiB DiT + "
+                "~16.4 GiB text encoder. fp32: twice the memory and ~2-3x slower; matches the diffusers "
+                "fp32 reference to rounding.",
+            },
+        ),
+        "device": (
+            _device_choices(),
+            {
+                "default": "auto",
+                "tooltip": "auto: ComfyUI's GPU (or the first CUDA GPU outside ComfyUI), else CPU. cpu: for "
+                "tests and tiny models only; a full-size 1024x1024 image takes hours on CPU.",
+            },
+        ),
+        "offload_text_encoder": (
+            "BOOLEAN",
+            {
+                "default": True,
+                "tooltip": "On: move the text encoder (~16.4 GiB in bf16) to CPU RAM right after encoding, leaving "
+                "the VRAM to the DiT; a new prompt then costs ~1-3 s of transfer. Off: keep it on the GPU for "
+                "instant re-encoding (inside ComfyUI its memory manager still moves it off when another model "
+                "needs the room).",
+            },
+        ),
+    }
+
+
+def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool) -> Qwen21Model:
+    target = host.torch_device() if device == "auto" else torch.device(device)
+    dtype = DTYPES[weight_dtype]
+    if dtype is None:
+        dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
+    log.info("loading Qwen-Image-2.1 from %s (%s on %s)", source, dtype, target)
+    pipe = Qwen21Pipeline.from_pretrained(
+        source,
+        device=target,
+        dtype=dtype,
+        # Inside ComfyUI the memory manager places the text encoder; Qwen21Model offloads it on request.
+        text_encoder_offload=offload_text_encoder and not host.IN_COMFYUI,
+    )
+    return Qwen21Model(pipe, offload_text_encoder=offload_text_encoder)
+
+
+class Qwen21ModelLoader:
+    """Load Qwen-Image-2.1 from the three ComfyUI model files (diffusion model, text encoder, VAE)."""
+
+    CATEGORY = CATEGORY
+    DESCRIPTION = __doc__
+    RETURN_TYPES = (MODEL_TYPE,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "diffusion_model": (
+                    host.list_weight_files("diffusion_models"),
+                    {"tooltip": "The DiT file from models/diffusion_models (e.g. qwen_image_2.1_bf16.safetensors)."},
+                ),
+                "text_encoder": (
+                    host.list_weight_files("text_encoders"),
+                    {"tooltip": "The Qwen3-VL-8B file from models/text_encoders (e.g. qwen3vl_8b_bf16.safetensors)."},
+                ),
+                "vae": (
+                    host.list_weight_files("vae"),
+                    {"tooltip": "The RGBA VAE file from models/vae (e.g. qwen_image_2.1_vae_bf16.safetensors)."},
+                ),
+                **_common_inputs(),
+            }
+        }
+
+    def load(self, diffusion_model, text_encoder, vae, weight_dtype, device, offload_text_encoder):
+        source = {
+            "transformer": host.weight_file_path("diffusion_models", diffusion_model),
+            "text_encoder": host.weight_file_path("text_encoders", text_encoder),
+            "vae": host.weight_file_path("vae", vae),
+        }
+        return (_load(source, weight_dtype, device, offload_text_encoder),)
+
+
+class Qwen21DiffusersLoader:
+    """Load Qwen-Image-2.1 from a diffusers folder (model_index.json) in models/diffusers."""
+
+    CATEGORY = CATEGORY
+    DESCRIPTION = __doc__
+    RETURN_TYPES = (MODEL_TYPE,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "folder": (
+                    host.list_diffusers_folders(),
+                    {"tooltip": "A Qwen-Image-2.1 diffusers folder (the Hugging Face layout) under models/diffusers."},
+                ),
+                **_common_inputs(),
+            }
+        }
+
+    def load(self, folder, weight_dtype, device, offload_text_encoder):
+        return (_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder),)

@@ -1,0 +1,84 @@
+"""What a QWEN21_MODEL link carries: the loaded pipeline plus its registration with ComfyUI's memory
+manager, and the small bits of glue every node needs (placing weights before use, status lines).
+
+ComfyUI keeps a loader's output alive while the loader's inputs are unchanged, so this handle is
+where long-lived state hangs: the weights, and through the pipeline its prefix caches and decode
+graphs. When ComfyUI unloads the transformer (POST /free, an OOM, another model needing the room)
+those caches are released with it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import host
+
+log = logging.getLogger(__name__)
+
+# Link types between our nodes; the prefix keeps them apart from every other pack's types.
+MODEL_TYPE = "QWEN21_MODEL"
+CONDITIONING_TYPE = "QWEN21_CONDITIONING"
+
+
+class Qwen21Model:
+    def __init__(self, pipe, offload_text_encoder: bool):
+        self.pipe = pipe
+        self.offload_text_encoder = offload_text_encoder
+        device = pipe.device
+        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release)
+        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
+        self.vae = host.ManagedModules({"vae": pipe.vae}, device)
+
+    def __repr__(self) -> str:
+        return f"Qwen21Model({self.pipe.sources}, {self.pipe.dtype}, {self.pipe.device})"
+
+    def encode(self, **kwargs):
+        """pipe.encode with the text encoder (and the VAE, for condition images) placed first."""
+        self.text_encoder.load()
+        self.vae.load()
+        try:
+            return self.pipe.encode(**kwargs)
+        finally:
+            if self.offload_text_encoder:
+                self.text_encoder.unload()
+
+    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, **kwargs):
+        needed = self.sampling_bytes(cond, height or cond.height, width or cond.width, batch_size, true_cfg_scale)
+        self.transformer.load(needed)
+        return self.pipe.sample(
+            cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, **kwargs
+        )
+
+    def decode(self, latents: torch.Tensor, **kwargs):
+        self.vae.load()
+        return self.pipe.decode(latents.to(self.pipe.device), **kwargs)
+
+    def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None):
+        self.vae.load()
+        return self.pipe.encode_image(images, masks=masks)
+
+    def sampling_bytes(self, cond, height: int, width: int, batch_size: int, true_cfg_scale: float) -> int:
+        """Rough device memory one sampling run needs besides the weights (activations + prefix K/V),
+        so ComfyUI evicts enough other models first. An estimate, not a bound."""
+        config = getattr(self.pipe.transformer, "config", None)
+        if config is None:
+            return 0
+        target = (height // 16) * (width // 16)
+        prefix = cond.positive.length + sum(h * w for h, w in cond.image_shapes)
+        branches = batch_size * (2 if true_cfg_scale > 1 and cond.negative is not None else 1)
+        element = torch.finfo(self.pipe.dtype).bits // 8
+        activations = branches * (target + prefix) * config.inner_dim * element * 12  # QKV, MLP, residuals
+        prefix_kv = branches * 2 * config.num_layers * prefix * config.inner_dim * element
+        return int(activations + prefix_kv)
+
+
+def format_status(stats: dict) -> str:
+    """One compact line from the pipeline's stats dict, for the node's status text."""
+    parts = []
+    for key, value in stats.items():
+        if isinstance(value, float):
+            value = f"{value:.3g}"
+        parts.append(f"{key}={value}")
+    return " · ".join(parts)
