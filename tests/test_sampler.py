@@ -1,0 +1,207 @@
+"""The sampling loop against diffusers' QwenImage21Pipeline on the same tiny parts (CPU)."""
+
+import numpy as np
+import pytest
+import torch
+from dit_reference import (
+    CONTEXT,
+    QWEN21_SCHEDULER_KW,
+    our_dit,
+    reference_dit,
+    reference_pipeline,
+    tiny_reference_vae,
+)
+from PIL import Image
+from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+from qwen21_nodes.qwen21_core.config import SchedulerConfig
+from qwen21_nodes.qwen21_core.sampler import Sampler, make_noise, pack, unpack
+
+pytest.importorskip("diffusers")
+
+Z = 16
+
+
+@pytest.fixture(scope="module")
+def parts():
+    ref_dit = reference_dit()
+    vae = tiny_reference_vae()
+    return ref_dit, our_dit(ref_dit), vae
+
+
+def _sampler(ours, vae, **kw):
+    mean = torch.tensor(vae.config.latents_mean)
+    std = torch.tensor(vae.config.latents_std)
+    return Sampler(ours, SchedulerConfig(**QWEN21_SCHEDULER_KW), mean, std, **kw)
+
+
+def _prompt(length, seed, slots=None):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(length, dtype=torch.bool) if slots is None else slots
+    return PromptEmbedding(torch.randn(mask.shape[0], CONTEXT, generator=g), mask)
+
+
+def _to_raw(packed, vae, h, w):
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1)
+    return unpack(packed.float(), h, w) * std + mean
+
+
+def _reference_sample(pipe, pos, neg, noise, height, width, steps, cfg=1.0, **kw):
+    out = pipe(
+        prompt_embeds=pos.embeds[None],
+        negative_prompt_embeds=None if neg is None else neg.embeds[None],
+        true_cfg_scale=cfg,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        latents=pack(noise),
+        output_type="latent",
+        **kw,
+    ).images
+    return _to_raw(out, pipe.vae, height // 16, width // 16)
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.0], ids=["t2i", "true-cfg-4"])
+def test_text_to_image_matches_reference(parts, cfg):
+    ref_dit, ours, vae = parts
+    pos, neg = _prompt(9, 1), _prompt(6, 2)
+    noise = make_noise(7, (1, Z, 4, 6))
+    expected = _reference_sample(reference_pipeline(ref_dit, vae), pos, neg if cfg > 1 else None, noise, 64, 96, 4, cfg)
+    sampler = _sampler(ours, vae)
+    got = sampler.sample([Conditioning(pos, neg)], height=64, width=96, steps=4, true_cfg_scale=cfg, noise=noise)
+    assert got.shape == (1, Z, 4, 6) and got.dtype == torch.float32
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert sampler.stats.prefills == (2 if cfg > 1 else 1)
+
+
+def test_two_condition_images_match_reference(parts):
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    ref_dit, ours, vae = parts
+    pipe = reference_pipeline(ref_dit, vae)
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (64, 96, 4), dtype=np.uint8), "RGBA"),
+        Image.fromarray(rng.integers(0, 256, (96, 64, 3), dtype=np.uint8), "RGB"),
+    ]
+    # the reference's own resize and VAE encode give the condition latents
+    latents, sizes = [], []
+    for img in images:
+        width, height, _ = calculate_dimensions(64 * 64, img.size[0] / img.size[1])
+        sizes.append((height // 16, width // 16))
+        pixels = pipe.image_processor.preprocess(img.convert("RGBA"), width=width, height=height).unsqueeze(2)
+        latents.append(pipe._encode_vae_image(pixels, None)[0, :, 0])
+    slots = torch.zeros(7 + sum(h * w // 4 for h, w in sizes) + 4, dtype=torch.bool)
+    slots[3 : 3 + sizes[0][0] * sizes[0][1] // 4] = True
+    start = 3 + sizes[0][0] * sizes[0][1] // 4 + 2
+    slots[start : start + sizes[1][0] * sizes[1][1] // 4] = True
+    pos = _prompt(0, 3, slots)
+    pipe.encode_prompt = lambda **kw: (pos.embeds[None], None, pos.image_pad_mask[None])
+    noise = make_noise(1, (1, Z, 4, 4))
+    expected = _reference_sample(pipe, pos, None, noise, 64, 64, 3, image=images, output_resolution=64)
+    cond = Conditioning(pos, None, condition_latents=latents, width=64, height=64)
+    got = _sampler(ours, vae).sample([cond], height=64, width=64, steps=3, noise=noise)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_turbo_sample_sigmas_match_reference(parts):
+    ref_dit, ours, vae = parts
+    turbo = [1.0, 0.8, 0.55, 0.3]
+    pos = _prompt(8, 4)
+    noise = make_noise(3, (1, Z, 4, 4))
+    expected = _reference_sample(reference_pipeline(ref_dit, vae, sample_sigmas=turbo), pos, None, noise, 64, 64, 40)
+    got = _sampler(ours, vae).sample([Conditioning(pos)], height=64, width=64, steps=4, sigmas=turbo, noise=noise)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_bf16_agrees_with_fp32(parts):
+    """bf16 over 4 steps stays within 0.15 of fp32 on raw latents of std ~3 (stated tolerance)."""
+    ref_dit, ours, vae = parts
+    half = our_dit(ref_dit).to(torch.bfloat16)
+    pos = _prompt(9, 5)
+    noise = make_noise(11, (1, Z, 4, 4))
+    full = _sampler(ours, vae).sample([Conditioning(pos)], height=64, width=64, steps=4, noise=noise)
+    low = _sampler(half, vae).sample([Conditioning(pos.to(dtype=torch.bfloat16))], height=64, width=64, steps=4,
+                                     noise=noise)  # fmt: skip
+    err = (low - full).abs().max().item()
+    assert 0 < err <= 0.15, err
+
+
+def test_batch_of_two_equals_two_single_runs_and_prefills_once(parts):
+    _, ours, vae = parts
+    pos = _prompt(9, 6)
+    noise = make_noise(5, (2, Z, 4, 4))
+    sampler = _sampler(ours, vae)
+    batched = sampler.sample([Conditioning(pos)], height=64, width=64, steps=3, batch_size=2, noise=noise)
+    assert sampler.stats.prefills == 1
+    for row in range(2):
+        single = _sampler(ours, vae).sample([Conditioning(pos)], height=64, width=64, steps=3,
+                                            noise=noise[row : row + 1])  # fmt: skip
+        assert (batched[row] - single[0]).abs().max().item() <= 1e-5
+
+
+def test_several_conditionings_come_back_request_major(parts):
+    _, ours, vae = parts
+    conds = [Conditioning(_prompt(9, 7)), Conditioning(_prompt(5, 8))]
+    noise = make_noise(2, (4, Z, 4, 4))
+    both = _sampler(ours, vae).sample(conds, height=64, width=64, steps=2, batch_size=2, noise=noise)
+    second = _sampler(ours, vae).sample(conds[1:], height=64, width=64, steps=2, batch_size=2, noise=noise[2:])
+    assert torch.allclose(both[2:], second, atol=1e-5)
+
+
+def test_seed_follows_comfyui_convention(parts):
+    _, ours, vae = parts
+    expected = torch.randn((1, Z, 4, 4), generator=torch.manual_seed(42), dtype=torch.float32)
+    assert torch.equal(make_noise(42, (1, Z, 4, 4)), expected)
+    cond = [Conditioning(_prompt(9, 9))]
+    a = _sampler(ours, vae).sample(cond, height=64, width=64, steps=2, seed=42)
+    b = _sampler(ours, vae).sample(cond, height=64, width=64, steps=2, noise=expected)
+    assert torch.equal(a, b)
+
+
+def test_callback_sees_x0_and_can_interrupt_leaving_nothing_behind(parts, monkeypatch):
+    _, ours, vae = parts
+    branches = []
+    original = ours.new_branch
+    monkeypatch.setattr(ours, "new_branch", lambda *a, **k: branches.append(original(*a, **k)) or branches[-1])
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def callback(step, total, x0):
+        seen.append((step, total, tuple(x0.shape)))
+        if step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        _sampler(ours, vae).sample([Conditioning(_prompt(9, 10))], height=64, width=64, steps=5, callback=callback)
+    assert seen == [(1, 5, (1, Z, 4, 4)), (2, 5, (1, Z, 4, 4))]
+    assert branches and all(b.cache._joint is None and b.cache._target is None for b in branches)
+
+
+def test_start_latents_with_denoise(parts):
+    _, ours, vae = parts
+    sampler = _sampler(ours, vae)
+    start = torch.randn(1, Z, 4, 4)
+    out = sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=64, steps=3, start_latents=start,
+                         denoise=0.5)  # fmt: skip
+    assert sampler.stats.steps == 3 and out.shape == start.shape
+    with pytest.raises(ValueError, match="set width/height to 0 to follow the LATENT"):
+        sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=96, steps=3, start_latents=start)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(height=100, width=64), "height=100 is not a multiple of 32; use 96"),
+        (dict(height=64, width=70), "width=70 is not a multiple of 32; use 64"),
+        (dict(height=64, width=64, noise=torch.zeros(1, Z, 2, 2)), r"noise must have the latent shape \[1, 16, 4, 4\]"),
+        (dict(height=64, width=64, true_cfg_scale=0.5), "true_cfg_scale must be >= 1"),
+        (dict(height=64, width=64, batch_size=0), "batch_size must be >= 1"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(parts, kwargs, message):
+    _, ours, vae = parts
+    with pytest.raises(ValueError, match=message):
+        _sampler(ours, vae).sample([Conditioning(_prompt(4, 0))], steps=2, **kwargs)

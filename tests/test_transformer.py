@@ -1,0 +1,188 @@
+"""The DiT against diffusers' QwenImage21Transformer2DModel on the same tiny random weights (fp32, CPU)."""
+
+import pytest
+import torch
+from dit_reference import CHANNELS, CONTEXT, TINY_DIT, our_dit, prompt_mask, reference_dit, reference_velocity
+from qwen21_nodes.qwen21_core.config import TransformerConfig
+from qwen21_nodes.qwen21_core.sequence import build_layout
+from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
+
+pytest.importorskip("diffusers")
+
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models():
+    ref = reference_dit()
+    return ref, our_dit(ref)
+
+
+def _inputs(condition_shapes, target_shape, batch=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = prompt_mask(5, condition_shapes)
+    embeds = torch.randn(mask.shape[0], CONTEXT, generator=g)
+    tokens = sum(h * w for h, w in condition_shapes)
+    cond = torch.randn(tokens, CHANNELS, generator=g) if condition_shapes else None
+    x = torch.randn(batch, target_shape[0] * target_shape[1], CHANNELS, generator=g)
+    return mask, embeds, cond, x
+
+
+def _ours(model, mask, embeds, cond, condition_shapes, target_shape, x, t, text_valid=None):
+    layout = build_layout(mask, condition_shapes, target_shape, text_valid=text_valid)
+    branch = model.new_branch(layout, batch=x.shape[0])
+    model.prefill(branch, embeds, cond)
+    return model.decode(branch, x, t), branch
+
+
+def test_full_size_checkpoint_keys_match_the_reference():
+    from diffusers import QwenImage21Transformer2DModel
+
+    with torch.device("meta"):
+        ref = QwenImage21Transformer2DModel()
+        ours = QwenImage21Transformer(TransformerConfig())
+    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    our_shapes = {k: tuple(v.shape) for k, v in ours.checkpoint_slots().items()}
+    assert len(our_shapes) == 297
+    assert our_shapes == ref_shapes
+
+
+@pytest.mark.parametrize(
+    "condition_shapes, target_shape",
+    [([], (4, 6)), ([(4, 4)], (4, 6)), ([(4, 4), (2, 6)], (6, 4)), ([(6, 2), (2, 2)], (2, 8))],
+    ids=["t2i", "1 image", "2 images", "2 images, odd layout"],
+)
+def test_decode_matches_reference_full_forward(models, condition_shapes, target_shape):
+    ref, ours = models
+    mask, embeds, cond, x = _inputs(condition_shapes, target_shape)
+    t = torch.full((1,), 0.6)
+    expected = reference_velocity(ref, embeds, mask, cond, condition_shapes, x, t, target_shape=target_shape)
+    got, _ = _ours(ours, mask, embeds, cond, condition_shapes, target_shape, x, t)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= FP32_TOL
+
+
+def test_prefix_cache_holds_the_reference_keys_and_values(models):
+    """Our prefill stores the same post-norm, post-RoPE prefix K/V as the reference's extract mode."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    ref, ours = models
+    shapes, target = [(4, 4), (2, 6)], (4, 4)
+    mask, embeds, cond, x = _inputs(shapes, target)
+    cache = QwenImage21KVCache(len(ref.transformer_blocks))
+    reference_velocity(
+        ref, embeds, mask, cond, shapes, x, torch.ones(1), target_shape=target, kv_cache=cache, kv_cache_mode="extract"
+    )
+    _, branch = _ours(ours, mask, embeds, cond, shapes, target, x, torch.ones(1))
+    for layer in range(len(ref.transformer_blocks)):
+        ref_k, ref_v = cache.get_layer(layer).get()
+        our_k, our_v = branch.cache.prefix(layer)
+        assert (our_k - ref_k).abs().max() <= FP32_TOL
+        assert (our_v - ref_v).abs().max() <= FP32_TOL
+
+
+def test_padded_prompt_mask_matches_reference(models):
+    ref, ours = models
+    shapes, target = [(4, 4)], (4, 6)
+    mask, embeds, cond, x = _inputs(shapes, target)
+    mask = torch.cat([mask, torch.zeros(3, dtype=torch.bool)])  # three padded prompt tokens at the end
+    embeds = torch.cat([embeds, torch.randn(3, CONTEXT)])
+    valid = torch.ones(mask.shape[0], dtype=torch.bool)
+    valid[-3:] = False
+    t = torch.full((1,), 0.3)
+    expected = reference_velocity(
+        ref, embeds, mask, cond, shapes, x, t, target_shape=target, encoder_hidden_states_mask=valid[None]
+    )
+    got, _ = _ours(ours, mask, embeds, cond, shapes, target, x, t, text_valid=valid)
+    assert (got - expected).abs().max().item() <= FP32_TOL
+    # and the padded values really are ignored
+    embeds[-3:] = 100.0
+    again, _ = _ours(ours, mask, embeds, cond, shapes, target, x, t, text_valid=valid)
+    assert torch.equal(again, got)
+
+
+def test_decode_steps_reuse_the_prefix_bit_identically(models):
+    """Cache on (prefill once) and cache off (prefill every step) give identical velocities in fp32."""
+    _, ours = models
+    shapes, target = [(4, 4)], (4, 6)
+    mask, embeds, cond, x = _inputs(shapes, target)
+    layout = build_layout(mask, shapes, target)
+    cached = ours.new_branch(layout)
+    ours.prefill(cached, embeds, cond)
+    for t in (0.9, 0.5, 0.1):
+        tt = torch.full((1,), t)
+        fresh = ours.new_branch(layout)
+        ours.prefill(fresh, embeds, cond)
+        assert torch.equal(ours.decode(cached, x * t, tt), ours.decode(fresh, x * t, tt))
+
+
+def test_batch_shares_one_prefix_and_matches_single_rows(models):
+    _, ours = models
+    shapes, target = [(4, 4)], (4, 6)
+    mask, embeds, cond, x = _inputs(shapes, target, batch=3)
+    t = torch.tensor([0.8, 0.5, 0.2])
+    batched, branch = _ours(ours, mask, embeds, cond, shapes, target, x, t)
+    assert branch.cache.shared_prefix
+    k_prefix, _ = branch.cache.prefix(0)
+    assert k_prefix.shape[0] == 1  # stored once, not per row
+    for row in range(3):
+        single, _ = _ours(ours, mask, embeds, cond, shapes, target, x[row : row + 1], t[row : row + 1])
+        assert (batched[row] - single[0]).abs().max().item() <= 1e-6
+
+
+def test_bf16_agrees_with_fp32_reference(models):
+    """bf16 weights and activations: within 0.05 of the fp32 reference (unit-scale outputs)."""
+    ref, ours = models
+    shapes, target = [(4, 4)], (4, 6)
+    mask, embeds, cond, x = _inputs(shapes, target)
+    t = torch.full((1,), 0.7)
+    expected = reference_velocity(ref, embeds, mask, cond, shapes, x, t, target_shape=target)
+    half = QwenImage21Transformer(TransformerConfig(**TINY_DIT)).eval()
+    half.load_diffusers_state_dict(ref.state_dict())
+    half.to(torch.bfloat16)
+    got, _ = _ours(half, mask, embeds, cond, shapes, target, x, t)
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - expected).abs().max().item()
+    assert err <= 0.05, err
+    assert err > 0  # it really ran in bf16
+
+
+def test_adjacent_condition_images_stay_separate_blocks():
+    mask = torch.tensor([False] * 2 + [True] * (4 + 2) + [False] * 3)
+    layout = build_layout(mask, [(4, 4), (2, 4)], (2, 2))
+    images = [(s.start, s.end) for s in layout.segments if not s.is_text]
+    assert images == [(2, 18), (18, 26)]
+
+
+def test_rope_positions_past_the_table_are_an_error():
+    mask = torch.zeros(8200, dtype=torch.bool)
+    with pytest.raises(ValueError, match="outside the model's table"):
+        build_layout(mask, [], (2, 2))
+
+
+def test_slot_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="image slots"):
+        build_layout(prompt_mask(3, [(4, 4)]), [(4, 6)], (2, 2))
+
+
+def test_state_dict_errors_name_the_keys(models):
+    ref, _ = models
+    model = QwenImage21Transformer(TransformerConfig(**TINY_DIT))
+    sd = dict(ref.state_dict())
+    sd.pop("proj_out.weight")
+    sd["extra.weight"] = torch.zeros(1)
+    expected = r"missing \(e.g. \['proj_out.weight'\]\).*unexpected \(e.g. \['extra.weight'\]\)"
+    with pytest.raises(ValueError, match=expected):
+        model.load_diffusers_state_dict(sd)
+    sd = dict(ref.state_dict())
+    sd["img_in.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"img_in.weight: checkpoint shape \(3, 3\), model shape \(64, 16\)"):
+        model.load_diffusers_state_dict(sd)
+
+
+def test_decode_before_prefill_is_an_error(models):
+    _, ours = models
+    layout = build_layout(prompt_mask(3, []), [], (2, 2))
+    branch = ours.new_branch(layout)
+    with pytest.raises(RuntimeError, match="before prefill"):
+        ours.decode(branch, torch.zeros(1, 4, CHANNELS), torch.ones(1))
