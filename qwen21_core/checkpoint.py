@@ -1,0 +1,600 @@
+"""Safetensors checkpoints: open and validate, identify what they hold, stream them into a module.
+
+Three steps, in the order the loader uses them:
+
+1. `Checkpoint.open(path)` reads only the JSON headers of a single `.safetensors` file, a sharded set
+   (`*.safetensors.index.json`) or a folder holding either, and checks them: missing file, not a
+   safetensors file (pickle, GGUF, garbage), truncated download, inconsistent header.
+2. `identify(ckpt, component)` probes a few distinctive keys and shapes to find the layout (diffusers or
+   ComfyUI, ...) of the Qwen-Image-2.1 component we expect, or to say what the file is instead
+   (Qwen-Image 1.x, Wan, Flux, SD, an LLM, a LoRA, ...).
+3. `build_empty(...)` constructs a module without allocating its weights, then `load_into(slots, ...)`
+   copies each checkpoint tensor, renamed by a key map (key_maps.py) and dequantised if it is fp8
+   (quantization.py), into the tensor the module names for it. Tensors are read one at a time with plain
+   file reads (no mmap: mapped pages would count against the process's memory as a second copy of the
+   file); on CUDA they travel through two small pinned buffers so that disk reads overlap the copies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import quantization
+
+log = logging.getLogger(__name__)
+
+_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors itself refuses larger headers
+_CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size (two of them) for CUDA targets
+_SHOWN = 5  # how many keys an error message lists
+
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+_PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+
+Converter = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unusable (not safetensors, truncated, inconsistent)."""
+
+
+class WrongModelError(CheckpointError):
+    """The file holds some other model than the Qwen-Image-2.1 component asked for."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's tensors do not fit the module (missing / unexpected keys, shape mismatches)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Opening and validating
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives. dtype is a string for safetensors dtypes torch has no name for (F8_E8M0, F4)."""
+
+    file: Path
+    dtype: torch.dtype | str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in `file`
+    nbytes: int
+
+
+class Checkpoint:
+    """The tensors of one checkpoint (one file or a sharded set); data is read on demand."""
+
+    def __init__(self, path: Path, tensors: dict[str, TensorInfo], metadata: dict[str, str]):
+        self.path = path
+        self.tensors = tensors
+        self.metadata = metadata
+        self._files: dict[Path, object] = {}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Checkpoint:
+        """Open a `.safetensors` file, a `*.safetensors.index.json`, or a folder holding one of them."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint not found: {path} (check the path or the file name)")
+        if path.is_dir():
+            path = _pick_in_folder(path)
+        if path.name.endswith(".index.json"):
+            return cls._open_sharded(path)
+        tensors, metadata = _read_header(path)
+        return cls(path, tensors, metadata)
+
+    @classmethod
+    def _open_sharded(cls, index_path: Path) -> Checkpoint:
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index_path}: not a safetensors index (needs a 'weight_map'): {err}") from err
+        tensors, metadata = {}, {}
+        for shard_name in sorted(set(weight_map.values())):
+            shard = index_path.parent / shard_name
+            if not shard.exists():
+                raise FileNotFoundError(f"{index_path}: shard {shard_name} is missing (incomplete download?)")
+            shard_tensors, shard_metadata = _read_header(shard)
+            tensors.update(shard_tensors)
+            metadata = metadata or shard_metadata
+        misplaced = [key for key, shard in weight_map.items() if tensors.get(key, None) is None]
+        misplaced += [key for key, shard in weight_map.items() if key in tensors and tensors[key].file.name != shard]
+        if misplaced:
+            raise CheckpointError(
+                f"{index_path}: the index lists {len(misplaced)} tensors that are not in the shard it names, "
+                f"e.g. {misplaced[:_SHOWN]}"
+            )
+        return cls(index_path, tensors, metadata)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key].shape
+
+    def dtype(self, key: str) -> torch.dtype | str:
+        return self.tensors[key].dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        """One tensor, read into fresh CPU memory."""
+        info = self.tensors[key]
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        self.read_bytes(key, 0, buf)
+        return _as_tensor(buf, info)
+
+    def read_bytes(self, key: str, offset: int, out: torch.Tensor) -> None:
+        """Fill the CPU uint8 tensor `out` with bytes [offset, offset + out.numel()) of a tensor's data."""
+        info = self.tensors[key]
+        handle = self._files.get(info.file)
+        if handle is None:
+            handle = self._files[info.file] = open(info.file, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        view = memoryview(out.numpy()).cast("B")
+        position, done = info.start + offset, 0
+        while done < len(view):  # a raw read may return less than asked (2 GiB cap on Linux)
+            handle.seek(position + done)
+            count = handle.readinto(view[done:])
+            if not count:
+                raise CheckpointError(f"{info.file}: file ended while reading {key} (truncated while in use?)")
+            done += count
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pick_in_folder(folder: Path) -> Path:
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    files = sorted(folder.glob("*.safetensors"))
+    if len(indexes) == 1:
+        return indexes[0]
+    if len(indexes) > 1:
+        raise CheckpointError(f"{folder}: several safetensors indexes {[p.name for p in indexes]}; pass one of them")
+    if len(files) == 1:
+        return files[0]
+    if len(files) > 1:
+        raise CheckpointError(
+            f"{folder}: {len(files)} .safetensors files and no *.safetensors.index.json to say how they belong "
+            f"together ({[p.name for p in files[:_SHOWN]]}); pass one file"
+        )
+    others = sorted(p.name for p in folder.iterdir() if p.suffix in (*_PICKLE_SUFFIXES, ".gguf"))
+    hint = f" It has {others}: only .safetensors is supported (pickle files are never opened)." if others else ""
+    raise CheckpointError(f"{folder}: no .safetensors file in this folder.{hint}")
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes long)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > _HEADER_LIMIT or 8 + header_len > size:
+            raise CheckpointError(f"{path}: {_not_safetensors_reason(path, head)}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: {_not_safetensors_reason(path, head)} ({err})") from err
+
+    metadata = header.pop("__metadata__", None) or {}
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    tensors, data_end = {}, 0
+    for key, entry in header.items():
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {entry}") from err
+        dtype = _DTYPES.get(dtype_name, dtype_name)
+        if isinstance(dtype, torch.dtype) and end - begin != _numel(shape) * dtype.itemsize:
+            raise CheckpointError(
+                f"{path}: corrupt header: {key} claims shape {list(shape)} {dtype_name} but {end - begin} bytes"
+            )
+        tensors[key] = TensorInfo(path, dtype, shape, data_start + begin, end - begin)
+        data_end = max(data_end, end)
+    if data_end > data_size:
+        raise CheckpointError(
+            f"{path}: truncated: its header describes {data_end} bytes of tensor data but only {data_size} are "
+            f"present ({data_end - data_size} missing). The download or copy is incomplete; fetch the file again."
+        )
+    return tensors, metadata
+
+
+def _not_safetensors_reason(path: Path, head: bytes) -> str:
+    if head.startswith(b"GGUF"):
+        return "a GGUF file; GGUF is not supported, only .safetensors (bf16/fp16/fp32/fp8)"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80" or path.suffix in _PICKLE_SUFFIXES:
+        return "a PyTorch pickle checkpoint; pickles are never opened (they can run code). Use a .safetensors file"
+    return "not a safetensors file (its first 8 bytes do not give a plausible header length)"
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _as_tensor(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """View raw uint8 bytes (CPU or device) as the tensor they encode."""
+    return raw.view(info.dtype).view(info.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Identifying the model
+# ---------------------------------------------------------------------------------------------------------
+
+COMPONENT_NAMES = {
+    "transformer": "transformer (diffusion model)",
+    "vae": "VAE",
+    "text_encoder": "text encoder (Qwen3-VL-8B)",
+}
+DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint of one component names its tensors.
+
+    component:  "transformer", "vae" or "text_encoder".
+    name:       "diffusers" (our module's names), "comfyui" (ComfyUI single file), "transformers" (Hugging Face
+                Qwen3-VL names, which Comfy-Org's text-encoder files use too) or "comfyui-internal" (the names of
+                ComfyUI's own Qwen3-VL module, e.g. a file written by ComfyUI's CLIPSave).
+    prefix:     a prefix every key carries and the key map strips (DiT files: "model.diffusion_model.").
+    """
+
+    component: str
+    name: str
+    prefix: str = ""
+
+
+def identify(ckpt: Checkpoint, component: str) -> Layout:
+    """The layout of `ckpt` if it is the Qwen-Image-2.1 `component`; WrongModelError saying what it is otherwise."""
+    if component not in COMPONENT_NAMES:
+        raise ValueError(f"component must be one of {sorted(COMPONENT_NAMES)}, got {component!r}")
+    layout = _probe(ckpt, component)
+    if layout is not None:
+        return layout
+    found = describe(ckpt)
+    wanted = f"the Qwen-Image-2.1 {COMPONENT_NAMES[component]}"
+    if found:
+        raise WrongModelError(f"{ckpt.path}: expected {wanted}, but this file is {found}.")
+    raise WrongModelError(
+        f"{ckpt.path}: expected {wanted}, but none of its {len(ckpt)} keys match any known layout "
+        f"(first keys: {ckpt.keys()[:_SHOWN]})."
+    )
+
+
+def _probe(ckpt: Checkpoint, component: str) -> Layout | None:
+    if component == "transformer":
+        norm = _find(ckpt, "txt_in.text_norm.weight")
+        if norm is None:
+            return None
+        prefix = norm[: -len("txt_in.text_norm.weight")]
+        fused = _find(ckpt, "img_mlp.gate_up.weight") is not None
+        return Layout("transformer", "comfyui" if fused else "diffusers", prefix)
+    if component == "vae":
+        conv_in = ckpt.tensors.get("encoder.conv_in.weight")
+        if conv_in is not None and len(conv_in.shape) == 4 and "decoder.norm_out.gamma" in ckpt:
+            return Layout("vae", "diffusers")
+        head = ckpt.tensors.get("decoder.head.2.weight")
+        wan22 = "decoder.upsamples.0.upsamples.0.residual.2.weight" in ckpt
+        if wan22 and head is not None and len(head.shape) == 5 and head.shape[2] == 1:
+            return Layout("vae", "comfyui")
+        return None
+    if "model.visual.deepstack_merger_list.0.norm.weight" in ckpt and _find(ckpt, "language_model.norm.weight"):
+        return Layout("text_encoder", "transformers")
+    if "visual.deepstack_merger_list.0.norm.weight" in ckpt and "model.norm.weight" in ckpt:
+        return Layout("text_encoder", "comfyui-internal")
+    return None
+
+
+def describe(ckpt: Checkpoint) -> str | None:
+    """A few words naming the model in `ckpt`, from distinctive keys and shapes; None if unknown."""
+    for check in (_describe_ours, _describe_foreign_dit, _describe_foreign_vae, _describe_foreign_text):
+        found = check(ckpt)
+        if found:
+            return found
+    return None
+
+
+def _describe_ours(ckpt: Checkpoint) -> str | None:
+    for component, name in COMPONENT_NAMES.items():
+        if _probe(ckpt, component) is not None:
+            return f"the Qwen-Image-2.1 {name}; load it as the {component.replace('_', ' ')}"
+    return None
+
+
+def _describe_foreign_dit(ckpt: Checkpoint) -> str | None:
+    if any("lora_A" in k or "lora_down" in k or "lora_B" in k for k in ckpt.tensors):
+        return "a LoRA (low-rank adapter), not a full model"
+    img_in = _find(ckpt, "img_in.weight")
+    if _find(ckpt, "txt_norm.weight") and img_in:
+        return (
+            f"a Qwen-Image 1.x (or Qwen-Image-Edit) transformer (txt_norm/img_mod keys, img_in "
+            f"{list(ckpt.shape(img_in))}); Qwen-Image-2.1 is a different model"
+        )
+    patch = _find(ckpt, "patch_embedding.weight")
+    if patch and _find(ckpt, "blocks.0.self_attn.q.weight"):
+        return f"a Wan 2.x video transformer (patch_embedding {list(ckpt.shape(patch))})"
+    if _find(ckpt, "double_blocks.0.img_attn.qkv.weight"):
+        flux2 = _find(ckpt, "double_stream_modulation_img.lin.weight")
+        return "a Flux.2 transformer" if flux2 else "a Flux transformer"
+    if _find(ckpt, "single_transformer_blocks.0.attn.to_q.weight") and _find(ckpt, "x_embedder.weight"):
+        return "a Flux transformer in diffusers layout"
+    if _find(ckpt, "joint_blocks.0.context_block.attn.qkv.weight"):
+        return "a Stable Diffusion 3 transformer"
+    if _find(ckpt, "input_blocks.0.0.weight"):
+        full = any(k.startswith(("first_stage_model.", "cond_stage_model.", "conditioner.")) for k in ckpt.tensors)
+        return "a full Stable Diffusion checkpoint (UNet + VAE + CLIP)" if full else "a Stable Diffusion UNet"
+    if "conv_in.weight" in ckpt and "time_embedding.linear_1.weight" in ckpt:
+        return "a Stable Diffusion UNet in diffusers layout"
+    return None
+
+
+def _describe_foreign_vae(ckpt: Checkpoint) -> str | None:
+    if "decoder.middle.0.residual.0.gamma" in ckpt:
+        if "decoder.upsamples.0.upsamples.0.residual.2.weight" in ckpt:
+            z_dim = ckpt.shape("conv2.weight")[0] if "conv2.weight" in ckpt else "?"
+            return f"a Wan 2.2 video VAE (z_dim {z_dim}, 3-frame temporal kernels)"
+        z_dim = ckpt.shape("conv2.weight")[0] if "conv2.weight" in ckpt else "?"
+        return f"a Wan 2.1 VAE (z_dim {z_dim}), the VAE of Wan 2.1 and of Qwen-Image 1.x"
+    conv_in = ckpt.tensors.get("encoder.conv_in.weight")
+    if conv_in is not None and len(conv_in.shape) == 5:
+        z_dim = ckpt.shape("post_quant_conv.weight")[0] if "post_quant_conv.weight" in ckpt else "?"
+        return f"a Wan / Qwen-Image 1.x video VAE in diffusers layout (z_dim {z_dim})"
+    dec_in = ckpt.tensors.get("decoder.conv_in.weight")
+    if dec_in is not None and len(dec_in.shape) == 4:
+        channels = dec_in.shape[1]
+        family = {4: "SD 1.x/2.x/SDXL", 16: "SD3/Flux", 32: "Flux.2"}.get(channels, "an image")
+        return f"a {family} VAE ({channels} latent channels), not the 64-channel RGBA Qwen-Image-2.1 VAE"
+    return None
+
+
+def _describe_foreign_text(ckpt: Checkpoint) -> str | None:
+    if _find(ckpt, "linear_attn.A_log"):
+        return "a Qwen3.5 language model, not Qwen3-VL-8B"
+    if _find(ckpt, "layers.0.self_attn.k_proj.bias"):
+        return "a Qwen2.5(-VL) language model (the Qwen-Image 1.x text encoder), not Qwen3-VL-8B"
+    if "encoder.block.0.layer.0.SelfAttention.k.weight" in ckpt:
+        return "a T5 text encoder"
+    if _find(ckpt, "text_model.encoder.layers.0.mlp.fc1.weight"):
+        return "a CLIP text encoder"
+    q_norm = _find(ckpt, "layers.0.self_attn.q_norm.weight")
+    if q_norm and not _find(ckpt, "deepstack_merger_list.0.norm.weight"):
+        return "a text-only Qwen3 language model (no vision tower); Qwen-Image-2.1 needs Qwen3-VL-8B"
+    q_proj = _find(ckpt, "layers.0.self_attn.q_proj.weight")
+    if q_proj:
+        return f"a language model (q_proj {list(ckpt.shape(q_proj))}), not Qwen3-VL-8B"
+    return None
+
+
+def _find(ckpt: Checkpoint, suffix: str) -> str | None:
+    """The first key equal to `suffix` or ending in '.' + suffix."""
+    if suffix in ckpt.tensors:
+        return suffix
+    dotted = "." + suffix
+    return next((k for k in ckpt.tensors if k.endswith(dotted)), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Building modules and streaming tensors into them
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Parameters registered inside this block live on the meta device; buffers stay real.
+
+    Modules then cost no memory and no initialisation time, while buffers their __init__ computes (rotary
+    frequencies, ...) keep their values, which `Module.to_empty` would wipe.
+    """
+
+    def to_meta(module, name, param):
+        if param is None or param.device.type == "meta":
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def build_empty(factory: Callable[[], nn.Module], device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """`factory()` with uninitialised parameters of `dtype` on `device`, ready for `load_into`.
+
+    Floating-point parameters get `dtype`, others keep theirs; tied parameters stay tied; buffers keep the
+    values and dtypes __init__ gave them and move to `device`. The module is returned in eval mode without
+    gradients.
+    """
+    with _parameters_on_meta():
+        module = factory()
+    device = torch.device(device)
+    new_params: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in new_params:
+                param_dtype = dtype if param.is_floating_point() else param.dtype
+                storage = torch.empty(param.shape, dtype=param_dtype, device=device)
+                new_params[id(param)] = nn.Parameter(storage, requires_grad=False)
+            sub._parameters[name] = new_params[id(param)]
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+    return module.eval()
+
+
+def module_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Checkpoint key -> tensor to fill: `module.checkpoint_slots()` if it has one, else its state dict."""
+    if hasattr(module, "checkpoint_slots"):
+        return module.checkpoint_slots()
+    return dict(module.state_dict(keep_vars=True))
+
+
+def converted_shapes(
+    ckpt: Checkpoint, convert: Converter, quant: quantization.QuantScheme
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Converted (diffusers) name -> (checkpoint key it comes from, shape), without reading any data.
+
+    The converter runs on meta tensors, so this is exactly what a load will produce.
+    """
+    produced, duplicates = {}, []
+    for key in ckpt.keys():
+        if key in quant.auxiliary:
+            continue
+        meta = torch.empty(ckpt.shape(key), dtype=torch.float32, device="meta")
+        for name, tensor in convert(key, meta):
+            if name in produced:
+                duplicates.append(f"{name} (from {produced[name][0]} and {key})")
+            produced[name] = (key, tuple(tensor.shape))
+    if duplicates:
+        raise CheckpointMismatchError(f"{ckpt.path}: {_listing('tensors produced twice', duplicates)}")
+    return produced
+
+
+def plan_load(
+    slots: Mapping[str, torch.Tensor | None],
+    ckpt: Checkpoint,
+    convert: Converter,
+    quant: quantization.QuantScheme,
+    what: str,
+) -> list[str]:
+    """Check that the checkpoint fits the slots without reading any data; return the keys to read.
+
+    Slots whose value is None are read and dropped, so they may be absent from the checkpoint and their
+    checkpoint tensors are not read at all.
+    """
+    produced = converted_shapes(ckpt, convert, quant)
+    missing = [name for name, slot in slots.items() if slot is not None and name not in produced]
+    unexpected = [f"{name} (from {src})" if name != src else name for name, (src, _) in produced.items()
+                  if name not in slots]  # fmt: skip
+    mismatched = [
+        f"{name}: checkpoint {list(shape)} vs model {list(slots[name].shape)}"
+        for name, (_, shape) in produced.items()
+        if slots.get(name) is not None and tuple(slots[name].shape) != shape
+    ]
+    problems = [
+        _listing("missing keys", missing),
+        _listing("unexpected keys", unexpected),
+        _listing("shape mismatches", mismatched),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointMismatchError(f"{ckpt.path}: does not fit the {what}: " + "; ".join(problems))
+    return sorted({src for name, (src, _) in produced.items() if slots.get(name) is not None})
+
+
+def _listing(label: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return f"{len(items)} {label} ({', '.join(items[:_SHOWN])}{more})"
+
+
+@torch.no_grad()
+def load_into(
+    slots: Mapping[str, torch.Tensor | None],
+    ckpt: Checkpoint,
+    convert: Converter,
+    *,
+    what: str,
+    quant: quantization.QuantScheme | None = None,
+) -> None:
+    """Copy every checkpoint tensor into its slot, converting dtype (and dequantising fp8) on the slot's device.
+
+    `convert(key, tensor)` renames (and splits / reshapes as views) one checkpoint tensor into diffusers-named
+    tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA).
+    """
+    if quant is None:
+        quant = quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+    keys = plan_load(slots, ckpt, convert, quant, what)
+    devices = {slot.device for slot in slots.values() if slot is not None}
+    if len(devices) != 1:
+        raise ValueError(f"{what}: all tensors to fill must be on one device, found {sorted(map(str, devices))}")
+    stager = _Stager(ckpt, devices.pop())
+    keys.sort(key=lambda k: (str(ckpt.tensors[k].file), ckpt.tensors[k].start))  # sequential disk reads
+    for key in keys:
+        raw = stager.fetch(key)
+        if raw.dtype in quantization.FP8_DTYPES:
+            scale_key = quant.scales.get(key)
+            raw = quantization.dequantize(raw, stager.fetch(scale_key) if scale_key else None)
+        for name, tensor in convert(key, raw):
+            slot = slots[name]
+            if slot is not None:
+                slot.copy_(tensor)
+    stager.finish()
+
+
+class _Stager:
+    """Brings one checkpoint tensor at a time onto the target device, in its stored dtype."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device):
+        self.ckpt, self.device = ckpt, device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffers = [torch.empty(_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.events: list[torch.cuda.Event | None] = [None, None]
+            self.turn = 0
+
+    def fetch(self, key: str) -> torch.Tensor:
+        info = self.ckpt.tensors[key]
+        if not self.cuda:
+            return self.ckpt.read(key).to(self.device)
+        out = torch.empty(info.nbytes, dtype=torch.uint8, device=self.device)
+        with torch.cuda.device(self.device):
+            for offset in range(0, info.nbytes, _CHUNK_BYTES):
+                count = min(_CHUNK_BYTES, info.nbytes - offset)
+                slot = self.turn % 2
+                if self.events[slot] is not None:
+                    self.events[slot].synchronize()  # the copy that last used this buffer has finished
+                buffer = self.buffers[slot][:count]
+                self.ckpt.read_bytes(key, offset, buffer)
+                out[offset : offset + count].copy_(buffer, non_blocking=True)
+                self.events[slot] = torch.cuda.Event()
+                self.events[slot].record()
+                self.turn += 1
+        return _as_tensor(out, info)
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
