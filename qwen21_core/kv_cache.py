@@ -27,6 +27,12 @@ class PrefixKVCache:
         self.target_len = target_len
         self.shared_prefix = batch > 1
         self.filled = False  # True once the prefill has written the prefix part
+        # Normal (not inference-mode) tensors: they may outlive this call inside a graph entry and be
+        # written again under a different grad mode.
+        with torch.inference_mode(False):
+            self._allocate(num_layers, batch, prefix_len, target_len, heads, head_dim, dtype, device)
+
+    def _allocate(self, num_layers, batch, prefix_len, target_len, heads, head_dim, dtype, device):
         if self.shared_prefix:
             self._prefix = torch.empty(num_layers, 2, 1, prefix_len, heads, head_dim, dtype=dtype, device=device)
             self._target = torch.empty(num_layers, 2, batch, target_len, heads, head_dim, dtype=dtype, device=device)

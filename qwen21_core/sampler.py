@@ -198,9 +198,13 @@ class Sampler:
         if cond.condition_latents:
             cond_tokens = torch.cat([pack(lat[None].float())[0] for lat in cond.condition_latents])
         branches = []
-        for prompt in prompts:
+        for role, prompt in zip(("positive", "negative"), prompts, strict=False):
             layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
-            branches.append((self.transformer.new_branch(layout, batch, self.attention_backend), prompt))
+            if self.decode_runner is not None:
+                branch = self.decode_runner.new_branch(layout, batch, self.attention_backend, role)
+            else:
+                branch = self.transformer.new_branch(layout, batch, self.attention_backend)
+            branches.append((branch, prompt))
         return branches, cond_tokens
 
     def _prefill(self, branch: Branch, prompt: PromptEmbedding, cond_tokens):
@@ -253,5 +257,8 @@ class Sampler:
                     callback(index * total + i + 1, total * count, self.denormalize(unpack(x0, h, w)))
         finally:
             for branch, _ in branches:
-                branch.release()
+                if self.decode_runner is not None:
+                    self.decode_runner.release(branch)
+                else:
+                    branch.release()
         return self.denormalize(unpack(x, h, w))

@@ -189,7 +189,7 @@ class Branch:
     """One CFG branch of one generation: its layout, step-invariant tables and its K/V cache."""
 
     layout: SequenceLayout
-    cache: PrefixKVCache
+    cache: PrefixKVCache | None
     prefix_cos: torch.Tensor
     prefix_sin: torch.Tensor
     target_cos: torch.Tensor
@@ -198,6 +198,7 @@ class Branch:
     prefix_key_valid: torch.Tensor | None  # [P] bool on device, None without padding
     decode_key_mask: torch.Tensor | None  # [1, 1, 1, P+N] bool on device, None without padding
     attention_backend: str = "auto"
+    graph_key: tuple | None = None  # set when a DecodeGraphs manager may capture this branch
 
     @property
     def batch(self) -> int:
@@ -278,14 +279,17 @@ class QwenImage21Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.img_in.weight.device
 
-    def new_branch(self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto") -> Branch:
-        """Allocate the K/V cache and the step-invariant tables for one branch of a generation."""
-        cfg, device = self.config, self.device
-        cache = PrefixKVCache(
-            cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
-            cfg.attention_head_dim, self.dtype, device,
-        )  # fmt: skip
-        cos, sin = rotary_cos_sin(layout.positions, cfg.axes_dims_rope, device)
+    def new_branch_tables(self, layout: SequenceLayout, attention_backend: str = "auto") -> Branch:
+        """The step-invariant tables of a branch (rotary cos/sin, masks), without a K/V cache.
+
+        Normal (not inference-mode) tensors, so a graph entry can refresh them in place under any grad mode.
+        """
+        with torch.inference_mode(False):
+            return self._branch_tables(layout, attention_backend)
+
+    def _branch_tables(self, layout: SequenceLayout, attention_backend: str) -> Branch:
+        device = self.device
+        cos, sin = rotary_cos_sin(layout.positions, self.config.axes_dims_rope, device)
         p = layout.prefix_len
         prefix_key_valid = decode_key_mask = None
         if layout.key_valid is not None:
@@ -294,7 +298,7 @@ class QwenImage21Transformer(nn.Module):
             decode_key_mask = torch.cat([layout.key_valid, target_valid]).to(device)[None, None, None, :]
         return Branch(
             layout=layout,
-            cache=cache,
+            cache=None,
             prefix_cos=cos[:p],
             prefix_sin=sin[:p],
             target_cos=cos[p:],
@@ -304,6 +308,16 @@ class QwenImage21Transformer(nn.Module):
             decode_key_mask=decode_key_mask,
             attention_backend=attention_backend,
         )
+
+    def new_branch(self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto") -> Branch:
+        """Allocate the K/V cache and the step-invariant tables for one branch of a generation."""
+        cfg = self.config
+        branch = self.new_branch_tables(layout, attention_backend)
+        branch.cache = PrefixKVCache(
+            cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
+            cfg.attention_head_dim, self.dtype, self.device,
+        )  # fmt: skip
+        return branch
 
     def _modulation(self, t: torch.Tensor):
         temb = self.time_text_embed.timestep_embedder(t.to(self.dtype))

@@ -1,0 +1,242 @@
+"""Whole-step CUDA-graph decode: capture a decode step once per shape, replay it every step after.
+
+A decode step reads only tensors at fixed addresses: the weights, the branch's K/V cache, its rotary
+tables and key mask, plus the step's latents and timestep. So each graph entry OWNS its branch's
+cache and tables: a later generation with the same key adopts the entry (its prefill writes the new
+prefix into the same buffers, its tables are copied in place) and replays without recapture. Only the
+latents and timestep are copied in per step. Replay runs the same kernels as eager decode, so the
+outputs are bit-identical (checked on the GPU).
+
+Bookkeeping rules:
+- key = (role, batch, prefix length, image layout, target shape, dtype, device, attention backend);
+- an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
+  until the first is released;
+- at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
+  before a new one is created;
+- an allocation OOM or any failure while capturing frees the partial buffers, is remembered for that
+  key (no retry) and the branch decodes eagerly;
+- weights that moved (ComfyUI offloading and reloading the model) invalidate every entry.
+Every fallback logs its reason once and is reported by `describe()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .transformer import Branch, QwenImage21Transformer
+
+log = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2  # lazy cuBLAS workspaces and autotuning happen here, outside the capture
+
+
+@dataclass
+class _Entry:
+    key: tuple
+    branch: Branch
+    graph: object = None  # torch.cuda.CUDAGraph or a test double
+    static_x: torch.Tensor | None = None
+    static_t: torch.Tensor | None = None
+    static_out: torch.Tensor | None = None
+    in_use: bool = False
+    replays: int = 0
+
+
+@dataclass
+class _Failed:
+    """Marks a key whose capture failed: it is not retried, and takes an LRU slot like an entry."""
+
+    key: tuple
+    reason: str
+    in_use: bool = False
+
+
+def cuda_graph_capture(decode, static_x, static_t):
+    """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            decode(static_x, static_t)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode(static_x, static_t)
+    return graph, static_out
+
+
+@dataclass
+class DecodeGraphs:
+    transformer: QwenImage21Transformer
+    max_entries: int = 4
+    capture: object = cuda_graph_capture  # swapped in tests
+    entries: OrderedDict = field(default_factory=OrderedDict)
+    reasons: list = field(default_factory=list)  # fallback reasons of the current generation
+    _weights: tuple | None = None
+    _logged: set = field(default_factory=set)
+
+    # ---- generation lifetime ----------------------------------------------------------------------
+
+    def _note(self, reason: str):
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("decode graphs: %s; decoding eagerly", reason)
+
+    def _weights_signature(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.transformer.parameters())
+
+    def _check_weights(self):
+        signature = self._weights_signature()
+        if self._weights is not None and signature != self._weights and self.entries:
+            self._note("weights moved since capture (model offloaded/reloaded): graphs rebuilt")
+            self.clear()
+        self._weights = signature
+
+    def key_for(self, layout, batch: int, backend: str, role: str) -> tuple:
+        tr = self.transformer
+        image_layout = tuple((s.start, s.end, s.is_text) for s in layout.segments)
+        return (role, batch, layout.prefix_len, image_layout, layout.target_shape, tr.dtype, str(tr.device), backend)
+
+    def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive") -> Branch:
+        """A branch for this generation: an idle captured entry's (adopted) or a fresh one."""
+        self._check_weights()
+        key = self.key_for(layout, batch, backend, role)
+        entry = self.entries.get(key)
+        if isinstance(entry, _Entry) and not entry.in_use:
+            self._adopt(entry, layout)
+            self.entries.move_to_end(key)
+            return entry.branch
+        try:
+            branch = self.transformer.new_branch(layout, batch, backend)
+        except torch.OutOfMemoryError:
+            self._evict_idle(keep=0)
+            branch = self.transformer.new_branch(layout, batch, backend)
+        branch.graph_key = key
+        return branch
+
+    def _adopt(self, entry: _Entry, layout):
+        fresh = self.transformer.new_branch_tables(layout)
+        branch = entry.branch
+        for name in ("target_cos", "target_sin"):
+            getattr(branch, name).copy_(getattr(fresh, name))
+        if branch.decode_key_mask is not None:
+            branch.decode_key_mask.copy_(fresh.decode_key_mask)
+        branch.layout = layout
+        branch.prefix_cos, branch.prefix_sin = fresh.prefix_cos, fresh.prefix_sin
+        branch.prefix_masks = fresh.prefix_masks
+        branch.prefix_key_valid = fresh.prefix_key_valid
+        branch.cache.filled = False
+        entry.in_use = True
+
+    def release(self, branch: Branch):
+        """End of a generation for this branch: an entry keeps its buffers; others are freed."""
+        for entry in self.entries.values():
+            if isinstance(entry, _Entry) and entry.branch is branch:
+                entry.in_use = False
+                return
+        branch.release()
+
+    def end_generation(self):
+        for entry in self.entries.values():
+            entry.in_use = False
+
+    def clear(self):
+        for entry in self.entries.values():
+            if isinstance(entry, _Entry):
+                entry.branch.release()
+        self.entries.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def describe(self) -> str:
+        replays = sum(e.replays for e in self.entries.values() if isinstance(e, _Entry))
+        if self.reasons:
+            return ("replay, " if replays else "off: ") + "; ".join(self.reasons)
+        return "replay" if replays else "off"
+
+    # ---- decode -----------------------------------------------------------------------------------
+
+    def __call__(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        entry = self._entry_for(branch)
+        if entry is None:
+            return self.transformer.decode(branch, x, t)
+        entry.static_x.copy_(x)
+        entry.static_t.copy_(t)
+        entry.graph.replay()
+        entry.replays += 1
+        return entry.static_out.clone()
+
+    def _eligible(self, branch) -> str | None:
+        if torch.compiler.is_compiling():
+            return "inside torch.compile tracing"
+        if self.capture is cuda_graph_capture and self.transformer.device.type != "cuda":
+            return "the model is not on CUDA"
+        return None
+
+    def _entry_for(self, branch: Branch) -> _Entry | None:
+        key = getattr(branch, "graph_key", None)
+        if key is None:
+            return None
+        entry = self.entries.get(key)
+        if isinstance(entry, _Entry):
+            if entry.branch is branch:
+                return entry
+            self._note("another live generation holds this shape's graph")
+            return None
+        if isinstance(entry, _Failed):
+            self._note(entry.reason)
+            return None
+        reason = self._eligible(branch)
+        if reason is not None:
+            self._note(reason)
+            return None
+        return self._capture_new(key, branch)
+
+    def _evict_idle(self, keep: int):
+        """Drop least recently used idle entries until at most `keep` remain."""
+        for key in list(self.entries):
+            if len(self.entries) <= keep:
+                break
+            entry = self.entries[key]
+            if entry.in_use:
+                continue
+            del self.entries[key]
+            if isinstance(entry, _Entry):
+                entry.branch.release()
+                entry.graph = entry.static_out = entry.static_x = entry.static_t = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _capture_new(self, key, branch: Branch) -> _Entry | None:
+        self._evict_idle(keep=self.max_entries - 1)  # free before allocating the replacement
+        if len(self.entries) >= self.max_entries:
+            self._note(f"all {self.max_entries} graph slots are in use")
+            return None
+        entry = _Entry(key=key, branch=branch, in_use=True)
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                cfg = self.transformer.config
+                n = branch.layout.target_len
+                entry.static_x = torch.zeros(branch.batch, n, cfg.in_channels, device=self.transformer.device,
+                                             dtype=self.transformer.dtype)  # fmt: skip
+                entry.static_t = torch.zeros(branch.batch, device=self.transformer.device, dtype=self.transformer.dtype)
+                entry.graph, entry.static_out = self.capture(
+                    lambda x, t: self.transformer.decode(branch, x, t), entry.static_x, entry.static_t
+                )
+        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
+            entry.graph = entry.static_out = entry.static_x = entry.static_t = None
+            kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
+            reason = f"capture failed ({kind}: {str(error).splitlines()[0][:120] if str(error) else ''})"
+            self.entries[key] = _Failed(key, reason)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._note(reason)
+            return None
+        self.entries[key] = entry
+        return entry

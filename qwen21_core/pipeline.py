@@ -1,0 +1,257 @@
+"""`Qwen21Pipeline`: the core API (DESIGN 3.1) that nodes, tests and benchmarks call.
+
+    pipe = Qwen21Pipeline.from_pretrained(path, device=None, dtype=torch.bfloat16)
+    cond = pipe.encode(prompt, images=(), negative_prompt=None, output_resolution=1024)
+    latents = pipe.sample(cond, steps=40, seed=0)     # raw VAE-space [B, 64, H/16, W/16]
+    images = pipe.decode(latents)                      # [B, H, W, 4] RGBA in 0..1
+
+Long-lived state (weights, decode graphs) hangs off the pipeline object; `release()` drops what can
+be rebuilt. Options default to the exact path; faster, non-identical paths must be asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .conditioning import Conditioning
+from .config import PipelineConfig, SchedulerConfig
+from .decode_graphs import DecodeGraphs
+from .encoding import PrefixMemoryBudget, encode_conditioning
+from .sampler import Sampler, SampleStats
+from .transformer import QwenImage21Transformer
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("default", "turbo")
+DECODE_HEADROOM_BYTES = 2 * 2**30  # activations of a decode step at 2048^2 stay below this (bf16)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Qwen21Pipeline:
+    def __init__(
+        self,
+        transformer: QwenImage21Transformer,
+        vae,
+        text_encoder,
+        scheduler_config: SchedulerConfig,
+        pipeline_config: PipelineConfig | None = None,
+        *,
+        text_encoder_offload: bool = True,
+        sources: dict | None = None,
+    ):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.scheduler_config = scheduler_config
+        self.pipeline_config = pipeline_config or PipelineConfig()
+        self.text_encoder_offload = text_encoder_offload
+        self.sources = sources or {}
+        self.decode_graphs = DecodeGraphs(transformer)
+        self.last_sample_stats: dict = {}
+        self.last_decode_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source,
+        device=None,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        text_encoder_dtype: torch.dtype | None = None,
+        vae_dtype: torch.dtype | None = None,
+        text_encoder_offload: bool = True,
+        load_text_encoder: bool = True,
+    ) -> Qwen21Pipeline:
+        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components)."""
+        from .loading import load_components
+
+        device = torch.device(device) if device is not None else default_device()
+        parts = load_components(
+            source,
+            device,
+            dtype,
+            text_encoder_dtype=text_encoder_dtype,
+            vae_dtype=vae_dtype,
+            load_text_encoder=load_text_encoder,
+        )
+        return cls(
+            parts.transformer,
+            parts.vae,
+            parts.text_encoder,
+            parts.scheduler_config,
+            parts.pipeline_config,
+            text_encoder_offload=text_encoder_offload,
+            sources=parts.sources,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    # ---- encode -----------------------------------------------------------------------------------
+
+    def _prefix_budget(self) -> PrefixMemoryBudget | None:
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if self.text_encoder_offload and self.text_encoder is not None and self.text_encoder.device == self.device:
+            free += sum(p.numel() * p.element_size() for p in self.text_encoder.model.parameters())
+        return PrefixMemoryBudget.for_transformer(
+            self.transformer.config, self.dtype, max(0, free - DECODE_HEADROOM_BYTES)
+        )
+
+    def encode(
+        self,
+        prompt: str,
+        images: Sequence = (),
+        masks=None,
+        negative_prompt: str | None = None,
+        output_resolution: int = 1024,
+        width: int | None = None,
+        height: int | None = None,
+    ) -> Conditioning:
+        """Encode a prompt (+ negative prompt) with its condition images. Images: ComfyUI IMAGE, PIL or numpy."""
+        if self.text_encoder is None:
+            raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
+        self.text_encoder.to(self.device)
+        try:
+            return encode_conditioning(
+                self.text_encoder,
+                self.vae,
+                prompt,
+                images=images,
+                masks=masks,
+                negative_prompt=negative_prompt,
+                output_resolution=output_resolution,
+                width=width,
+                height=height,
+                memory_budget=self._prefix_budget(),
+            )
+        finally:
+            if self.text_encoder_offload and self.device.type == "cuda":
+                self.text_encoder.offload()
+
+    # ---- sample -----------------------------------------------------------------------------------
+
+    def _base_sigmas(self, schedule: str, sigmas):
+        if sigmas is not None:
+            return list(sigmas)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass sigmas=[...]), got {schedule!r}")
+        turbo = self.pipeline_config.sample_sigmas
+        if schedule == "turbo" and not turbo:
+            raise ValueError(
+                "schedule='turbo' needs the checkpoint's sample_sigmas (model_index.json of a turbo checkpoint); "
+                "this checkpoint has none: use schedule='default' or pass custom sigmas"
+            )
+        return list(turbo) if turbo else None  # the reference uses sample_sigmas whenever they exist
+
+    def sample(
+        self,
+        cond: Conditioning | Sequence[Conditioning],
+        height: int | None = None,
+        width: int | None = None,
+        steps: int = 40,
+        true_cfg_scale: float = 1.0,
+        seed: int = 0,
+        noise: torch.Tensor | None = None,
+        batch_size: int = 1,
+        sigmas: Sequence[float] | None = None,
+        callback: Callable | None = None,
+        *,
+        schedule: str = "default",
+        start_latents: torch.Tensor | None = None,
+        denoise: float = 1.0,
+        prefix_cache: bool = True,
+        decode_graphs: bool = True,
+        attention_backend: str = "auto",
+    ) -> torch.Tensor:
+        """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
+
+        cond:      one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
+        height/width: pixels (multiples of 32); None = the size the conditioning derived.
+        callback(step, total, x0_raw_latents): after each step; raise in it to interrupt.
+        prefix_cache: False recomputes the text/condition prefix every step (for checking; slower).
+        decode_graphs: replay decode steps from CUDA graphs (CUDA only; bit-identical to eager).
+        """
+        conds = [cond] if isinstance(cond, Conditioning) else list(cond)
+        if not conds:
+            raise ValueError("sample needs at least one conditioning")
+        height = height or conds[0].height
+        width = width or conds[0].width
+        base_sigmas = self._base_sigmas(schedule, sigmas)
+        vae_config = self.vae.config
+        runner = self.decode_graphs if decode_graphs and self.device.type == "cuda" else None
+        sampler = Sampler(
+            self.transformer,
+            self.scheduler_config,
+            torch.tensor(vae_config.latents_mean),
+            torch.tensor(vae_config.latents_std),
+            prefix_cache=prefix_cache,
+            attention_backend=attention_backend,
+            decode_runner=runner,
+        )
+        try:
+            latents = sampler.sample(
+                conds,
+                height=height,
+                width=width,
+                steps=steps,
+                true_cfg_scale=true_cfg_scale,
+                seed=seed,
+                noise=noise,
+                batch_size=batch_size,
+                sigmas=base_sigmas,
+                start_latents=start_latents,
+                denoise=denoise,
+                callback=callback,
+            )
+        finally:
+            stats: SampleStats = sampler.stats
+            stats.decode_graph = self.decode_graphs.describe() if runner is not None else "off"
+            self.last_sample_stats = stats.as_dict()
+            self.decode_graphs.end_generation()
+        return latents
+
+    # ---- VAE --------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
+        """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
+        images = self.vae.decode(latents.to(self.vae_device), **options)
+        self.last_decode_stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
+        return images
+
+    def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None = None, **options) -> torch.Tensor:
+        """ComfyUI IMAGE [B, H, W, 3|4] (+ MASK [B, H, W] = 1 - alpha) -> raw latents [B, 64, H/16, W/16]."""
+        if images.dim() != 4 or images.shape[-1] not in (3, 4):
+            raise ValueError(f"images must be [B, H, W, 3 or 4], got {list(images.shape)}")
+        if masks is not None:
+            if masks.dim() == 2:
+                masks = masks[None]
+            if masks.shape[-2:] != images.shape[1:3]:
+                raise ValueError(f"mask {list(masks.shape)} does not match image size {list(images.shape[1:3])}")
+            alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
+            images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
+        return self.vae.encode(images.to(self.vae_device), **options)
+
+    @property
+    def vae_device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def release(self):
+        """Free what can be rebuilt (decode graphs, cached memory); weights stay."""
+        self.decode_graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

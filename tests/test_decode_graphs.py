@@ -1,0 +1,197 @@
+"""Decode-graph bookkeeping (keys, ownership, adoption, eviction, failures) with a stand-in capture on CPU,
+and real CUDA-graph replay against eager decode on the GPU."""
+
+import pytest
+import torch
+from dit_reference import CHANNELS, CONTEXT, our_dit, prompt_mask, reference_dit
+from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+from qwen21_nodes.qwen21_core.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.sampler import Sampler
+from qwen21_nodes.qwen21_core.sequence import build_layout
+
+pytest.importorskip("diffusers")
+
+
+class FakeGraph:
+    """Replays by running the captured function again into the same static output buffer."""
+
+    def __init__(self, fn, static_x, static_t, out):
+        self.fn, self.x, self.t, self.out = fn, static_x, static_t, out
+
+    def replay(self):
+        self.out.copy_(self.fn(self.x, self.t))
+
+
+class Recorder:
+    def __init__(self, fail=None):
+        self.captures = 0
+        self.fail = fail
+
+    def __call__(self, fn, static_x, static_t):
+        self.captures += 1
+        if self.fail is not None:
+            raise self.fail
+        out = fn(static_x, static_t)
+        return FakeGraph(fn, static_x, static_t, out), out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return our_dit(reference_dit())
+
+
+def _layout(text=5, target=(4, 4), shapes=((4, 4),)):
+    return build_layout(prompt_mask(text, list(shapes)), list(shapes), target)
+
+
+def _prefilled(graphs, layout, role="positive", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    branch = graphs.new_branch(layout, 1, "auto", role)
+    tokens = sum(h * w for h, w in [(4, 4)])
+    graphs.transformer.prefill(
+        branch, torch.randn(layout.prefix_len - 3 * 4, CONTEXT, generator=g), torch.randn(tokens, CHANNELS, generator=g)
+    )
+    return branch
+
+
+def test_capture_once_then_replay_equals_eager(model):
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    layout = _layout()
+    branch = _prefilled(graphs, layout)
+    x = torch.randn(1, 16, CHANNELS)
+    for t in (0.9, 0.5, 0.2):
+        tt = torch.full((1,), t)
+        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
+    assert recorder.captures == 1
+    assert graphs.describe() == "replay"
+
+
+def test_second_live_branch_with_the_same_key_decodes_eagerly(model):
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    layout = _layout()
+    first, second = _prefilled(graphs, layout), _prefilled(graphs, layout, seed=1)
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    graphs(first, x, t)
+    assert torch.equal(graphs(second, x, t), model.decode(second, x, t))
+    assert recorder.captures == 1
+    assert "another live generation" in graphs.describe()
+
+
+def test_next_generation_adopts_the_idle_entry_without_recapture(model):
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    layout = _layout()
+    first = _prefilled(graphs, layout)
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    graphs(first, x, t)
+    cache = first.cache
+    graphs.release(first)
+    assert cache._joint is not None  # the entry keeps its buffers
+    second = _prefilled(graphs, layout, seed=7)
+    assert second is first and second.cache is cache
+    fresh = model.new_branch(layout)
+    g = torch.Generator().manual_seed(7)
+    model.prefill(
+        fresh, torch.randn(layout.prefix_len - 12, CONTEXT, generator=g), torch.randn(16, CHANNELS, generator=g)
+    )
+    assert torch.equal(graphs(second, x, t), model.decode(fresh, x, t))
+    assert recorder.captures == 1
+
+
+def test_lru_eviction_frees_the_old_entry_before_capturing(model):
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, max_entries=1, capture=recorder)
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    first = _prefilled(graphs, _layout(text=5))
+    graphs(first, x, t)
+    graphs.release(first)
+    second = _prefilled(graphs, _layout(text=7))
+    graphs(second, x, t)
+    assert recorder.captures == 2
+    assert len(graphs.entries) == 1
+    assert first.cache._joint is None  # evicted: its buffers were released
+
+
+def test_all_slots_busy_falls_back_to_eager(model):
+    graphs = DecodeGraphs(model, max_entries=1, capture=Recorder())
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    a = _prefilled(graphs, _layout(text=5))
+    graphs(a, x, t)
+    b = _prefilled(graphs, _layout(text=6))
+    assert torch.equal(graphs(b, x, t), model.decode(b, x, t))
+    assert "all 1 graph slots are in use" in graphs.describe()
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [(torch.OutOfMemoryError("CUDA out of memory"), "out of memory"), (RuntimeError("capture broke"), "RuntimeError")],
+)
+def test_capture_failure_is_remembered_and_decodes_eagerly(model, error, words):
+    recorder = Recorder(fail=error)
+    graphs = DecodeGraphs(model, capture=recorder)
+    layout = _layout()
+    branch = _prefilled(graphs, layout)
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
+    graphs(branch, x, t)
+    assert recorder.captures == 1  # not retried
+    assert words in graphs.describe()
+    assert branch.cache._joint is not None  # the generation's own cache is intact
+
+
+def test_moved_weights_invalidate_all_entries(model, monkeypatch):
+    graphs = DecodeGraphs(model, capture=Recorder())
+    layout = _layout()
+    branch = _prefilled(graphs, layout)
+    graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
+    graphs.release(branch)
+    monkeypatch.setattr(graphs, "_weights_signature", lambda: ("moved",))
+    _prefilled(graphs, layout)
+    assert not graphs.entries
+    assert "weights moved" in graphs.describe()
+
+
+def test_default_capture_needs_cuda(model):
+    graphs = DecodeGraphs(model)
+    branch = _prefilled(graphs, _layout())
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
+    assert "not on CUDA" in graphs.describe()
+
+
+def test_sampler_with_graphs_equals_eager(model):
+    mean, std = torch.zeros(CHANNELS), torch.ones(CHANNELS)
+    g = torch.Generator().manual_seed(3)
+    cond = Conditioning(
+        PromptEmbedding(torch.randn(9, CONTEXT, generator=g), torch.zeros(9, dtype=torch.bool)),
+        PromptEmbedding(torch.randn(6, CONTEXT, generator=g), torch.zeros(6, dtype=torch.bool)),
+    )
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    kw = dict(height=64, width=64, steps=4, true_cfg_scale=3.0, seed=1)
+    eager = Sampler(model, QWEN21_SCHEDULER, mean, std).sample([cond], **kw)
+    for _ in range(2):  # the second run adopts the entries
+        graphed = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs).sample([cond], **kw)
+        graphs.end_generation()
+        assert torch.equal(graphed, eager)
+    assert recorder.captures == 2  # one per CFG branch, reused by the second run
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_is_bit_identical_to_eager():
+    torch.manual_seed(0)
+    model = our_dit(reference_dit()).to("cuda", torch.bfloat16)
+    graphs = DecodeGraphs(model)
+    layout = _layout()
+    branch = graphs.new_branch(layout, 1, "auto", "positive")
+    model.prefill(
+        branch, torch.randn(layout.prefix_len - 12, CONTEXT, device="cuda"), torch.randn(16, CHANNELS, device="cuda")
+    )
+    x = torch.randn(1, 16, CHANNELS, device="cuda", dtype=torch.bfloat16)
+    for t in (0.9, 0.4):
+        tt = torch.full((1,), t, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
+    assert graphs.describe() == "replay"
