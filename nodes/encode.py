@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
@@ -29,8 +28,7 @@ def _image_inputs() -> dict:
 
 
 def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The connected image_i (in order, gaps closed) and their masks resized to the image (ComfyUI's
-    LoadImage gives a 64x64 placeholder mask for images without alpha)."""
+    """The connected image_i in order (gaps closed; a batch counts as that many images) and their masks."""
     images, masks = [], []
     for i in range(1, MAX_IMAGES + 1):
         image, mask = kwargs.get(f"image_{i}"), kwargs.get(f"mask_{i}")
@@ -38,14 +36,6 @@ def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tens
             if mask is not None:
                 raise ValueError(f"mask_{i} is connected but image_{i} is not; connect the image the mask belongs to")
             continue
-        if image.dim() != 4 or image.shape[0] != 1 or image.shape[-1] not in (3, 4):
-            raise ValueError(
-                f"image_{i} must be one IMAGE [1, H, W, 3|4], got shape {tuple(image.shape)}; "
-                "pick a single image from a batch (ImageFromBatch) per input"
-            )
-        if mask is not None:
-            mask = mask.reshape(-1, 1, *mask.shape[-2:])[:1].float()
-            mask = F.interpolate(mask, size=image.shape[1:3], mode="bilinear", align_corners=False)[:, 0]
         images.append(image)
         masks.append(mask)
     return images, masks
@@ -54,7 +44,7 @@ def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tens
 class Qwen21Encode:
     """Encode the prompt (and negative prompt) with up to 16 condition images for Qwen-Image-2.1.
 
-    Outputs the conditioning and the output size derived from it (the first image's aspect ratio at
+    Outputs the conditioning and the output size derived from it (the last image's aspect ratio at
     `output_resolution`^2 pixels, or a square without images), rounded to multiples of 32.
     """
 

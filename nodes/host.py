@@ -109,6 +109,11 @@ def diffusers_folder_path(name: str) -> str:
     )
 
 
+def comfyui_root() -> str | None:
+    """ComfyUI's own folder (where its bundled tokenizers live); None outside ComfyUI."""
+    return os.path.dirname(os.path.abspath(comfy_folder_paths.__file__)) if IN_COMFYUI else None
+
+
 # --------------------------------------------------------------------------------------------------
 # Devices
 
@@ -200,7 +205,7 @@ def _preview_max_size() -> int:
 # Memory manager
 
 
-class _Holder(torch.nn.Module):
+class Qwen21Weights(torch.nn.Module):
     """What ComfyUI's ModelPatcher manages: our modules as children, plus the plain `device`
     attribute ModelPatcher writes (transformers models have a read-only `device` property)."""
 
@@ -229,7 +234,7 @@ class ManagedModules:
         self.patcher = None
         if not IN_COMFYUI:
             return
-        holder = _Holder(modules, offload_device())
+        holder = Qwen21Weights(modules, offload_device())
         self.patcher = comfy_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device())
         if on_unload is not None:
             on_detach = getattr(getattr(comfy_patcher, "CallbacksMP", None), "ON_DETACH", None)

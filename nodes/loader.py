@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
+from ..qwen21_core.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from . import host
 from .model import MODEL_TYPE, Qwen21Model
@@ -68,6 +70,19 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool) ->
     return Qwen21Model(pipe, offload_text_encoder=offload_text_encoder)
 
 
+def _comfyui_tokenizer(text_encoder_path: str) -> str | None:
+    """ComfyUI's bundled Qwen tokenizer, for a text-encoder file with no tokenizer of its own nearby
+    (model folders from extra_model_paths.yaml may lie outside the ComfyUI tree)."""
+    root = host.comfyui_root()
+    if root is None:
+        return None
+    try:
+        find_tokenizer(text_encoder_path)
+    except FileNotFoundError:
+        return os.path.join(root, COMFYUI_TOKENIZER_DIR)
+    return None
+
+
 class Qwen21ModelLoader:
     """Load Qwen-Image-2.1 from the three ComfyUI model files (diffusion model, text encoder, VAE)."""
 
@@ -104,6 +119,9 @@ class Qwen21ModelLoader:
             "text_encoder": host.weight_file_path("text_encoders", text_encoder),
             "vae": host.weight_file_path("vae", vae),
         }
+        tokenizer = _comfyui_tokenizer(source["text_encoder"])
+        if tokenizer is not None:
+            source["tokenizer"] = tokenizer
         return (_load(source, weight_dtype, device, offload_text_encoder),)
 
 

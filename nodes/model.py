@@ -14,6 +14,7 @@ import logging
 import torch
 
 from . import host
+from .preview import fit_latent_rgb
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class Qwen21Model:
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release)
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
+        self._preview_projection = None
 
     def __repr__(self) -> str:
         return f"Qwen21Model({self.pipe.sources}, {self.pipe.dtype}, {self.pipe.device})"
@@ -58,6 +60,12 @@ class Qwen21Model:
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None):
         self.vae.load()
         return self.pipe.encode_image(images, masks=masks)
+
+    def preview_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent -> RGB factors and bias for live previews, fitted from this model's VAE on first use."""
+        if self._preview_projection is None:
+            self._preview_projection = fit_latent_rgb(lambda images: self.encode_image(images, None))
+        return self._preview_projection
 
     def sampling_bytes(self, cond, height: int, width: int, batch_size: int, true_cfg_scale: float) -> int:
         """Rough device memory one sampling run needs besides the weights (activations + prefix K/V),

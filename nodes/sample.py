@@ -181,12 +181,11 @@ class Qwen21Sampler:
         custom_sigmas = parse_sigmas(sigmas) if schedule == "custom" else None
 
         progress = host.Progress(steps if custom_sigmas is None else len(custom_sigmas) - 1, "sampling step")
-        previews = host.previews_enabled()
+        projection = model.preview_projection() if host.previews_enabled() else None  # before the DiT loads
 
         def on_step(step: int, total: int, x0):
             progress.total = total
-            preview = latent_to_preview(x0, *model.pipe.latent_rgb_factors) if previews else None
-            progress.update(step, preview)
+            progress.update(step, None if projection is None else latent_to_preview(x0, *projection))
 
         latents = model.sample(
             conditioning,

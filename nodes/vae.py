@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import host
 from .model import MODEL_TYPE, format_status
 
 LATENT_CHANNELS = 64
-TILING = {"auto": "auto", "on": True, "off": False}
-PRECISIONS = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+SPATIAL_FACTOR = 16
+PRECISIONS = {"auto": None, "bf16": "bf16", "fp32": "fp32"}
 
 
 def _raw_latents(latent: dict) -> torch.Tensor:
@@ -22,6 +23,16 @@ def _raw_latents(latent: dict) -> torch.Tensor:
             "latents of other models cannot be decoded by this VAE"
         )
     return samples
+
+
+def _center_crop(pixels: torch.Tensor) -> torch.Tensor:
+    """[B, H, W, C] cropped to multiples of 16 around the center, as ComfyUI's VAEEncode does for its VAEs."""
+    height, width = pixels.shape[1:3]
+    new_height, new_width = height // SPATIAL_FACTOR * SPATIAL_FACTOR, width // SPATIAL_FACTOR * SPATIAL_FACTOR
+    if new_height == 0 or new_width == 0:
+        raise ValueError(f"image is {height}x{width} pixels; the VAE needs at least {SPATIAL_FACTOR}x{SPATIAL_FACTOR}")
+    top, left = (height - new_height) // 2, (width - new_width) // 2
+    return pixels[:, top : top + new_height, left : left + new_width]
 
 
 class Qwen21VAEDecode:
@@ -45,7 +56,7 @@ class Qwen21VAEDecode:
                 "model": (MODEL_TYPE, {"tooltip": "From a Qwen21 loader."}),
                 "latent": ("LATENT", {"tooltip": "From the Qwen21 sampler or native ComfyUI Qwen-Image-2.1."}),
                 "tiling": (
-                    list(TILING),
+                    ["auto", "on", "off"],
                     {
                         "default": "auto",
                         "tooltip": "auto: untiled when it fits in free VRAM (~6.7 KiB per output pixel, ~7 GiB at "
@@ -92,7 +103,7 @@ class Qwen21VAEDecode:
 
         rgba = model.decode(
             _raw_latents(latent),
-            tiling=TILING[tiling],
+            tiling=tiling,
             tile_size=tile_size or None,
             precision=PRECISIONS[precision],
             quality=quality,
@@ -123,7 +134,7 @@ class Qwen21VAEEncode:
                 "model": (MODEL_TYPE, {"tooltip": "From a Qwen21 loader."}),
                 "image": (
                     "IMAGE",
-                    {"tooltip": "RGB or RGBA images [B, H, W, 3|4]; sides are cropped to multiples of 16."},
+                    {"tooltip": "RGB or RGBA images [B, H, W, 3|4]; cropped around the center to multiples of 16."},
                 ),
             },
             "optional": {
@@ -134,9 +145,10 @@ class Qwen21VAEEncode:
     def encode(self, model, image, mask=None):
         if image.dim() != 4 or image.shape[-1] not in (3, 4):
             raise ValueError(f"image must be an IMAGE [B, H, W, 3|4], got shape {tuple(image.shape)}")
-        if mask is not None and mask.shape[-2:] != image.shape[1:3]:
-            mask = torch.nn.functional.interpolate(
-                mask.reshape(-1, 1, *mask.shape[-2:]).float(), size=image.shape[1:3], mode="bilinear"
-            )[:, 0]
-        latents = model.encode_image(image, mask)
+        if mask is not None:
+            mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
+            if mask.shape[-2:] != image.shape[1:3]:  # e.g. LoadImage's 64x64 "no alpha" placeholder
+                mask = F.interpolate(mask, size=image.shape[1:3], mode="bilinear", align_corners=False)
+            mask = _center_crop(mask[:, 0, ..., None])[..., 0]
+        latents = model.encode_image(_center_crop(image), mask)
         return ({"samples": latents.to(host.intermediate_device())},)

@@ -1,0 +1,122 @@
+"""The ComfyUI adapter's plain fallbacks (no ComfyUI here), the preview projection and sigma parsing."""
+
+import logging
+
+import pytest
+import torch
+from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes.preview import fit_latent_rgb, latent_to_preview
+from qwen21_nodes.nodes.sample import parse_sigmas
+
+
+@pytest.fixture
+def models_dir(tmp_path):
+    for relative in (
+        "diffusion_models/qwen_image_2.1_bf16.safetensors",
+        "diffusion_models/sub/other.safetensors",
+        "diffusion_models/notes.txt",
+        "text_encoders/qwen3vl_8b_bf16.safetensors",
+        "diffusers/Qwen-Image-2.1/model_index.json",
+        "diffusers/Qwen-Image-2.1/transformer/config.json",
+        "diffusers/not_a_pipeline/readme.md",
+    ):
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    host.set_models_dir(tmp_path)
+    yield tmp_path
+    host.set_models_dir(None)
+
+
+def test_runs_without_comfyui():
+    assert not host.IN_COMFYUI
+    assert host.intermediate_device() == torch.device("cpu")
+
+
+def test_model_files_are_found_under_the_models_dir(models_dir):
+    assert host.list_weight_files("diffusion_models") == ["qwen_image_2.1_bf16.safetensors", "sub/other.safetensors"]
+    assert host.list_weight_files("vae") == []
+    assert host.weight_file_path("diffusion_models", "sub/other.safetensors") == str(
+        models_dir / "diffusion_models" / "sub" / "other.safetensors"
+    )
+    assert host.list_diffusers_folders() == ["Qwen-Image-2.1"]
+    assert host.diffusers_folder_path("Qwen-Image-2.1") == str(models_dir / "diffusers" / "Qwen-Image-2.1")
+
+
+def test_missing_model_file_error_says_where_it_looked(models_dir):
+    with pytest.raises(FileNotFoundError, match=r"'missing.safetensors' not found in the vae folder"):
+        host.weight_file_path("vae", "missing.safetensors")
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        host.diffusers_folder_path("not_a_pipeline")
+    with pytest.raises(ValueError, match="must be one of"):
+        host.model_folders("loras")
+
+
+def test_no_models_dir_means_no_files():
+    host.set_models_dir(None)
+    assert host.model_folders("vae") == [] and host.list_weight_files("vae") == []
+
+
+def test_interrupt_flag_stops_progress_once(caplog):
+    progress = host.Progress(3, "step")
+    with caplog.at_level(logging.INFO, logger=host.__name__):
+        progress.update(1)
+    assert "step 1/3" in caplog.text
+    host.request_interrupt()
+    with pytest.raises(host.Interrupted):
+        progress.update(2)
+    progress.update(2)  # the request was consumed: the next run is not interrupted
+
+
+def test_managed_modules_are_inert_outside_comfyui():
+    layer = torch.nn.Linear(2, 2)
+    released = []
+    managed = host.ManagedModules({"layer": layer}, torch.device("cpu"), on_unload=lambda: released.append(1))
+    managed.load(10**12)
+    managed.unload()
+    assert managed.patcher is None and released == []
+    assert layer.weight.device.type == "cpu"
+
+
+def test_preview_fit_recovers_a_linear_latent_space():
+    # A stand-in "VAE": each latent token is a fixed linear function of its 16x16 patch's mean colour.
+    generator = torch.Generator().manual_seed(1)
+    mixing, offset = torch.randn(3, 64, generator=generator), torch.randn(64, generator=generator)
+
+    def encode(images):  # [B, H, W, 3] in 0..1 -> [B, 64, H/16, W/16]
+        mean = torch.nn.functional.avg_pool2d(images.permute(0, 3, 1, 2) * 2 - 1, 16)
+        return torch.einsum("bkhw,kc->bchw", mean, mixing) + offset[None, :, None, None]
+
+    factors, bias = fit_latent_rgb(encode)
+    assert factors.shape == (64, 3) and bias.shape == (3,)
+    colours = torch.rand(1, 32, 48, 3)
+    latents = encode(colours)
+    expected = torch.nn.functional.avg_pool2d(colours.permute(0, 3, 1, 2) * 2 - 1, 16)[0].permute(1, 2, 0)
+    recovered = torch.einsum("chw,cr->hwr", latents[0], factors) + bias
+    assert torch.allclose(recovered, expected, atol=1e-3)
+    preview = latent_to_preview(latents, factors, bias)
+    assert preview.size == (3, 2) and preview.mode == "RGB"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1.0, 0.5, 0", [1.0, 0.5, 0.0]), ("0.9\n0.3,\n0.0", [0.9, 0.3, 0.0])],
+)
+def test_custom_sigmas_parse(text, expected):
+    assert parse_sigmas(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("1.0, x", "comma-separated numbers"),
+        ("1.0", "at least 2 values"),
+        ("1.0, 0.5, 0.7", "strictly"),
+        ("1.5, 0.0", "at most 1.0"),
+        ("", "at least 2 values"),
+    ],
+)
+def test_bad_custom_sigmas_name_the_input(text, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        parse_sigmas(text)
+    assert "sigmas" in str(caught.value)
