@@ -29,8 +29,6 @@ MODELS_ENV = "QWEN21_MODELS"
 DEMO_WORKFLOW = WORKFLOWS_DIR / "api" / "text_to_image.json"
 # (model folder, Qwen21ModelLoader input) for the three files of a ComfyUI install.
 LOADER_FILES = (("diffusion_models", "diffusion_model"), ("text_encoders", "text_encoder"), ("vae", "vae"))
-# The demo on the tiny checkpoint: its files, and a size and step count that take seconds on a CPU.
-TINY_DEMO_SETTINGS = ["Qwen21Encode.output_resolution=256", "Qwen21Sampler.steps=4"]
 
 
 def node_classes(input_dir: str, output_dir: str) -> dict[str, type]:
@@ -106,19 +104,38 @@ def _demo(args) -> int:
     else:
         log.info("no real checkpoint configured (--models or $%s): running on a tiny random-weight one", MODELS_ENV)
         models_dir = _tiny_models(Path(args.tiny_dir))
-        overrides = _tiny_loader_settings(models_dir) + TINY_DEMO_SETTINGS
+        overrides = tiny_overrides(load_prompt(DEMO_WORKFLOW.read_text()), models_dir, resolution=256, steps=4)
     return _run_and_report(DEMO_WORKFLOW, models_dir, EXAMPLE_INPUTS, args.output_dir, overrides + args.set)
 
 
-def _tiny_loader_settings(models_dir: Path) -> list[str]:
-    """Point the loader at the tiny checkpoint's three files, whatever they are called."""
+def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int = 64, steps: int = 2) -> list[str]:
+    """--set assignments that point a workflow's loaders at the tiny checkpoint in `models_dir` (whatever
+    its files are called) and shrink the run to seconds on a CPU."""
+    models_dir = Path(models_dir)
+    turbo = any(n["inputs"].get("schedule") == "turbo" for n in prompt.values() if n["class_type"] == "Qwen21Sampler")
     settings = []
-    for kind, name in LOADER_FILES:
-        files = sorted(p.name for p in (models_dir / kind).glob("*.safetensors"))
-        if len(files) != 1:
-            raise FileNotFoundError(f"expected one .safetensors file in {models_dir / kind}, found {files}")
-        settings.append(f"Qwen21ModelLoader.{name}={json.dumps(files[0])}")
+    for node_id, node in prompt.items():
+        if node["class_type"] == "Qwen21ModelLoader":
+            for kind, name in LOADER_FILES:
+                files = sorted(p.name for p in (models_dir / kind).glob("*.safetensors"))
+                if len(files) != 1:
+                    raise FileNotFoundError(f"expected one .safetensors file in {models_dir / kind}, found {files}")
+                settings.append(f"{node_id}.{name}={json.dumps(files[0])}")
+        elif node["class_type"] == "Qwen21DiffusersLoader":
+            settings.append(f"{node_id}.folder={json.dumps(_tiny_diffusers_folder(models_dir / 'diffusers', turbo))}")
+        elif node["class_type"] == "Qwen21Encode":
+            settings.append(f"{node_id}.output_resolution={resolution}")
+        elif node["class_type"] == "Qwen21Sampler":
+            settings.append(f"{node_id}.steps={steps}")
     return settings
+
+
+def _tiny_diffusers_folder(root: Path, turbo: bool) -> str:
+    """The tiny diffusers folder; for a turbo workflow the one whose model_index.json has sample_sigmas."""
+    for index in sorted(root.glob("*/model_index.json")):
+        if not turbo or json.loads(index.read_text()).get("sample_sigmas"):
+            return index.parent.name
+    raise FileNotFoundError(f"no tiny diffusers folder{' with sample_sigmas' if turbo else ''} under {root}")
 
 
 def main(argv: list[str] | None = None) -> int:
