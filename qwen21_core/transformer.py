@@ -97,21 +97,12 @@ class Attention(nn.Module):
         self.norm_q_weight = nn.Parameter(torch.ones(head_dim))
         self.norm_k_weight = nn.Parameter(torch.ones(head_dim))
 
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, D] -> [B, S, 3, H, head_dim] view of one GEMM."""
-        return self.to_qkv(x).unflatten(-1, (3, self.heads, self.head_dim))
-
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.hidden = hidden
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)  # rows: [gate | up], ComfyUI's fused layout
         self.out = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.hidden, dim=-1)
-        return self.out(F.silu(gate) * up)
 
 
 @dataclass
@@ -129,6 +120,25 @@ class Modulation:
         return cls(1 + scale1, gate1.tanh(), 1 + scale2, gate2.tanh())
 
 
+# The block's math around attention, as functions of tensors and weights only: the same compiled
+# code then serves all blocks (see QwenImage21Transformer.compile_blocks).
+
+
+def modulated_qkv(x, scale1, w_qkv, eps: float):
+    """LayerNorm(x) * (1 + scale) -> the fused QKV projection [B, S, 3D]."""
+    return F.linear(F.layer_norm(x, x.shape[-1:], eps=eps) * scale1, w_qkv)
+
+
+def attention_out_and_mlp(x, attn, gate1, scale2, gate2, w_out, w_gate_up, w_down, eps: float):
+    """Gated residual of the attention output, then the gated SwiGLU residual. attn: [B, S, D]."""
+    x = x + gate1 * F.linear(attn, w_out)
+    gate, up = F.linear(F.layer_norm(x, x.shape[-1:], eps=eps) * scale2, w_gate_up).chunk(2, dim=-1)
+    x = x + gate2 * F.linear(F.silu(gate) * up, w_down)
+    if x.dtype == torch.float16:
+        x = x.clip(-65504, 65504)
+    return x
+
+
 class Block(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -136,52 +146,58 @@ class Block(nn.Module):
         self.attn = Attention(config.inner_dim, config.num_attention_heads, config.attention_head_dim)
         self.img_mlp = SwiGLU(config.inner_dim, config.mlp_dim)
 
-    def _norm(self, x):
-        return F.layer_norm(x, x.shape[-1:], eps=self.eps)
+    def _qkv(self, x, scale1, fns):
+        """[B, S, D] -> [B, S, 3, H, head_dim] (a view of one GEMM)."""
+        qkv = fns.qkv(x, scale1, self.attn.to_qkv.weight, self.eps)
+        return qkv.unflatten(-1, (3, self.attn.heads, self.attn.head_dim))
 
-    def _finish(self, x, attn_out, mod: Modulation, row_chunk: int | None = None):
-        """Residual attention, then the MLP half (in row chunks if asked: rows are independent)."""
-        x = x + mod.gate1 * self.attn.to_out(attn_out.flatten(2))
-        if row_chunk is None or x.shape[1] <= row_chunk:
-            x = x + mod.gate2 * self.img_mlp(self._norm(x) * mod.scale2)
-        else:
-            for start in range(0, x.shape[1], row_chunk):
-                part = x[:, start : start + row_chunk]
-                part += mod.gate2 * self.img_mlp(self._norm(part) * mod.scale2)
-        if x.dtype == torch.float16:
-            x = x.clip(-65504, 65504)
-        return x
+    def _finish(self, x, attn, mod: Modulation, fns):
+        return fns.finish(
+            x, attn.flatten(2), mod.gate1, mod.scale2, mod.gate2, self.attn.to_out.weight,
+            self.img_mlp.gate_up.weight, self.img_mlp.out.weight, self.eps,
+        )  # fmt: skip
 
     def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
         """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last)."""
         k_out, v_out = branch.cache.prefix(layer)
-        qkv = self.attn.qkv(self._norm(x) * mod0.scale1)
         q, k, v = qk_norm_rope(
-            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos, branch.prefix_sin, self.eps,
-            k_out=k_out, v_out=v_out,
+            self._qkv(x, mod0.scale1, EAGER), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos,
+            branch.prefix_sin, self.eps, k_out=k_out, v_out=v_out,
         )  # fmt: skip
-        del qkv
         if last:  # later layers read only this layer's K/V
             return None
         attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
-        return self._finish(x, attn, mod0, row_chunk=PREFILL_ROW_CHUNK)
+        del q
+        # rows are independent after attention: chunk them so huge prefixes stay in bounded memory
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[1], PREFILL_ROW_CHUNK):
+            rows = slice(start, start + PREFILL_ROW_CHUNK)
+            out[:, rows] = self._finish(x[:, rows], attn[:, rows], mod0, EAGER)
+        return out
 
-    def decode(self, x, mod: Modulation, branch: Branch, layer: int):
+    def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns):
         """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place."""
         k_out, v_out = branch.cache.target(layer)
-        qkv = self.attn.qkv(self._norm(x) * mod.scale1)
         q, k, v = qk_norm_rope(
-            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos, branch.target_sin, self.eps,
-            k_out=k_out, v_out=v_out,
+            self._qkv(x, mod.scale1, fns), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos,
+            branch.target_sin, self.eps, k_out=k_out, v_out=v_out,
         )  # fmt: skip
-        del qkv
         joint = branch.cache.joint(layer)
         if joint is not None:
             attn = decode_attention(q, joint[0], joint[1], branch.decode_key_mask)
         else:
             kp, vp = branch.cache.prefix(layer)
             attn = shared_prefix_decode_attention(q, kp, vp, k, v, branch.prefix_key_valid)
-        return self._finish(x, attn, mod)
+        return self._finish(x, attn, mod, fns)
+
+
+@dataclass(frozen=True)
+class BlockFunctions:
+    qkv: object
+    finish: object
+
+
+EAGER = BlockFunctions(modulated_qkv, attention_out_and_mlp)
 
 
 @dataclass
@@ -221,6 +237,21 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out = nn.Module()
         self.norm_out.linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
+        self.block_functions = EAGER
+
+    def compile_blocks(self, enabled: bool = True, mode: str | None = None):
+        """Regional torch.compile of the block math around attention, for decode steps (opt-in).
+
+        One compiled pair serves all blocks (weights are arguments). Not bit-identical to eager: inductor
+        fuses the LayerNorm, modulation and SwiGLU elementwise work and rounds differently.
+        """
+        if not enabled:
+            self.block_functions = EAGER
+            return
+        self.block_functions = BlockFunctions(
+            torch.compile(modulated_qkv, dynamic=False, mode=mode),
+            torch.compile(attention_out_and_mlp, dynamic=False, mode=mode),
+        )
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -356,8 +387,9 @@ class QwenImage21Transformer(nn.Module):
         temb, mod = self._modulation(t)
         h = self.img_in(x.to(self.dtype))
         with backend_context(branch.attention_backend):
+            fns = self.block_functions
             for i, block in enumerate(self.transformer_blocks):
-                h = block.decode(h, mod, branch, i)
+                h = block.decode(h, mod, branch, i, fns)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
         return self.proj_out(h)
