@@ -554,19 +554,30 @@ def load_into(
     stager = _Stager(ckpt, devices.pop())
     keys.sort(key=lambda k: (str(ckpt.tensors[k].file), ckpt.tensors[k].start))  # sequential disk reads
     for key in keys:
-        raw = stager.fetch(key)
-        if raw.dtype in quantization.FP8_DTYPES:
-            scale_key = quant.scales.get(key)
-            raw = quantization.dequantize(raw, stager.fetch(scale_key) if scale_key else None)
-        for name, tensor in convert(key, raw):
-            slot = slots[name]
-            if slot is not None:
-                slot.copy_(tensor)
+        _copy_one(key, slots, stager, convert, quant)
     stager.finish()
 
 
+def _copy_one(key, slots, stager, convert, quant) -> None:
+    # A function of its own so the staged tensor is released before the next one is read.
+    scale_key = quant.scales.get(key)
+    scale = stager.ckpt.read(scale_key) if scale_key else None  # tiny; read before the weight reuses the buffer
+    raw = stager.fetch(key)
+    if raw.dtype in quantization.FP8_DTYPES:
+        raw = quantization.dequantize(raw, scale)
+    for name, tensor in convert(key, raw):
+        slot = slots[name]
+        if slot is not None:
+            slot.copy_(tensor)
+
+
 class _Stager:
-    """Brings one checkpoint tensor at a time onto the target device, in its stored dtype."""
+    """Brings one checkpoint tensor at a time onto the target device, in its stored dtype.
+
+    Off CUDA the tensor is read into one reused CPU buffer (a fresh allocation per tensor would leave freed
+    blocks in the allocator's cache and raise the peak), so a fetched tensor is only valid until the next
+    fetch. On CUDA it is read in chunks through two pinned buffers into a new device tensor.
+    """
 
     def __init__(self, ckpt: Checkpoint, device: torch.device):
         self.ckpt, self.device = ckpt, device
@@ -575,11 +586,18 @@ class _Stager:
             self.buffers = [torch.empty(_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self.events: list[torch.cuda.Event | None] = [None, None]
             self.turn = 0
+        else:
+            self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def fetch(self, key: str) -> torch.Tensor:
         info = self.ckpt.tensors[key]
         if not self.cuda:
-            return self.ckpt.read(key).to(self.device)
+            if self.buffer.numel() < info.nbytes:
+                self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+                self.buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+            raw = self.buffer[: info.nbytes]
+            self.ckpt.read_bytes(key, 0, raw)
+            return _as_tensor(raw, info).to(self.device)
         out = torch.empty(info.nbytes, dtype=torch.uint8, device=self.device)
         with torch.cuda.device(self.device):
             for offset in range(0, info.nbytes, _CHUNK_BYTES):
