@@ -1,0 +1,186 @@
+"""Prompt + condition-image encoding time: our Qwen21TextEncoder against diffusers' encode_prompt.
+
+Full size (H200): a random-weight Qwen3-VL-8B built from the real config (text_encoder.QWEN3_VL_8B_CONFIG)
+in bf16, the real processor geometry (256^2..4096^2 pixels, 32 px per <|image_pad|>), a ~100-token prompt,
+with 0, 1 and 4 condition images of 1024x1024. The tokenizer is the tiny offline BPE (no download), so
+the prompt is built to a token count instead of a fixed text; the model's special-token ids are pointed
+at that tokenizer's.
+
+    python benchmarks/bench_text_encoder.py                       # cuda, bf16, full size
+    python benchmarks/bench_text_encoder.py --tiny --device cpu   # seconds on a laptop CPU
+
+One JSON line per case: tokens, our time and the reference's (median of --repeats after a warm-up),
+their ratio, peak CUDA memory of each, max |ours - reference|, CPU preprocessing time; then one line
+with the cost of offloading the encoder to CPU and bringing it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from qwen21_nodes.qwen21_core.images import prepare_condition_image  # noqa: E402
+from qwen21_nodes.qwen21_core.text_encoder import (  # noqa: E402
+    QWEN3_VL_8B_CONFIG,
+    QWEN3_VL_IMAGE_PROCESSOR,
+    Qwen21TextEncoder,
+    build_prompt_text,
+)
+from qwen21_nodes.qwen21_core.tiny_text_encoder import (  # noqa: E402
+    QWEN_SPECIAL_TOKENS,
+    build_tiny_processor,
+    build_tiny_text_encoder,
+)
+
+WORDS = "a capybara wearing a wizard hat reading a book by candlelight oil painting warm light".split()
+
+
+def build_full_size(device: torch.device, dtype: torch.dtype):
+    """Random-weight Qwen3-VL-8B (+ lm_head, for the reference) built directly on `device` in `dtype`."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    limits = QWEN3_VL_IMAGE_PROCESSOR["size"]
+    processor = build_tiny_processor(min_pixels=limits["shortest_edge"], max_pixels=limits["longest_edge"])
+    ids = {token: processor.tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        **copy.deepcopy(QWEN3_VL_8B_CONFIG)
+        | dict(
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+    )
+    # Built on the device in the target dtype, so transformers' random init runs there (seconds on a GPU)
+    # and the rotary buffers are computed, not left empty.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3VLForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval(), processor
+
+
+def prompt_of(encoder: Qwen21TextEncoder, tokens: int) -> str:
+    words = []
+    while encoder.count_tokens(" ".join(words), []) < tokens:
+        words.append(WORDS[len(words) % len(WORDS)])
+    return " ".join(words)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int):
+    """(median seconds, peak CUDA bytes or None, last result), after one warm-up call."""
+    result = fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        result = fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return statistics.median(times), peak, result
+
+
+def bench_case(encoder, reference, prompt: str, sources, image_size: int, device, repeats: int) -> dict:
+    """Time one prompt with these condition images: resize, processor, our encoder, the reference."""
+    start = time.perf_counter()
+    prepared = [prepare_condition_image(image, image_size) for image in sources]
+    resize_s = time.perf_counter() - start
+    vlm_images = [image.vlm for image in prepared]
+    text = build_prompt_text(prompt, len(vlm_images))
+    processor_s, _, _ = timed(
+        lambda: encoder.processor(text=[text], images=vlm_images or None, return_tensors="pt"), torch.device("cpu"), 3
+    )
+    ours_s, ours_peak, (ours,) = timed(lambda: encoder.encode_prompts([prompt], vlm_images), device, repeats)
+    row = dict(
+        case=f"{len(sources)} images",
+        images=len(sources),
+        image_size=image_size,
+        tokens=ours.length,
+        image_pad_tokens=int(ours.image_pad_mask.sum()),
+        ours_s=round(ours_s, 4),
+        ours_peak_gib=None if ours_peak is None else round(ours_peak / 2**30, 2),
+        resize_s=round(resize_s, 4),
+        processor_s=round(processor_s, 4),
+    )
+    if reference is not None:
+        ref_s, ref_peak, (embeds, _, _) = timed(
+            lambda: reference.encode_prompt(prompt, image=vlm_images or None, device=device), device, repeats
+        )
+        row.update(
+            reference_s=round(ref_s, 4),
+            reference_peak_gib=None if ref_peak is None else round(ref_peak / 2**30, 2),
+            speedup=round(ref_s / ours_s, 3),
+            max_abs_diff=(ours.embeds.float() - embeds[0].float()).abs().max().item(),
+        )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny offline fixture instead of the 8B config")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--images", default="0,1,4", help="comma-separated condition-image counts")
+    parser.add_argument("--image-size", type=int, default=None, help="square condition images (default 1024, tiny 64)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-reference", action="store_true", help="skip diffusers' encode_prompt")
+    args = parser.parse_args()
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    image_size = args.image_size or (64 if args.tiny else 1024)
+    start = time.perf_counter()
+    if args.tiny:
+        model, processor = build_tiny_text_encoder()
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model, processor = build_full_size(device, dtype)
+    build_s = time.perf_counter() - start
+    encoder = Qwen21TextEncoder(model, processor)
+    reference = None
+    if not args.no_reference:
+        from diffusers import QwenImage21Pipeline
+
+        reference = QwenImage21Pipeline(
+            scheduler=None, vae=None, text_encoder=model, processor=processor, transformer=None
+        )
+    prompt = prompt_of(encoder, args.prompt_tokens)
+    params = sum(p.numel() for p in encoder.model.parameters())
+    common = dict(tiny=args.tiny, device=str(device), dtype=args.dtype, encoder_params_b=round(params / 1e9, 3))
+    print(json.dumps(dict(common, case="build", build_s=round(build_s, 2))), flush=True)
+
+    rng = np.random.default_rng(0)
+    for count in (int(c) for c in args.images.split(",")):
+        sources = [
+            Image.fromarray(rng.integers(0, 256, (image_size, image_size, 4), dtype=np.uint8), "RGBA")
+            for _ in range(count)
+        ]
+        row = bench_case(encoder, reference, prompt, sources, image_size, device, args.repeats)
+        print(json.dumps(common | row), flush=True)
+
+    offload_s, _, _ = timed(lambda: (encoder.offload(), encoder._weights_on_device()), device, 1)
+    print(json.dumps(dict(common, case="offload+reload", offload_reload_s=round(offload_s, 3))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Prompt + condition images -> `Conditioning`: the whole encoding step of a generation request.
+
+Order of work: check the inputs, resize the images once, check that every image gets exactly one
+`<|image_pad|>` token per 2x2 latent tokens, check (before any model runs) that the DiT's prefix K/V
+fits in the memory the caller says is free, then run the VLM (positive and, if given, negative prompt,
+both with the same images) and the VAE (mode, normalised with latents_mean/std).
+
+The reference (diffusers) has no image limit; the model's documentation says 4; native ComfyUI takes 16.
+We accept up to 16 and fail clearly above that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .conditioning import Conditioning
+from .config import TransformerConfig
+from .images import (
+    ConditionImage,
+    condition_images_to_rgba,
+    derive_output_size,
+    prepare_condition_image,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CONDITION_IMAGES = 16
+_HASH_VERSION = b"qwen21-conditioning-v1"
+
+
+class PrefixMemoryError(MemoryError):
+    """The text + condition-image prefix K/V would not fit in the memory the caller has free."""
+
+
+@dataclass(frozen=True)
+class PrefixMemoryBudget:
+    """What the DiT's prefix K/V cache costs per token, and how much memory is free for it.
+
+    One prefix token stores K and V of `inner_dim` values in each of `num_layers` blocks, per CFG branch.
+    The pipeline passes its DiT config and the free memory it has left after weights and activations.
+    """
+
+    num_layers: int
+    inner_dim: int
+    dtype_bytes: int
+    free_bytes: int
+
+    @classmethod
+    def for_transformer(cls, config: TransformerConfig, dtype: torch.dtype, free_bytes: int) -> PrefixMemoryBudget:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(config.num_layers, config.inner_dim, itemsize, free_bytes)
+
+    def prefix_bytes(self, prefix_tokens: int) -> int:
+        return prefix_tokens * self.num_layers * 2 * self.inner_dim * self.dtype_bytes
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def _check_inputs(prompt, negative_prompt, output_resolution, max_images) -> None:
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise TypeError(f"negative_prompt must be a str or None, got {type(negative_prompt).__name__}")
+    if isinstance(output_resolution, bool) or not isinstance(output_resolution, int) or output_resolution < 32:
+        raise ValueError(f"output_resolution must be an int >= 32 (pixels per side), got {output_resolution!r}")
+    if isinstance(max_images, bool) or not isinstance(max_images, int) or not 1 <= max_images <= MAX_CONDITION_IMAGES:
+        raise ValueError(f"max_images must be an int from 1 to {MAX_CONDITION_IMAGES}, got {max_images!r}")
+
+
+def _check_pad_counts(text_encoder, images: list[ConditionImage], output_resolution: int) -> None:
+    """Each image's <|image_pad|> count from the processor must equal its latent tokens / 4."""
+    for index, image in enumerate(images, start=1):
+        got = text_encoder.image_pad_count(image.width, image.height)
+        if got != image.pad_tokens:
+            min_pixels, max_pixels = text_encoder.pixel_limits()
+            raise ValueError(
+                f"condition image {index} is resized to {image.width}x{image.height}, for which the Qwen3-VL processor "
+                f"makes {got} <|image_pad|> tokens, but the model needs {image.pad_tokens} (one per 32x32 pixels): "
+                f"the processor resizes images outside {min_pixels}..{max_pixels} pixels itself. Choose an "
+                f"output_resolution from {int(min_pixels**0.5)} to {int(max_pixels**0.5)} "
+                f"(got {output_resolution})."
+            )
+
+
+def _check_prefix_memory(budget: PrefixMemoryBudget, prefix_tokens: dict[str, int]) -> None:
+    needed = sum(budget.prefix_bytes(tokens) for tokens in prefix_tokens.values())
+    if needed > budget.free_bytes:
+        branches = ", ".join(f"{name} {tokens} tokens" for name, tokens in prefix_tokens.items())
+        raise PrefixMemoryError(
+            f"the prefix K/V cache needs {_gib(needed)} ({branches}; {budget.num_layers} layers x K,V x "
+            f"{budget.inner_dim} x {budget.dtype_bytes} bytes per token) but only {_gib(budget.free_bytes)} is free. "
+            f"Use fewer condition images, a smaller output_resolution, no negative prompt, or free GPU memory."
+        )
+
+
+def _vae_identity(vae) -> str:
+    identity = getattr(vae, "identity", None)
+    if identity is not None:
+        return str(identity)
+    if isinstance(vae, torch.nn.Module):
+        parameters = list(vae.parameters())
+        fingerprint = hashlib.sha256()
+        for tensor in (parameters[0], parameters[-1]) if parameters else ():
+            fingerprint.update(tensor.detach().flatten()[:256].float().cpu().numpy().tobytes())
+        return f"{type(vae).__qualname__}:{fingerprint.hexdigest()[:16]}"
+    # Unknown object: never share a cache entry with another instance.
+    return f"{type(vae).__qualname__}@{id(vae)}"
+
+
+def _content_hash(prompt, negative_prompt, images, width, height, output_resolution, text_encoder, vae) -> str:
+    digest = hashlib.sha256(_HASH_VERSION)
+
+    def add(value) -> None:
+        data = value if isinstance(value, bytes) else str(value).encode()
+        digest.update(len(data).to_bytes(8, "little") + data)  # length-prefixed: no ambiguous joins
+
+    add(prompt)
+    add("<no negative prompt>" if negative_prompt is None else "negative:" + negative_prompt)
+    for image in images:
+        add(f"{image.width}x{image.height}")
+        add(image.vae.numpy().tobytes())  # the resized RGBA: everything both encoders read
+    add(f"{width}x{height}@{output_resolution}")
+    add(text_encoder.identity)
+    add(_vae_identity(vae))
+    return digest.hexdigest()
+
+
+def encode_conditioning(
+    text_encoder,
+    vae,
+    prompt: str,
+    images=(),
+    masks=None,
+    negative_prompt: str | None = None,
+    output_resolution: int = 1024,
+    width: int | None = None,
+    height: int | None = None,
+    max_images: int = MAX_CONDITION_IMAGES,
+    memory_budget: PrefixMemoryBudget | None = None,
+) -> Conditioning:
+    """Encode one request.
+
+    text_encoder:  a `Qwen21TextEncoder`.
+    vae:           offers `encode(images [B, H, W, 4] float 0..1) -> raw latents [B, z, H/16, W/16]` (mode)
+                   and `normalize(raw) -> (raw - mean) / std`.
+    images, masks: condition images in slot order (see images.condition_images_to_rgba for formats).
+    negative_prompt: None disables the negative branch; "" is encoded (as " ", like the reference).
+    output_resolution: condition images are resized to about this side length (area output_resolution^2).
+    width, height: output size; derived from the last condition image's aspect ratio when left None.
+    memory_budget: when given, fail before encoding if the DiT prefix K/V of all branches would not fit.
+    """
+    _check_inputs(prompt, negative_prompt, output_resolution, max_images)
+    rgba_images = condition_images_to_rgba(images, masks)
+    if len(rgba_images) > max_images:
+        raise ValueError(
+            f"got {len(rgba_images)} condition images but at most {max_images} are accepted "
+            f"(Qwen-Image-2.1 in this pack supports up to {MAX_CONDITION_IMAGES}); drop some images"
+        )
+    prepared = [prepare_condition_image(image, output_resolution) for image in rgba_images]
+    width, height = derive_output_size([image.source_size for image in prepared], output_resolution, width, height)
+    _check_pad_counts(text_encoder, prepared, output_resolution)
+
+    pad_counts = [image.pad_tokens for image in prepared]
+    prompts = {"positive": prompt} if negative_prompt is None else {"positive": prompt, "negative": negative_prompt}
+    # In the DiT sequence every <|image_pad|> slot becomes 4 latent tokens.
+    prefix_tokens = {
+        name: text_encoder.count_tokens(text, pad_counts) + 3 * sum(pad_counts) for name, text in prompts.items()
+    }
+    if memory_budget is not None:
+        _check_prefix_memory(memory_budget, prefix_tokens)
+
+    embeddings = text_encoder.encode_prompts(list(prompts.values()), [image.vlm for image in prepared])
+    vae_device = getattr(vae, "device", None)
+    condition_latents = []
+    for image in prepared:
+        pixels = image.vae if vae_device is None else image.vae.to(vae_device)
+        condition_latents.append(vae.normalize(vae.encode(pixels))[0])  # [z, H/16, W/16]
+
+    return Conditioning(
+        positive=embeddings[0],
+        negative=embeddings[1] if negative_prompt is not None else None,
+        condition_latents=tuple(condition_latents),
+        width=width,
+        height=height,
+        content_hash=_content_hash(
+            prompt, negative_prompt, prepared, width, height, output_resolution, text_encoder, vae
+        ),
+        extra={
+            "image_sizes": [(image.width, image.height) for image in prepared],
+            "source_sizes": [image.source_size for image in prepared],
+            "output_resolution": output_resolution,
+            "prefix_tokens": prefix_tokens,
+        },
+    )

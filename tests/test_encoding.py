@@ -1,0 +1,232 @@
+"""encode_conditioning against the reference QwenImage21Pipeline (its own preprocessing, encode_prompt and
+prepare_latents, captured during a real __call__), plus the limits and checks around it."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline  # noqa: E402
+from PIL import Image  # noqa: E402
+from qwen21_nodes.qwen21_core.config import TransformerConfig  # noqa: E402
+from qwen21_nodes.qwen21_core.encoding import (  # noqa: E402
+    PrefixMemoryBudget,
+    PrefixMemoryError,
+    encode_conditioning,
+)
+from qwen21_nodes.qwen21_core.text_encoder import Qwen21TextEncoder  # noqa: E402
+from qwen21_nodes.qwen21_core.tiny_text_encoder import build_tiny_processor, build_tiny_text_encoder  # noqa: E402
+
+Z_DIM = 16
+
+
+class ReferenceVAEAdapter:
+    """diffusers' AutoencoderKLQwenImage21 behind the interface encode_conditioning uses (until our VAE lands):
+    encode([B, H, W, 4] in 0..1) -> raw latents (mode), normalize(raw) -> (raw - mean) / std."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def encode(self, images):
+        pixels = (2.0 * images.permute(0, 3, 1, 2) - 1.0).unsqueeze(2)  # [B, 4, 1, H, W] in -1..1
+        return self.vae.encode(pixels).latent_dist.mode()[:, :, 0]
+
+    def normalize(self, raw):
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1).to(raw)
+        std = torch.tensor(self.vae.config.latents_std).view(1, -1, 1, 1).to(raw)
+        return (raw - mean) / std
+
+
+class _StopAfterLatents(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model, processor = build_tiny_text_encoder(seed=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKLQwenImage21(
+            base_dim=8, decoder_base_dim=12, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2, 2], num_res_blocks=1,
+            temperal_downsample=[False, True, True, True], latents_mean=torch.randn(Z_DIM).tolist(),
+            latents_std=(torch.rand(Z_DIM) + 0.5).tolist(), in_channels=4, out_channels=4,
+        ).eval()  # fmt: skip
+    return model, processor, vae
+
+
+@pytest.fixture(scope="module")
+def encoder(parts):
+    model, processor, _ = parts
+    return Qwen21TextEncoder(model, processor)
+
+
+@pytest.fixture(scope="module")
+def vae(parts):
+    return ReferenceVAEAdapter(parts[2])
+
+
+def reference_encode(parts, prompt, images, negative_prompt, output_resolution):
+    """Run the reference pipeline's __call__ up to prepare_latents; return what it computed."""
+    model, processor, vae = parts
+    pipe = QwenImage21Pipeline(scheduler=None, vae=vae, text_encoder=model, processor=processor, transformer=None)
+    pipe.transformer = types.SimpleNamespace(config=types.SimpleNamespace(in_channels=Z_DIM))
+    captured = {"prompts": []}
+    encode_prompt, prepare_latents = pipe.encode_prompt, pipe.prepare_latents
+
+    def capture_prompt(*args, **kwargs):
+        captured["prompts"].append(encode_prompt(*args, **kwargs))
+        return captured["prompts"][-1]
+
+    def capture_latents(images, batch_size, channels, height, width, *args, **kwargs):
+        _, captured["image_latents"] = prepare_latents(images, batch_size, channels, height, width, *args, **kwargs)
+        captured["size"] = (width, height)
+        raise _StopAfterLatents
+
+    pipe.encode_prompt, pipe.prepare_latents = capture_prompt, capture_latents
+    with pytest.raises(_StopAfterLatents):
+        pipe(prompt=prompt, image=images or None, negative_prompt=negative_prompt, true_cfg_scale=2.0,
+             output_resolution=output_resolution, output_type="latent")  # fmt: skip
+    return captured
+
+
+def _random_image(height, width, mode, seed):
+    rng = np.random.default_rng(seed)
+    array = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    if mode == "RGBA":
+        array[: height // 4, :, 3] = 0
+    return Image.fromarray(array, mode)
+
+
+IMAGE_SETS = {
+    "t2i": [],
+    "1 rgb": [("RGB", 50, 70)],
+    "2 rgba+rgb": [("RGBA", 80, 45), ("RGB", 64, 64)],
+    "4 mixed": [("RGB", 40, 90), ("RGBA", 64, 64), ("RGBA", 100, 60), ("RGB", 33, 70)],
+}
+
+
+@pytest.mark.parametrize("name", list(IMAGE_SETS))
+def test_identical_to_the_reference_pipeline_fp32(parts, encoder, vae, name):
+    images = [_random_image(h, w, mode, seed) for seed, (mode, h, w) in enumerate(IMAGE_SETS[name])]
+    reference = reference_encode(parts, "make it blue", images, "blurry", 64)
+    cond = encode_conditioning(encoder, vae, "make it blue", images, negative_prompt="blurry", output_resolution=64)
+
+    for ours, (embeds, mask, image_pad_mask) in zip((cond.positive, cond.negative), reference["prompts"], strict=True):
+        assert mask is None
+        assert torch.equal(ours.embeds, embeds[0])
+        assert torch.equal(ours.image_pad_mask, image_pad_mask[0])
+    assert (cond.width, cond.height) == reference["size"]
+    if images:
+        # The reference packs every image's [z, h, w] latents as h*w rows of z, images one after another.
+        packed = torch.cat([latents.flatten(1).T for latents in cond.condition_latents])[None]
+        assert torch.equal(packed, reference["image_latents"])
+    else:
+        assert cond.condition_latents == () and reference["image_latents"] is None
+    assert cond.num_images == len(images)
+
+
+def test_comfy_image_and_mask_inputs_match_the_reference_rgba(parts, encoder, vae):
+    rgba = _random_image(72, 40, "RGBA", seed=7)
+    array = np.asarray(rgba)
+    image = torch.from_numpy(array[..., :3].astype(np.float32) / 255.0)[None]  # LoadImage's IMAGE
+    mask = 1.0 - torch.from_numpy(array[..., 3].astype(np.float32) / 255.0)[None]  # and MASK
+    reference = reference_encode(parts, "swap the sky", [rgba], "blurry", 96)
+    cond = encode_conditioning(
+        encoder, vae, "swap the sky", [image], masks=[mask], negative_prompt="blurry", output_resolution=96
+    )
+    assert torch.equal(cond.positive.embeds, reference["prompts"][0][0][0])
+    assert torch.equal(cond.negative.embeds, reference["prompts"][1][0][0])
+    assert torch.equal(cond.condition_latents[0].flatten(1).T[None], reference["image_latents"])
+
+
+def test_conditioning_fields_and_sizes(encoder, vae):
+    images = [_random_image(60, 100, "RGB", 1), _random_image(90, 50, "RGBA", 2)]
+    cond = encode_conditioning(encoder, vae, "a cat", images, output_resolution=64)
+    assert cond.negative is None
+    # 100x60 and 50x90 at area 64^2, sides rounded to multiples of 32.
+    assert cond.extra["image_sizes"] == [(96, 64), (32, 96)]
+    assert cond.image_shapes == [(64 // 16, 96 // 16), (96 // 16, 32 // 16)]
+    assert all(latents.shape[0] == Z_DIM for latents in cond.condition_latents)
+    assert (cond.width, cond.height) == (32, 96)  # the last image's aspect ratio
+    assert cond.extra["source_sizes"] == [(100, 60), (50, 90)]
+    expected_prefix = cond.positive.length + 3 * int(cond.positive.image_pad_mask.sum())
+    assert cond.extra["prefix_tokens"] == {"positive": expected_prefix}
+    sized = encode_conditioning(encoder, vae, "a cat", images, output_resolution=64, width=128, height=64)
+    assert (sized.width, sized.height) == (128, 64)
+    with pytest.raises(ValueError, match="width 100 is not a positive multiple of 32 .*use 96"):
+        encode_conditioning(encoder, vae, "a cat", images, output_resolution=64, width=100)
+
+
+def test_content_hash_changes_with_every_input(encoder, vae):
+    image = _random_image(64, 64, "RGBA", 3)
+    base = dict(images=[image], negative_prompt=None, output_resolution=64)
+    reference_hash = encode_conditioning(encoder, vae, "a cat", **base).content_hash
+    assert encode_conditioning(encoder, vae, "a cat", **base).content_hash == reference_hash
+    changed_pixels = image.copy()
+    changed_pixels.putpixel((0, 0), (1, 2, 3, 4))
+    variants = [
+        dict(base, prompt="a dog"),
+        dict(base, negative_prompt=""),
+        dict(base, images=[changed_pixels]),
+        dict(base, output_resolution=96),
+        dict(base, images=[]),
+        dict(base, width=128),
+    ]
+    hashes = {encode_conditioning(encoder, vae, **{"prompt": "a cat", **variant}).content_hash for variant in variants}
+    assert reference_hash not in hashes and len(hashes) == len(variants)
+
+
+def test_at_most_16_condition_images(encoder, vae):
+    images = [Image.new("RGB", (32, 32))] * 17
+    with pytest.raises(ValueError, match="got 17 condition images but at most 16 are accepted"):
+        encode_conditioning(encoder, vae, "a cat", images, output_resolution=32)
+    with pytest.raises(ValueError, match="got 3 condition images but at most 2 are accepted"):
+        encode_conditioning(encoder, vae, "a cat", images[:3], output_resolution=32, max_images=2)
+    with pytest.raises(ValueError, match="max_images must be an int from 1 to 16, got 17"):
+        encode_conditioning(encoder, vae, "a cat", images[:1], output_resolution=32, max_images=17)
+    cond = encode_conditioning(encoder, vae, "a cat", images[:16], output_resolution=32)
+    assert cond.num_images == 16 and int(cond.positive.image_pad_mask.sum()) == 16
+
+
+def test_processor_pixel_limits_that_break_the_pad_count_fail_clearly(parts, vae):
+    model, _, _ = parts
+    strict = Qwen21TextEncoder(model, build_tiny_processor(min_pixels=256 * 256))  # the real processor's minimum
+    with pytest.raises(ValueError, match=r"makes \d+ <\|image_pad\|> tokens, but the model needs 4 .*from 256 to 4096"):
+        encode_conditioning(strict, vae, "a cat", [Image.new("RGB", (64, 64))], output_resolution=64)
+
+
+def test_prefix_memory_precheck_fails_before_encoding(encoder, vae, monkeypatch):
+    calls = []
+    monkeypatch.setattr(encoder, "encode_prompts", lambda *args: calls.append(args))
+    image = Image.new("RGB", (64, 64))
+    budget = PrefixMemoryBudget.for_transformer(TransformerConfig(), torch.bfloat16, free_bytes=2**30)
+    assert budget.prefix_bytes(1) == 32 * 2 * 4096 * 2  # layers x (K, V) x inner_dim x bf16 bytes
+    with pytest.raises(
+        PrefixMemoryError, match=r"needs .* GiB \(positive \d+ tokens, negative \d+ tokens.* only 1.00 GiB"
+    ):
+        encode_conditioning(
+            encoder, vae, "a cat", [image] * 2, negative_prompt="blurry", output_resolution=1024, memory_budget=budget
+        )
+    assert calls == []  # nothing ran
+
+
+def test_prefix_memory_precheck_passes_when_it_fits(encoder, vae):
+    budget = PrefixMemoryBudget(num_layers=2, inner_dim=64, dtype_bytes=4, free_bytes=10**9)
+    cond = encode_conditioning(encoder, vae, "a cat", negative_prompt="", output_resolution=64, memory_budget=budget)
+    assert set(cond.extra["prefix_tokens"]) == {"positive", "negative"}
+    assert cond.negative.length == cond.extra["prefix_tokens"]["negative"]  # "" is encoded as " "
+
+
+def test_wrong_argument_types_get_clear_errors(encoder, vae):
+    with pytest.raises(TypeError, match="prompt must be a str, got NoneType"):
+        encode_conditioning(encoder, vae, None)
+    with pytest.raises(TypeError, match="negative_prompt must be a str or None, got list"):
+        encode_conditioning(encoder, vae, "a cat", negative_prompt=["x"])
+    with pytest.raises(ValueError, match="output_resolution must be an int >= 32"):
+        encode_conditioning(encoder, vae, "a cat", output_resolution=16)
+    with pytest.raises(TypeError, match=r"images\[1\] must be a ComfyUI IMAGE tensor, a PIL image or a numpy array"):
+        encode_conditioning(encoder, vae, "a cat", [Image.new("RGB", (32, 32)), "photo.png"])
