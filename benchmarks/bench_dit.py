@@ -14,6 +14,7 @@ compiled+graph; diffusers eager / compiled), the 40-step DiT total, peak memory,
 and the agreement of our decode velocity with diffusers' (max abs, PSNR).
 """
 
+# ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
 from __future__ import annotations
 
 import argparse
@@ -243,7 +244,7 @@ def compile_cases(cases, ours, reference, args, device, dtype, eager_results):
         return
     start = time.perf_counter()
     ours.compile_blocks()
-    for name, res, nref, cfg, batch in cases:
+    for name, res, nref, _cfg, batch in cases:
         if name not in COMPILE_CASES:
             continue
         mask, embeds, cond, x, shapes, target = case_inputs(
