@@ -81,9 +81,11 @@ def _run_and_report(path, models_dir, input_dir, output_dir, overrides) -> int:
     return 0
 
 
-def _tiny_models(tiny_dir: Path) -> Path:
+def ensure_tiny_models(tiny_dir: str | os.PathLike) -> Path:
+    """The tiny checkpoint in `tiny_dir`, made there first if it is not there yet."""
     from ..qwen21_core.tiny import make_tiny
 
+    tiny_dir = Path(tiny_dir)
     if not (tiny_dir / "diffusion_models").is_dir():
         log.info("making a tiny random-weight checkpoint in %s", tiny_dir)
         make_tiny(tiny_dir)
@@ -103,7 +105,7 @@ def _demo(args) -> int:
             return 1
     else:
         log.info("no real checkpoint configured (--models or $%s): running on a tiny random-weight one", MODELS_ENV)
-        models_dir = _tiny_models(Path(args.tiny_dir))
+        models_dir = ensure_tiny_models(args.tiny_dir)
         overrides = tiny_overrides(load_prompt(DEMO_WORKFLOW.read_text()), models_dir, resolution=256, steps=4)
     return _run_and_report(DEMO_WORKFLOW, models_dir, EXAMPLE_INPUTS, args.output_dir, overrides + args.set)
 

@@ -239,16 +239,17 @@ def validate(prompt: dict, node_classes: dict) -> list[str]:
 
 @dataclass
 class RunResult:
-    """What a run produced: each output node's `ui` dict and the seconds each node took."""
+    """What a run produced: each node's `ui` dict and outputs, and the seconds each node took."""
 
     ui: dict[str, dict] = field(default_factory=dict)
+    outputs: dict[str, tuple] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
 def execute(prompt: dict, node_classes: dict) -> RunResult:
     order = validate(prompt, node_classes)
-    results: dict[str, tuple] = {}
     run = RunResult()
+    results = run.outputs
     for step, node_id in enumerate(order, start=1):
         node = prompt[node_id]
         class_type = node["class_type"]

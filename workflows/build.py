@@ -57,7 +57,8 @@ T2I_PROMPT = (
 
 def _loader(**inputs) -> dict:
     values = {"diffusion_model": DIFFUSION_MODEL, "text_encoder": TEXT_ENCODER, "vae": VAE}
-    values.update(weight_dtype="auto", device="auto", offload_text_encoder=True, **inputs)
+    values.update(weight_dtype="auto", device="auto", offload_text_encoder=True)
+    values.update(inputs)
     return {"class_type": "Qwen21ModelLoader", "inputs": values, "_meta": {"title": "Load Qwen-Image-2.1"}}
 
 
@@ -78,7 +79,8 @@ def _sampler(**inputs) -> dict:
 
 def _decode(**inputs) -> dict:
     values = {"model": ["1", 0], "latent": ["3", 0], "tiling": "auto", "tile_size": 0, "precision": "auto"}
-    values.update(quality="exact", **inputs)
+    values["quality"] = "exact"
+    values.update(inputs)
     return {"class_type": "Qwen21VAEDecode", "inputs": values}
 
 
@@ -193,6 +195,18 @@ def _order(prompt: dict) -> list[str]:
     return done
 
 
+def _node_height(sockets: list, widgets: list, node_class) -> int:
+    """Roughly what the frontend draws: a title, one row per socket or output, one per widget,
+    and extra room for multiline text boxes and image previews."""
+    from qwen21_nodes.runner.graph import input_specs
+
+    options = [spec[2] for spec in input_specs(node_class).values()]
+    rows = max(len(sockets), len(node_class.RETURN_TYPES)) + len(widgets)
+    return (
+        40 + 24 * rows + 90 * sum("multiline" in o for o in options) + 240 * sum("image_upload" in o for o in options)
+    )
+
+
 def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
     from qwen21_nodes.runner.graph import WIDGET_TYPES, input_specs
     from qwen21_nodes.runner.ui_format import widget_names
@@ -202,14 +216,12 @@ def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
     for node_id in order:
         parents = [v[0] for v in prompt[node_id]["inputs"].values() if isinstance(v, list)]
         depth[node_id] = 1 + max((depth[p] for p in parents), default=-1)
-    rows: dict[int, int] = {}
+    column_bottom: dict[int, int] = {}  # next free y per column
     nodes, links = [], []
     for index, node_id in enumerate(order):
         node = prompt[node_id]
         node_class = node_classes[node["class_type"]]
         column = depth[node_id]
-        row = rows.get(column, 0)
-        rows[column] = row + 1
         sockets = []
         for name, (_section, input_type, _options) in input_specs(node_class).items():
             if isinstance(input_type, list) or input_type in WIDGET_TYPES:
@@ -232,8 +244,8 @@ def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
         entry = {
             "id": int(node_id),
             "type": node["class_type"],
-            "pos": [40 + 420 * column, 40 + 330 * row],
-            "size": [380, 280],
+            "pos": [40 + 420 * column, column_bottom.get(column, 40)],
+            "size": [380, _node_height(sockets, widgets, node_class)],
             "flags": {},
             "order": index + 1,
             "mode": 0,
@@ -244,6 +256,7 @@ def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
         }
         if "_meta" in node:
             entry["title"] = node["_meta"]["title"]
+        column_bottom[column] = entry["pos"][1] + entry["size"][1] + 60
         nodes.append(entry)
     by_id = {node["id"]: node for node in nodes}
     for node in nodes:
