@@ -1,0 +1,448 @@
+"""Load the Qwen-Image-2.1 components from a diffusers folder or from single files (ComfyUI layout).
+
+`load_components(source, device, dtype)` takes either
+
+- a diffusers folder: model_index.json, transformer/, vae/, text_encoder/, processor/ (or tokenizer/),
+  scheduler/scheduler_config.json; model_index.json's `sample_sigmas` marks a turbo checkpoint; or
+- a dict of single files {"transformer": path, "vae": path, "text_encoder": path, "tokenizer": folder},
+  the way ComfyUI users keep them in models/diffusion_models, models/vae and models/text_encoders.
+
+Files without a config get one derived from their tensor shapes (transformer, VAE) or the Qwen3-VL-8B
+facts (text encoder). Every weight goes through checkpoint.py: identified, checked against the module,
+then streamed one tensor at a time into a module that was built without allocating weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLProcessor
+
+from . import key_maps, quantization
+from .checkpoint import (
+    Checkpoint,
+    CheckpointMismatchError,
+    Layout,
+    WrongModelError,
+    build_empty,
+    converted_shapes,
+    identify,
+    load_into,
+    module_slots,
+)
+from .config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
+from .text_encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder
+from .transformer import QwenImage21Transformer
+from .vae import QwenImage21VAE
+
+log = logging.getLogger(__name__)
+
+PIPELINE_CLASS = "QwenImage21Pipeline"
+COMPONENT_CLASSES = {"transformer": "QwenImage21Transformer2DModel", "vae": "AutoencoderKLQwenImage21"}
+SINGLE_FILE_KEYS = ("transformer", "vae", "text_encoder", "tokenizer")
+# Where ComfyUI keeps the Qwen tokenizer its Qwen3-VL text encoders use (comfy/text_encoders/qwen3vl.py).
+COMFYUI_TOKENIZER_DIR = Path("comfy") / "text_encoders" / "qwen25_tokenizer"
+# Pipelines whose model_index.json means "a different model", with what to call them.
+_OTHER_PIPELINES = {
+    "QwenImage": "Qwen-Image 1.x",
+    "Wan": "Wan",
+    "Flux": "Flux",
+    "StableDiffusion": "Stable Diffusion",
+}
+
+
+@dataclass
+class Components:
+    """Everything a pipeline needs, loaded and placed.
+
+    sources: component -> facts for logs and the UI: path, layout, stored (weight format found), dtype,
+             device, config (where the config came from).
+    """
+
+    transformer: QwenImage21Transformer
+    vae: QwenImage21VAE
+    text_encoder: Qwen21TextEncoder | None
+    scheduler_config: SchedulerConfig
+    pipeline_config: PipelineConfig
+    sources: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def load_components(
+    source: str | os.PathLike | Mapping[str, str | os.PathLike],
+    device: str | torch.device | None,
+    dtype: torch.dtype,
+    *,
+    text_encoder_device: str | torch.device | None = None,
+    text_encoder_dtype: torch.dtype | None = None,
+    vae_dtype: torch.dtype | None = None,
+    load_text_encoder: bool = True,
+) -> Components:
+    """Load transformer, VAE and (optionally) text encoder; see the module docstring for `source`.
+
+    device None picks CUDA when available. The VAE and the text encoder default to the transformer's
+    dtype and device.
+    """
+    device = _resolve_device(device)
+    dtype = _check_dtype(dtype, "dtype")
+    vae_dtype = _check_dtype(vae_dtype or dtype, "vae_dtype")
+    te_dtype = _check_dtype(text_encoder_dtype or dtype, "text_encoder_dtype")
+    te_device = _resolve_device(text_encoder_device) if text_encoder_device is not None else device
+
+    if isinstance(source, Mapping):
+        paths, scheduler_config, pipeline_config = _single_files(source, load_text_encoder)
+        tokenizer = paths.get("tokenizer")
+        configs = {}
+    else:
+        root = Path(source)
+        paths, scheduler_config, pipeline_config = _diffusers_folder(root)
+        tokenizer = paths["tokenizer"]
+        configs = {name: root / name / "config.json" for name in ("transformer", "vae", "text_encoder")}
+
+    transformer, transformer_info = load_transformer(paths["transformer"], device, dtype, configs.get("transformer"))
+    vae, vae_info = load_vae(paths["vae"], device, vae_dtype, configs.get("vae"))
+    if vae.config.z_dim != transformer.config.in_channels:
+        raise ValueError(
+            f"the VAE ({paths['vae']}) has z_dim {vae.config.z_dim} but the transformer reads "
+            f"{transformer.config.in_channels} latent channels; they are not from the same model"
+        )
+    sources = {"transformer": transformer_info, "vae": vae_info}
+    text_encoder = None
+    if load_text_encoder:
+        text_encoder, te_info = load_qwen3vl(
+            paths["text_encoder"], te_device, te_dtype, tokenizer=tokenizer, config_path=configs.get("text_encoder")
+        )
+        if text_encoder.hidden_size != transformer.config.context_in_dim:
+            raise ValueError(
+                f"the text encoder ({paths['text_encoder']}) has hidden size {text_encoder.hidden_size} but the "
+                f"transformer reads {transformer.config.context_in_dim}; Qwen-Image-2.1 needs its Qwen3-VL-8B"
+            )
+        sources["text_encoder"] = te_info
+    return Components(transformer, vae, text_encoder, scheduler_config, pipeline_config, sources)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _single_files(source: Mapping, load_text_encoder: bool) -> tuple[dict[str, Path], SchedulerConfig, PipelineConfig]:
+    unknown = sorted(set(source) - set(SINGLE_FILE_KEYS))
+    if unknown:
+        raise ValueError(f"single-file source has unknown entries {unknown}; expected keys among {SINGLE_FILE_KEYS}")
+    needed = ["transformer", "vae"] + (["text_encoder"] if load_text_encoder else [])
+    absent = [name for name in needed if not source.get(name)]
+    if absent:
+        raise ValueError(f"single-file source needs paths for {absent} (got {sorted(source)})")
+    paths = {name: Path(value) for name, value in source.items() if value}
+    return paths, QWEN21_SCHEDULER, PipelineConfig()
+
+
+def _diffusers_folder(root: Path) -> tuple[dict[str, Path], SchedulerConfig, PipelineConfig]:
+    if root.is_file():
+        raise ValueError(
+            f"{root} is a file; pass a diffusers folder (with model_index.json) or a dict "
+            "{'transformer': ..., 'vae': ..., 'text_encoder': ...} of single files"
+        )
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{index_path} not found: {root} is not a diffusers pipeline folder")
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    class_name = index.get("_class_name", "")
+    if not class_name.startswith("QwenImage21"):
+        family = next((name for prefix, name in _OTHER_PIPELINES.items() if class_name.startswith(prefix)), None)
+        what = f"a {family} pipeline ({class_name})" if family else f"a {class_name or 'unnamed'} pipeline"
+        raise WrongModelError(f"{root}: expected a Qwen-Image-2.1 diffusers folder ({PIPELINE_CLASS}), found {what}")
+    for name in ("transformer", "vae", "text_encoder"):
+        if not (root / name).is_dir():
+            raise FileNotFoundError(f"{root / name} not found: the diffusers folder is incomplete")
+    tokenizer = next((root / name for name in ("processor", "tokenizer") if (root / name).is_dir()), None)
+    paths = {name: root / name for name in ("transformer", "vae", "text_encoder")}
+    paths["tokenizer"] = tokenizer
+
+    scheduler_path = root / "scheduler" / "scheduler_config.json"
+    if scheduler_path.is_file():
+        scheduler_config = SchedulerConfig.from_json_file(scheduler_path)
+    else:
+        log.warning("%s missing; using the released Qwen-Image-2.1 scheduler settings", scheduler_path)
+        scheduler_config = QWEN21_SCHEDULER
+    components = {"scheduler", "vae", "text_encoder", "processor", "tokenizer", "transformer"}
+    sigmas = index.get("sample_sigmas")
+    extra = {k: v for k, v in index.items() if not k.startswith("_") and k not in components | {"sample_sigmas"}}
+    pipeline_config = PipelineConfig(sample_sigmas=tuple(sigmas) if sigmas else None, extra=extra)
+    return paths, scheduler_config, pipeline_config
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _check_dtype(dtype, what: str) -> torch.dtype:
+    if dtype not in quantization.FLOAT_DTYPES:
+        raise TypeError(f"{what} must be one of {quantization.FLOAT_DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def _open(path: Path, component: str) -> tuple[Checkpoint, Layout, quantization.QuantScheme]:
+    ckpt = Checkpoint.open(path)
+    try:
+        layout = identify(ckpt, component)
+        quant = quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt, layout, quant
+
+
+def _check_class(config_path: Path, expected: str) -> dict:
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    found = data.get("_class_name", expected)
+    if found != expected:
+        raise WrongModelError(f"{config_path}: expected a {expected} config, found {found}")
+    return data
+
+
+def _info(ckpt: Checkpoint, layout: Layout, quant, dtype, device, config_from: str) -> dict[str, str]:
+    return {
+        "path": str(ckpt.path),
+        "layout": layout.name,
+        "stored": quant.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "config": config_from,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Transformer and VAE
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_transformer(
+    path: str | os.PathLike, device, dtype: torch.dtype, config_path: str | os.PathLike | None = None
+) -> tuple[QwenImage21Transformer, dict[str, str]]:
+    """A diffusers transformer folder or a (ComfyUI or diffusers layout) single file -> our transformer."""
+    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    ckpt, layout, quant = _open(Path(path), "transformer")
+    with ckpt:
+        convert = key_maps.converter(layout, ckpt.keys())
+        if config_path is not None and Path(config_path).is_file():
+            config = TransformerConfig.from_dict(_check_class(Path(config_path), COMPONENT_CLASSES["transformer"]))
+            config_from = str(config_path)
+        else:
+            config = transformer_config_from_shapes(_shapes(ckpt, convert, quant))
+            config_from = "derived from tensor shapes"
+        model = build_empty(lambda: QwenImage21Transformer(config), device, dtype)
+        load_into(module_slots(model), ckpt, convert, what="Qwen-Image-2.1 transformer", quant=quant)
+        info = _info(ckpt, layout, quant, dtype, device, config_from)
+    log.info("transformer: %s", info)
+    return model, info
+
+
+def load_vae(
+    path: str | os.PathLike, device, dtype: torch.dtype, config_path: str | os.PathLike | None = None
+) -> tuple[QwenImage21VAE, dict[str, str]]:
+    """A diffusers VAE folder or a (ComfyUI Wan 2.2 or diffusers layout) single file -> our VAE."""
+    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    ckpt, layout, quant = _open(Path(path), "vae")
+    with ckpt:
+        convert = key_maps.converter(layout, ckpt.keys())
+        if config_path is not None and Path(config_path).is_file():
+            config = VAEConfig.from_dict(_check_class(Path(config_path), COMPONENT_CLASSES["vae"]))
+            config_from = str(config_path)
+        else:
+            config = vae_config_from_shapes(_shapes(ckpt, convert, quant))
+            config_from = "derived from tensor shapes"
+        model = build_empty(lambda: QwenImage21VAE(config), device, dtype)
+        load_into(module_slots(model), ckpt, convert, what="Qwen-Image-2.1 VAE", quant=quant)
+        info = _info(ckpt, layout, quant, dtype, device, config_from)
+    log.info("vae: %s", info)
+    return model, info
+
+
+def _shapes(ckpt: Checkpoint, convert, quant) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, (_, shape) in converted_shapes(ckpt, convert, quant).items()}
+
+
+def _need(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tuple[int, ...]:
+    if key not in shapes:
+        raise CheckpointMismatchError(f"cannot derive the {what} config from the checkpoint: {key} is missing")
+    return shapes[key]
+
+
+def transformer_config_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> TransformerConfig:
+    """The config a diffusers-named transformer state dict was built with, read off its shapes.
+
+    Only the rotary split is not stored: the released (16, 56, 56) for 128-wide heads, scaled for others
+    (an eighth of the head for frames, the rest split evenly between height and width).
+    """
+    layers = {int(m.group(1)) for k in shapes if (m := re.match(r"transformer_blocks\.(\d+)\.attn\.to_q\.weight", k))}
+    head_dim = _need(shapes, "transformer_blocks.0.attn.norm_q.weight", "transformer")[0]
+    inner = _need(shapes, "transformer_blocks.0.attn.to_q.weight", "transformer")[0]
+    hidden = _need(shapes, "transformer_blocks.0.img_mlp.proj.weight", "transformer")[0]
+    frames = 2 * max(1, head_dim // 16)
+    return TransformerConfig(
+        in_channels=_need(shapes, "img_in.weight", "transformer")[1],
+        out_channels=_need(shapes, "proj_out.weight", "transformer")[0],
+        num_layers=len(layers),
+        attention_head_dim=head_dim,
+        num_attention_heads=inner // head_dim,
+        context_in_dim=_need(shapes, "txt_in.in_layer.weight", "transformer")[1],
+        mlp_ratio=hidden // inner,
+        axes_dims_rope=(frames, (head_dim - frames) // 2, (head_dim - frames) // 2),
+    )
+
+
+def vae_config_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> VAEConfig:
+    """The config a diffusers-named VAE state dict was built with, read off its shapes.
+
+    latents_mean/std are not stored in the weights; the released values need z_dim 64.
+    """
+    base_dim, in_channels = _need(shapes, "encoder.conv_in.weight", "VAE")[:2]
+    stages = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k))})
+    resnets = {int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.0\.resnets\.(\d+)\.", k))}
+    extra_attention = [k for k in shapes if ".attentions." in k and ".mid_block." not in k]
+    if extra_attention:
+        raise CheckpointMismatchError(f"VAE has attention outside the mid blocks, not supported: {extra_attention[:3]}")
+    z_dim = _need(shapes, "post_quant_conv.weight", "VAE")[0]
+    if z_dim != len(VAEConfig().latents_mean):
+        raise CheckpointMismatchError(
+            f"VAE with z_dim {z_dim}: its latents_mean/std are not in the weights and only the released 64-channel "
+            "values are known; load it from a diffusers folder with its config.json"
+        )
+    return VAEConfig(
+        base_dim=base_dim,
+        decoder_base_dim=_need(shapes, "decoder.norm_out.gamma", "VAE")[0],
+        z_dim=z_dim,
+        dim_mult=tuple(
+            _need(shapes, f"encoder.down_blocks.{i}.resnets.0.conv1.weight", "VAE")[0] // base_dim for i in stages
+        ),
+        num_res_blocks=len(resnets),
+        temperal_downsample=tuple(
+            f"encoder.down_blocks.{i}.downsampler.time_conv.weight" in shapes for i in stages[:-1]
+        ),
+        in_channels=in_channels,
+        out_channels=_need(shapes, "decoder.conv_out.weight", "VAE")[0],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Text encoder
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_qwen3vl(
+    path: str | os.PathLike,
+    device,
+    dtype: torch.dtype,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    config_path: str | os.PathLike | None = None,
+) -> tuple[Qwen21TextEncoder, dict[str, str]]:
+    """Qwen3-VL weights (a diffusers text_encoder/ folder or a single file) + its processor -> Qwen21TextEncoder.
+
+    Only the vision tower and the language model are built: the language-model head (0.6 B parameters) is
+    read past and dropped, since the encoder only needs hidden states. The config comes from `config_path`,
+    else from a sidecar `<file stem>.json` next to a single file, else from the Qwen3-VL-8B facts.
+    """
+    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    path = Path(path)
+    processor_dir = find_tokenizer(path, tokenizer)
+    ckpt, layout, quant = _open(path, "text_encoder")
+    with ckpt:
+        config, config_from = _text_encoder_config(ckpt, path, config_path)
+        config.dtype = dtype
+        model = build_empty(lambda: Qwen3VLModel(config), device, dtype)
+        # Our canonical names are the transformers Qwen3VLForConditionalGeneration ones.
+        slots = {f"model.{name}": tensor for name, tensor in module_slots(model).items()}
+        slots["lm_head.weight"] = None
+        load_into(slots, ckpt, key_maps.converter(layout, ckpt.keys()), what="Qwen3-VL text encoder", quant=quant)
+        info = _info(ckpt, layout, quant, dtype, device, config_from)
+    info["tokenizer"] = str(processor_dir)
+    log.info("text encoder: %s", info)
+    return Qwen21TextEncoder(model, load_processor(processor_dir)), info
+
+
+def _text_encoder_config(ckpt: Checkpoint, path: Path, config_path) -> tuple[Qwen3VLConfig, str]:
+    candidates = [Path(config_path)] if config_path else []
+    if path.is_file():
+        candidates.append(path.with_suffix(".json"))
+    for candidate in candidates:
+        if candidate.is_file():
+            data = json.loads(candidate.read_text(encoding="utf-8"))
+            if data.get("model_type") != "qwen3_vl":
+                raise WrongModelError(f"{candidate}: not a Qwen3-VL config (model_type {data.get('model_type')!r})")
+            return Qwen3VLConfig.from_dict(data), str(candidate)
+
+    norm = next(k for k in ("model.language_model.norm.weight", "model.norm.weight") if k in ckpt)
+    hidden = ckpt.shape(norm)[0]
+    layer_key = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
+    layers = len({m.group(1) for k in ckpt.keys() if (m := layer_key.match(k))})
+    facts = QWEN3_VL_8B_CONFIG["text_config"]
+    if (hidden, layers) != (facts["hidden_size"], facts["num_hidden_layers"]):
+        size = " (Qwen3-VL-4B)" if hidden == 2560 else ""
+        raise WrongModelError(
+            f"{ckpt.path}: a Qwen3-VL text encoder with hidden size {hidden} and {layers} layers{size}, but "
+            f"Qwen-Image-2.1 uses Qwen3-VL-8B ({facts['hidden_size']}, {facts['num_hidden_layers']}). To load "
+            f"another size anyway, put its transformers config.json next to it as {path.with_suffix('.json').name}"
+        )
+    return Qwen3VLConfig.from_dict(QWEN3_VL_8B_CONFIG), "Qwen3-VL-8B facts"
+
+
+def find_tokenizer(text_encoder_path: str | os.PathLike, explicit: str | os.PathLike | None = None) -> Path:
+    """The folder holding the Qwen3-VL processor or tokenizer for a text encoder.
+
+    Looked for, in order: `explicit`; processor/ or tokenizer/ beside a diffusers text_encoder/ folder; next
+    to a single file (a folder named after it, processor/, tokenizer/, or tokenizer files right there);
+    inside the ComfyUI installation above it (comfy/text_encoders/qwen25_tokenizer).
+    """
+    if explicit is not None:
+        explicit = Path(explicit)
+        for candidate in (explicit, explicit / "processor", explicit / "tokenizer"):
+            if _has_tokenizer(candidate):
+                return candidate
+        raise FileNotFoundError(f"tokenizer folder {explicit} has no tokenizer files (tokenizer.json or vocab.json)")
+
+    path = Path(text_encoder_path).resolve()
+    near = path.parent  # the diffusers root for a text_encoder/ folder, the file's folder otherwise
+    candidates = [near / "processor", near / "tokenizer"]
+    if path.is_file():
+        candidates = [near / path.stem, *candidates, near]
+    candidates += [parent / COMFYUI_TOKENIZER_DIR for parent in path.parents]
+    for candidate in candidates:
+        if _has_tokenizer(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"no Qwen3-VL tokenizer found for {text_encoder_path}. Looked in {[str(c) for c in candidates[:4]]} and for "
+        f"{COMFYUI_TOKENIZER_DIR} in every folder above it. Pass the folder as the 'tokenizer' entry."
+    )
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()
+
+
+def load_processor(folder: str | os.PathLike) -> Qwen3VLProcessor:
+    """The Qwen3VLProcessor in `folder`; for a bare tokenizer folder (ComfyUI's), one built from Qwen3-VL facts."""
+    folder = Path(folder)
+    if (folder / "processor_config.json").is_file() or (folder / "preprocessor_config.json").is_file():
+        return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    geometry = {k: v for k, v in QWEN3_VL_IMAGE_PROCESSOR.items() if k != "size"}
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**QWEN3_VL_IMAGE_PROCESSOR),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(**geometry),
+        chat_template=getattr(tokenizer, "chat_template", None),
+    )
