@@ -97,16 +97,11 @@ def load_components(
 
     if isinstance(source, Mapping):
         paths, scheduler_config, pipeline_config = _single_files(source, load_text_encoder)
-        tokenizer = paths.get("tokenizer")
-        configs = {}
     else:
-        root = Path(source)
-        paths, scheduler_config, pipeline_config = _diffusers_folder(root)
-        tokenizer = paths["tokenizer"]
-        configs = {name: root / name / "config.json" for name in ("transformer", "vae", "text_encoder")}
+        paths, scheduler_config, pipeline_config = _diffusers_folder(Path(source))
 
-    transformer, transformer_info = load_transformer(paths["transformer"], device, dtype, configs.get("transformer"))
-    vae, vae_info = load_vae(paths["vae"], device, vae_dtype, configs.get("vae"))
+    transformer, transformer_info = load_transformer(paths["transformer"], device, dtype)
+    vae, vae_info = load_vae(paths["vae"], device, vae_dtype)
     if vae.config.z_dim != transformer.config.in_channels:
         raise ValueError(
             f"the VAE ({paths['vae']}) has z_dim {vae.config.z_dim} but the transformer reads "
@@ -116,7 +111,7 @@ def load_components(
     text_encoder = None
     if load_text_encoder:
         text_encoder, te_info = load_qwen3vl(
-            paths["text_encoder"], te_device, te_dtype, tokenizer=tokenizer, config_path=configs.get("text_encoder")
+            paths["text_encoder"], te_device, te_dtype, tokenizer=paths.get("tokenizer")
         )
         if text_encoder.hidden_size != transformer.config.context_in_dim:
             raise ValueError(
@@ -202,6 +197,15 @@ def _open(path: Path, component: str) -> tuple[Checkpoint, Layout, quantization.
     return ckpt, layout, quant
 
 
+def _config_file(path: Path, explicit) -> Path | None:
+    """The config for the weights at `path`: `explicit`, else config.json in a component folder, else a sidecar
+    `<file stem>.json` next to a single file; None if there is none."""
+    if explicit is not None:
+        return Path(explicit)
+    candidate = path / "config.json" if path.is_dir() else path.with_suffix(".json")
+    return candidate if candidate.is_file() else None
+
+
 def _check_class(config_path: Path, expected: str) -> dict:
     data = json.loads(config_path.read_text(encoding="utf-8"))
     found = data.get("_class_name", expected)
@@ -231,11 +235,12 @@ def load_transformer(
 ) -> tuple[QwenImage21Transformer, dict[str, str]]:
     """A diffusers transformer folder or a (ComfyUI or diffusers layout) single file -> our transformer."""
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    config_path = _config_file(Path(path), config_path)
     ckpt, layout, quant = _open(Path(path), "transformer")
     with ckpt:
         convert = key_maps.converter(layout, ckpt.keys())
-        if config_path is not None and Path(config_path).is_file():
-            config = TransformerConfig.from_dict(_check_class(Path(config_path), COMPONENT_CLASSES["transformer"]))
+        if config_path is not None:
+            config = TransformerConfig.from_dict(_check_class(config_path, COMPONENT_CLASSES["transformer"]))
             config_from = str(config_path)
         else:
             config = transformer_config_from_shapes(_shapes(ckpt, convert, quant))
@@ -252,11 +257,12 @@ def load_vae(
 ) -> tuple[QwenImage21VAE, dict[str, str]]:
     """A diffusers VAE folder or a (ComfyUI Wan 2.2 or diffusers layout) single file -> our VAE."""
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    config_path = _config_file(Path(path), config_path)
     ckpt, layout, quant = _open(Path(path), "vae")
     with ckpt:
         convert = key_maps.converter(layout, ckpt.keys())
-        if config_path is not None and Path(config_path).is_file():
-            config = VAEConfig.from_dict(_check_class(Path(config_path), COMPONENT_CLASSES["vae"]))
+        if config_path is not None:
+            config = VAEConfig.from_dict(_check_class(config_path, COMPONENT_CLASSES["vae"]))
             config_from = str(config_path)
         else:
             config = vae_config_from_shapes(_shapes(ckpt, convert, quant))
@@ -351,7 +357,8 @@ def load_qwen3vl(
 
     Only the vision tower and the language model are built: the language-model head (0.6 B parameters) is
     read past and dropped, since the encoder only needs hidden states. The config comes from `config_path`,
-    else from a sidecar `<file stem>.json` next to a single file, else from the Qwen3-VL-8B facts.
+    else config.json in a text_encoder/ folder or a sidecar `<file stem>.json` next to a single file, else
+    from the Qwen3-VL-8B facts.
     """
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
     path = Path(path)
@@ -372,15 +379,12 @@ def load_qwen3vl(
 
 
 def _text_encoder_config(ckpt: Checkpoint, path: Path, config_path) -> tuple[Qwen3VLConfig, str]:
-    candidates = [Path(config_path)] if config_path else []
-    if path.is_file():
-        candidates.append(path.with_suffix(".json"))
-    for candidate in candidates:
-        if candidate.is_file():
-            data = json.loads(candidate.read_text(encoding="utf-8"))
-            if data.get("model_type") != "qwen3_vl":
-                raise WrongModelError(f"{candidate}: not a Qwen3-VL config (model_type {data.get('model_type')!r})")
-            return Qwen3VLConfig.from_dict(data), str(candidate)
+    config_path = _config_file(path, config_path)
+    if config_path is not None:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+        if data.get("model_type") != "qwen3_vl":
+            raise WrongModelError(f"{config_path}: not a Qwen3-VL config (model_type {data.get('model_type')!r})")
+        return Qwen3VLConfig.from_dict(data), str(config_path)
 
     norm = next(k for k in ("model.language_model.norm.weight", "model.norm.weight") if k in ckpt)
     hidden = ckpt.shape(norm)[0]

@@ -1,0 +1,237 @@
+"""loading.py: both layouts into identical modules, parity with diffusers/transformers loaders, configs from
+shapes, fp8 files, tokenizer lookup, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from qwen21_nodes.qwen21_core import loading
+from qwen21_nodes.qwen21_core.checkpoint import CheckpointMismatchError, WrongModelError
+from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
+from qwen21_nodes.qwen21_core.tiny import TURBO_SIGMAS, make_tiny
+from safetensors.torch import load_file, save_file
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def _single(tiny, **changes):
+    return {"transformer": tiny["transformer"], "vae": tiny["vae"], "text_encoder": tiny["text_encoder"], **changes}
+
+
+def _same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_layouts_load_into_identical_modules(tiny, dtype):
+    folder = loading.load_components(tiny["diffusers"], "cpu", dtype)
+    single = loading.load_components(_single(tiny), "cpu", dtype)
+    assert folder.transformer.config == single.transformer.config
+    assert folder.vae.config == single.vae.config
+    _same_tensors(folder.transformer.state_dict(), single.transformer.state_dict())
+    _same_tensors(folder.vae.state_dict(), single.vae.state_dict())
+    _same_tensors(folder.text_encoder.model.state_dict(), single.text_encoder.model.state_dict())
+    assert folder.transformer.dtype == dtype and folder.vae.dtype == dtype and single.text_encoder.dtype == dtype
+    assert folder.scheduler_config == single.scheduler_config
+    assert folder.sources["transformer"]["layout"] == "diffusers"
+    assert single.sources["transformer"]["layout"] == single.sources["vae"]["layout"] == "comfyui"
+    assert single.sources["transformer"]["config"] == "derived from tensor shapes"
+    assert single.sources["text_encoder"]["config"].endswith("qwen3vl_tiny.json")
+
+
+def test_weights_match_the_diffusers_loader(tiny):
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+
+    ours = loading.load_components(_single(tiny), "cpu", torch.float32, load_text_encoder=False)
+    ref_transformer = QwenImage21Transformer2DModel.from_pretrained(tiny["diffusers"] / "transformer")
+    slots = {k: v.detach() for k, v in ours.transformer.checkpoint_slots().items()}
+    _same_tensors(slots, ref_transformer.state_dict())
+    ref_vae = AutoencoderKLQwenImage21.from_pretrained(tiny["diffusers"] / "vae")
+    ours_vae = {k: v.detach() for k, v in ours.vae.checkpoint_slots().items() if v is not None}
+    ref_vae_state = {k: v for k, v in ref_vae.state_dict().items() if "time_conv" not in k}
+    _same_tensors(ours_vae, ref_vae_state)
+
+
+def test_text_encoder_matches_the_transformers_loader(tiny):
+    from qwen21_nodes.qwen21_core.text_encoder import Qwen21TextEncoder
+
+    ours, info = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32)
+    reference = Qwen21TextEncoder.from_folder(tiny["diffusers"], device="cpu", dtype=torch.float32)
+    _same_tensors(ours.model.state_dict(), reference.model.state_dict())
+    buffers, ref_buffers = dict(ours.model.named_buffers()), dict(reference.model.named_buffers())
+    _same_tensors(buffers, ref_buffers)  # rotary frequencies computed, not left uninitialised
+    a, b = ours.encode_prompts(["A capybara"])[0], reference.encode_prompts(["A capybara"])[0]
+    assert torch.equal(a.embeds, b.embeds)
+    assert info["tokenizer"].endswith("qwen3vl_tiny")
+
+
+def test_configs_derived_from_shapes_equal_the_config_files(tiny):
+    folder = tiny["diffusers"]
+    expected_dit = TransformerConfig.from_json_file(folder / "transformer" / "config.json")
+    expected_vae = VAEConfig.from_json_file(folder / "vae" / "config.json")
+    transformer, _ = loading.load_transformer(tiny["transformer"], "cpu", torch.float32)
+    vae, _ = loading.load_vae(tiny["vae"], "cpu", torch.float32)
+    assert transformer.config == expected_dit
+    assert vae.config == expected_vae
+
+
+def test_released_rotary_split_is_derived_for_128_wide_heads():
+    shapes = {
+        "img_in.weight": (4096, 64),
+        "proj_out.weight": (64, 4096),
+        "txt_in.in_layer.weight": (4096, 4096),
+        "transformer_blocks.0.attn.norm_q.weight": (128,),
+        "transformer_blocks.0.attn.to_q.weight": (4096, 4096),
+        "transformer_blocks.0.img_mlp.proj.weight": (12288, 4096),
+    }
+    shapes.update({f"transformer_blocks.{i}.attn.to_q.weight": (4096, 4096) for i in range(32)})
+    assert loading.transformer_config_from_shapes(shapes) == TransformerConfig()  # the released defaults
+
+
+def test_diffusers_layout_single_files_and_unprefixed_comfy_files(tiny, tmp_path):
+    comfy = load_file(tiny["transformer"])
+    unprefixed = {k.removeprefix("model.diffusion_model."): v for k, v in comfy.items()}
+    save_file(unprefixed, tmp_path / "dit_unprefixed.safetensors")
+    shutil.copy(
+        tiny["diffusers"] / "vae" / "diffusion_pytorch_model.safetensors", tmp_path / "vae_diffusers.safetensors"
+    )
+    reference = loading.load_components(tiny["diffusers"], "cpu", torch.float32, load_text_encoder=False)
+    single = loading.load_components(
+        {"transformer": tmp_path / "dit_unprefixed.safetensors", "vae": tmp_path / "vae_diffusers.safetensors"},
+        "cpu", torch.float32, load_text_encoder=False,
+    )  # fmt: skip
+    _same_tensors(reference.transformer.state_dict(), single.transformer.state_dict())
+    _same_tensors(reference.vae.state_dict(), single.vae.state_dict())
+    assert single.sources["vae"]["layout"] == "diffusers" and single.sources["transformer"]["layout"] == "comfyui"
+
+
+def test_fp8_scaled_comfy_transformer_loads_within_fp8_error(tiny, tmp_path):
+    comfy = load_file(tiny["transformer"])
+    quantized = {}
+    for key, tensor in comfy.items():
+        if key.endswith(".weight") and tensor.dim() == 2:  # ComfyUI quantises the linear weights only
+            scale = tensor.abs().amax().float() / 448.0
+            quantized[key] = (tensor / scale).to(torch.float8_e4m3fn)
+            layer = key.removesuffix(".weight")
+            quantized[layer + ".weight_scale"] = scale
+            quantized[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+        else:
+            quantized[key] = tensor.bfloat16()
+    save_file(quantized, tmp_path / "dit_fp8_scaled.safetensors")
+
+    reference, _ = loading.load_transformer(tiny["transformer"], "cpu", torch.float32)
+    model, info = loading.load_transformer(tmp_path / "dit_fp8_scaled.safetensors", "cpu", torch.float32)
+    assert info["stored"] == "fp8 e4m3fn, per-tensor scales"
+    for name, expected in reference.checkpoint_slots().items():
+        got = model.checkpoint_slots()[name]
+        assert (got - expected).abs().max() <= expected.abs().max() / 16 + 1e-6, name
+
+
+# ---- tokenizer lookup ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_found_next_to_the_file_explicitly_and_in_a_comfyui_install(tiny, tmp_path):
+    assert loading.find_tokenizer(tiny["text_encoder"]) == tiny["tokenizer"].resolve()
+    assert loading.find_tokenizer(tiny["diffusers"] / "text_encoder") == (tiny["diffusers"] / "processor").resolve()
+    assert loading.find_tokenizer(tiny["text_encoder"], explicit=tiny["diffusers"]) == tiny["diffusers"] / "processor"
+
+    # A ComfyUI installation: models/text_encoders/<file>, the tokenizer in comfy/text_encoders/qwen25_tokenizer
+    install = tmp_path / "ComfyUI"
+    (install / "models" / "text_encoders").mkdir(parents=True)
+    file = shutil.copy(tiny["text_encoder"], install / "models" / "text_encoders" / "qwen3vl.safetensors")
+    bundled = install / loading.COMFYUI_TOKENIZER_DIR
+    bundled.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # tokenizer files only, as ComfyUI bundles them
+        shutil.copy(tiny["tokenizer"] / name, bundled / name)
+    assert loading.find_tokenizer(file) == bundled.resolve()
+
+    processor = loading.load_processor(bundled)
+    assert processor.image_processor.patch_size == 16 and processor.image_processor.merge_size == 2
+    assert processor.image_processor.size["shortest_edge"] == 65536  # Qwen3-VL's 256x256 minimum
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") is not None
+
+
+def test_tokenizer_not_found_lists_where_it_looked(tiny, tmp_path):
+    lonely = shutil.copy(tiny["text_encoder"], tmp_path / "te.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"no Qwen3-VL tokenizer found .*te\.safetensors.*qwen25_tokenizer"):
+        loading.find_tokenizer(lonely)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        loading.find_tokenizer(lonely, explicit=tmp_path)
+
+
+# ---- turbo, errors ------------------------------------------------------------------------------------
+
+
+def test_turbo_folder_carries_its_sample_sigmas(tiny):
+    turbo = loading.load_components(tiny["diffusers_turbo"], "cpu", torch.float32, load_text_encoder=False)
+    assert turbo.pipeline_config.sample_sigmas == TURBO_SIGMAS
+    plain = loading.load_components(tiny["diffusers"], "cpu", torch.float32, load_text_encoder=False)
+    assert plain.pipeline_config.sample_sigmas is None
+
+
+def test_wrong_pipeline_and_component_classes(tiny, tmp_path):
+    folder = shutil.copytree(tiny["diffusers"], tmp_path / "folder")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    with pytest.raises(WrongModelError, match=r"found a Qwen-Image 1\.x pipeline \(QwenImageEditPlusPipeline\)"):
+        loading.load_components(folder, "cpu", torch.float32)
+    (folder / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "_class_name": "WanTransformer3DModel"}))
+    with pytest.raises(
+        WrongModelError, match="expected a QwenImage21Transformer2DModel config, found WanTransformer3D"
+    ):
+        loading.load_components(folder, "cpu", torch.float32)
+    shutil.rmtree(folder / "vae")
+    with pytest.raises(FileNotFoundError, match=r"vae not found: the diffusers folder is incomplete"):
+        loading.load_components(folder, "cpu", torch.float32)
+
+
+def test_source_errors(tiny):
+    with pytest.raises(ValueError, match="is a file; pass a diffusers folder"):
+        loading.load_components(tiny["transformer"], "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"needs paths for \['vae'\]"):
+        loading.load_components({"transformer": tiny["transformer"], "text_encoder": tiny["text_encoder"]},
+                                "cpu", torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown entries \['unet'\]"):
+        loading.load_components(_single(tiny, unet="x"), "cpu", torch.float32)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        loading.load_components(_single(tiny), "cpu", torch.int8)
+    with pytest.raises(FileNotFoundError, match="model_index.json not found"):
+        loading.load_components(tiny["models"], "cpu", torch.float32)
+
+
+def test_swapped_files_are_named(tiny):
+    with pytest.raises(WrongModelError, match="this file is the Qwen-Image-2.1 VAE; load it as the vae"):
+        loading.load_components(_single(tiny, transformer=tiny["vae"], vae=tiny["transformer"]), "cpu", torch.float32)
+
+
+def test_text_encoder_of_another_size_needs_its_config(tiny, tmp_path):
+    lonely = shutil.copy(tiny["text_encoder"], tmp_path / "qwen3vl_small.safetensors")
+    with pytest.raises(WrongModelError, match=r"hidden size 64 and 2 layers, but Qwen-Image-2.1 uses Qwen3-VL-8B "
+                                              r"\(4096, 36\).*as qwen3vl_small\.json"):  # fmt: skip
+        loading.load_qwen3vl(lonely, "cpu", torch.float32, tokenizer=tiny["tokenizer"])
+
+
+def test_text_encoder_and_transformer_must_fit(tiny, tmp_path):
+    from qwen21_nodes.qwen21_core.tiny_text_encoder import save_tiny_text_encoder
+
+    save_tiny_text_encoder(tmp_path / "wide", hidden_size=96)
+    wide = {"text_encoder": tmp_path / "wide" / "text_encoder", "tokenizer": tmp_path / "wide" / "processor"}
+    with pytest.raises(ValueError, match="hidden size 96 but the transformer reads 64"):
+        loading.load_components(_single(tiny, **wide), "cpu", torch.float32)
+
+
+def test_shape_mismatch_names_key_and_shapes(tiny, tmp_path):
+    comfy = load_file(tiny["transformer"])
+    comfy["model.diffusion_model.transformer_blocks.1.attn.to_out.0.weight"] = torch.zeros(64, 60)
+    save_file(comfy, tmp_path / "broken.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=r"transformer_blocks\.1\.attn\.to_out\.0\.weight: checkpoint "
+                                                      r"\[64, 60\] vs model \[64, 64\]"):  # fmt: skip
+        loading.load_transformer(tmp_path / "broken.safetensors", "cpu", torch.float32)
