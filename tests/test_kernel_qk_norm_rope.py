@@ -59,6 +59,7 @@ def _round_bf16_like_the_gpu(monkeypatch):
     monkeypatch.setattr(interpreter, "_convert_float", convert_rounding_bf16)
 
 
+@pytest.mark.slow  # a child process: imports the package again, then interprets the kernel (~15 s on 2 cores)
 def test_kernel_through_interpreter():
     if _triton.INTERPRETER_ACTIVE:
         pytest.skip("this is the child process")
