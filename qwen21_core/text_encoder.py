@@ -215,8 +215,8 @@ class Qwen21TextEncoder:
         return next(self.model.parameters()).dtype
 
     def to(self, device: str | torch.device) -> Qwen21TextEncoder:
-        self._device = torch.device(device)
-        self.model.to(self._device)
+        self.model.to(device)
+        self._device = next(self.model.parameters()).device  # "cuda" -> "cuda:0", so later checks compare equal
         return self
 
     def offload(self) -> None:
