@@ -78,7 +78,7 @@ class Qwen21Encode:
                     "INT",
                     {
                         "default": 1024,
-                        "min": 256,
+                        "min": 64,
                         "max": 4096,
                         "step": 32,
                         "tooltip": "Side of the square with the output's pixel count. Cost grows with pixels: "

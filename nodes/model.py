@@ -82,11 +82,25 @@ class Qwen21Model:
         return int(activations + prefix_kv)
 
 
-def format_status(stats: dict) -> str:
-    """One compact line from the pipeline's stats dict, for the node's status text."""
-    parts = []
-    for key, value in stats.items():
-        if isinstance(value, float):
-            value = f"{value:.3g}"
-        parts.append(f"{key}={value}")
-    return " · ".join(parts)
+def sample_status(stats: dict) -> str:
+    """One compact line from the pipeline's sampling stats, for the node's status text."""
+    if not stats:
+        return ""
+    cache = stats.get("prefix_cache", "off")
+    if cache != "off":
+        cache += f", {stats.get('prefix_cache_mib', 0):.0f} MiB"
+    return (
+        f"{stats.get('steps_per_second', 0):.2f} steps/s · prefix cache {cache} · "
+        f"graphs {stats.get('decode_graph', 'off')} · peak {stats.get('peak_vram_mib', 0) / 1024:.1f} GiB"
+    )
+
+
+def decode_status(stats: dict) -> str:
+    """One compact line from the pipeline's VAE decode stats."""
+    if not stats:
+        return ""
+    path = f"tiled ({stats.get('tiles')} tiles)" if stats.get("tiled") else "untiled"
+    retries = stats.get("oom_retries", 0)
+    return f"VAE {path} · {stats.get('quality', 'exact')} · {stats.get('precision')}" + (
+        f" · {retries} OOM retries" if retries else ""
+    )

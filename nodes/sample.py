@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from . import host
-from .model import CONDITIONING_TYPE, MODEL_TYPE, format_status
+from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
 
 SCHEDULES = ("default", "turbo", "custom")
@@ -205,6 +205,6 @@ class Qwen21Sampler:
         )
         stats = dict(model.pipe.last_sample_stats or {})
         return {
-            "ui": {"qwen21_stats": [stats], "qwen21_status": [format_status(stats)]},
+            "ui": {"qwen21_stats": [stats], "qwen21_status": [sample_status(stats)]},
             "result": ({"samples": latents.to(host.intermediate_device())},),
         }

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from . import host
-from .model import MODEL_TYPE, format_status
+from .model import MODEL_TYPE, decode_status
 
 LATENT_CHANNELS = 64
 SPATIAL_FACTOR = 16
@@ -112,7 +112,7 @@ class Qwen21VAEDecode:
         rgba = rgba.to(host.intermediate_device(), torch.float32)
         stats = dict(model.pipe.last_decode_stats or {})
         return {
-            "ui": {"qwen21_stats": [stats], "qwen21_status": [format_status(stats)]},
+            "ui": {"qwen21_stats": [stats], "qwen21_status": [decode_status(stats)]},
             "result": (rgba[..., :3].contiguous(), 1.0 - rgba[..., 3]),
         }
 

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 from PIL import Image
-
 from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
 from qwen21_nodes.runner.cli import EXAMPLE_INPUTS, WORKFLOWS_DIR, ensure_tiny_models, run_workflow, tiny_overrides
 from qwen21_nodes.runner.core_nodes import make_core_nodes
@@ -19,7 +18,9 @@ from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
 
 API_WORKFLOWS = sorted((WORKFLOWS_DIR / "api").glob("*.json"))
 UI_WORKFLOWS = sorted(WORKFLOWS_DIR.glob("*.json"))
-EXPECTED = {"text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode"}
+EXPECTED = {
+    "text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode"
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
