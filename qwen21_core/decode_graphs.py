@@ -17,6 +17,9 @@ Bookkeeping rules:
   key (no retry) and the branch decodes eagerly;
 - weights that moved (ComfyUI offloading and reloading the model) invalidate every entry.
 Every fallback logs its reason once and is reported by `describe()`.
+
+Because an idle entry keeps its cache, re-running the same conditioning (a new seed, say) finds its
+prefix K/V already there: the sampler compares `cache.prefix_id` and skips the prefill.
 """
 
 from __future__ import annotations
@@ -131,8 +134,7 @@ class DecodeGraphs:
         branch.prefix_cos, branch.prefix_sin = fresh.prefix_cos, fresh.prefix_sin
         branch.prefix_masks = fresh.prefix_masks
         branch.prefix_key_valid = fresh.prefix_key_valid
-        branch.cache.filled = False
-        entry.in_use = True
+        entry.in_use = True  # the cache keeps its prefix and `prefix_id`: the sampler may reuse it
 
     def release(self, branch: Branch):
         """End of a generation for this branch: an entry keeps its buffers; others are freed."""
@@ -227,7 +229,7 @@ class DecodeGraphs:
                                              dtype=self.transformer.dtype)  # fmt: skip
                 entry.static_t = torch.zeros(branch.batch, device=self.transformer.device, dtype=self.transformer.dtype)
                 entry.graph, entry.static_out = self.capture(
-                    lambda x, t: self.transformer.decode(branch, x, t), entry.static_x, entry.static_t
+                    lambda x, t: self.transformer.decode(branch, x, t, in_graph=True), entry.static_x, entry.static_t
                 )
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
             entry.graph = entry.static_out = entry.static_x = entry.static_t = None

@@ -27,6 +27,7 @@ class PrefixKVCache:
         self.target_len = target_len
         self.shared_prefix = batch > 1
         self.filled = False  # True once the prefill has written the prefix part
+        self.prefix_id = None  # what the prefix part holds (set by the sampler), for reuse across runs
         # Normal (not inference-mode) tensors: they may outlive this call inside a graph entry and be
         # written again under a different grad mode.
         with torch.inference_mode(False):
@@ -72,3 +73,4 @@ class PrefixKVCache:
     def release(self):
         self._joint = self._prefix = self._target = None
         self.filled = False
+        self.prefix_id = None

@@ -207,10 +207,16 @@ class Sampler:
             branches.append((branch, prompt))
         return branches, cond_tokens
 
-    def _prefill(self, branch: Branch, prompt: PromptEmbedding, cond_tokens):
-        self.transformer.prefill(branch, prompt.embeds, cond_tokens)
-        self.stats.prefills += 1
+    def _prefill(self, branch: Branch, prompt: PromptEmbedding, cond_tokens, prefix_id):
         self.stats.prefix_tokens = max(self.stats.prefix_tokens, branch.layout.prefix_len)
+        cache = branch.cache
+        if self.prefix_cache and prefix_id is not None and cache.filled and cache.prefix_id == prefix_id:
+            self.stats.prefix_cache = "reused"  # a kept cache already holds this prefix (same conditioning)
+            return
+        cache.prefix_id = None
+        self.transformer.prefill(branch, prompt.embeds, cond_tokens)
+        cache.prefix_id = prefix_id
+        self.stats.prefills += 1
 
     def _velocity(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if self.decode_runner is not None:
@@ -236,15 +242,20 @@ class Sampler:
         x = pack(x).to(dtype)
 
         branches, cond_tokens = self._branches(cond, target_shape, batch, use_cfg)
+        # what a prefix depends on: the conditioning's content, the branch and the weights' dtype
+        prefix_ids = [
+            (cond.content_hash, role, str(dtype)) if cond.content_hash else None
+            for role in ("positive", "negative")[: len(branches)]
+        ]
         self.stats.cache_bytes += sum(b.cache.nbytes for b, _ in branches)
         total = len(timesteps)
         try:
             for i in range(total):
                 t = (timesteps[i].expand(batch).to(dtype)) / 1000
                 velocities = []
-                for branch, prompt in branches:
+                for (branch, prompt), prefix_id in zip(branches, prefix_ids, strict=True):
                     if i == 0 or not self.prefix_cache:
-                        self._prefill(branch, prompt, cond_tokens)
+                        self._prefill(branch, prompt, cond_tokens, prefix_id if self.prefix_cache else None)
                     velocities.append(self._velocity(branch, x, t))
                 v = velocities[0]
                 if use_cfg:

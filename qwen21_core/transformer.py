@@ -175,12 +175,12 @@ class Block(nn.Module):
             out[:, rows] = self._finish(x[:, rows], attn[:, rows], mod0, EAGER)
         return out
 
-    def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns):
+    def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns, in_graph: bool):
         """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place."""
         k_out, v_out = branch.cache.target(layer)
         q, k, v = qk_norm_rope(
             self._qkv(x, mod.scale1, fns), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos,
-            branch.target_sin, self.eps, k_out=k_out, v_out=v_out,
+            branch.target_sin, self.eps, k_out=k_out, v_out=v_out, in_graph=in_graph,
         )  # fmt: skip
         joint = branch.cache.joint(layer)
         if joint is not None:
@@ -380,8 +380,11 @@ class QwenImage21Transformer(nn.Module):
         branch.cache.filled = True
 
     @torch.no_grad()
-    def decode(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Velocity for the target tokens. x: [B, N, in_channels]; t: [B] in [0, 1]. -> [B, N, out_channels]."""
+    def decode(self, branch: Branch, x: torch.Tensor, t: torch.Tensor, in_graph: bool = False) -> torch.Tensor:
+        """Velocity for the target tokens. x: [B, N, in_channels]; t: [B] in [0, 1]. -> [B, N, out_channels].
+
+        in_graph: the step is (being) captured into a CUDA graph, which changes the fused-kernel gate.
+        """
         if not branch.cache.filled:
             raise RuntimeError("decode called before prefill: the branch's prefix K/V cache is empty")
         temb, mod = self._modulation(t)
@@ -389,7 +392,7 @@ class QwenImage21Transformer(nn.Module):
         with backend_context(branch.attention_backend):
             fns = self.block_functions
             for i, block in enumerate(self.transformer_blocks):
-                h = block.decode(h, mod, branch, i, fns)
+                h = block.decode(h, mod, branch, i, fns, in_graph)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
         return self.proj_out(h)

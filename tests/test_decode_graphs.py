@@ -195,3 +195,26 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
         tt = torch.full((1,), t, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
     assert graphs.describe() == "replay"
+
+
+def test_rerun_of_the_same_conditioning_reuses_the_kept_prefix(model):
+    mean, std = torch.zeros(CHANNELS), torch.ones(CHANNELS)
+    g = torch.Generator().manual_seed(4)
+    prompt = PromptEmbedding(torch.randn(9, CONTEXT, generator=g), torch.zeros(9, dtype=torch.bool))
+    cond = Conditioning(prompt, content_hash="abc")
+    graphs = DecodeGraphs(model, capture=Recorder())
+    kw = dict(height=64, width=64, steps=3)
+    first = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs)
+    first.sample([cond], seed=1, **kw)
+    graphs.end_generation()
+    assert first.stats.prefills == 1
+    second = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs)
+    out = second.sample([cond], seed=2, **kw)
+    graphs.end_generation()
+    assert second.stats.prefills == 0 and second.stats.prefix_cache == "reused"
+    assert torch.equal(out, Sampler(model, QWEN21_SCHEDULER, mean, std).sample([cond], seed=2, **kw))
+    # a different conditioning with the same shapes must not reuse it
+    other = Conditioning(PromptEmbedding(prompt.embeds + 1, prompt.image_pad_mask), content_hash="xyz")
+    third = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs)
+    third.sample([other], seed=2, **kw)
+    assert third.stats.prefills == 1
