@@ -12,15 +12,18 @@ SCHEDULES = ("default", "turbo", "custom")
 
 
 def parse_sigmas(text: str) -> list[float]:
-    """'1.0, 0.75, 0.5, 0.25, 0' -> floats, strictly decreasing from <= 1 to >= 0."""
+    """'1.0, 0.75, 0.5, 0.25' -> the base grid the core takes: falling values in (0, 1], one per step.
+    A trailing 0 (ComfyUI's sigma lists end with it) is the implied terminal value and is dropped."""
     try:
         sigmas = [float(part) for part in text.replace("\n", ",").split(",") if part.strip()]
     except ValueError as error:
-        raise ValueError(f"sigmas must be comma-separated numbers like '1.0, 0.5, 0.0', got {text!r}") from error
-    if len(sigmas) < 2:
-        raise ValueError(f"sigmas needs at least 2 values (a start and an end), got {text!r}")
-    if any(b >= a for a, b in pairwise(sigmas)) or sigmas[0] > 1 or sigmas[-1] < 0:
-        raise ValueError(f"sigmas must fall strictly from at most 1.0 down to at least 0.0, got {sigmas}")
+        raise ValueError(f"sigmas must be comma-separated numbers like '1.0, 0.75, 0.5, 0.25', got {text!r}") from error
+    if sigmas and sigmas[-1] == 0:
+        sigmas = sigmas[:-1]
+    if not sigmas:
+        raise ValueError(f"sigmas needs at least one value in (0, 1], got {text!r}")
+    if any(b >= a for a, b in pairwise(sigmas)) or sigmas[0] > 1 or sigmas[-1] <= 0:
+        raise ValueError(f"sigmas must fall strictly within (0, 1] (a final 0 is implied), got {sigmas}")
     return sigmas
 
 
@@ -109,8 +112,9 @@ class Qwen21Sampler:
                     "STRING",
                     {
                         "default": "",
-                        "tooltip": "Only with schedule=custom: comma-separated sigmas from <= 1.0 down to 0, "
-                        "e.g. '1.0, 0.9, 0.75, 0.5, 0.25, 0'. The number of steps is len - 1.",
+                        "tooltip": "Only with schedule=custom: comma-separated sigmas falling from <= 1.0, one per "
+                        "step, e.g. '1.0, 0.75, 0.5, 0.25' (4 steps; the final 0 is implied). They get the same "
+                        "resolution shift as the default schedule.",
                     },
                 ),
                 "denoise": (
@@ -180,7 +184,7 @@ class Qwen21Sampler:
             raise ValueError(f"denoise {denoise} < 1 needs an input `latent` to start from; connect one or set 1.0")
         custom_sigmas = parse_sigmas(sigmas) if schedule == "custom" else None
 
-        progress = host.Progress(steps if custom_sigmas is None else len(custom_sigmas) - 1, "sampling step")
+        progress = host.Progress(steps if custom_sigmas is None else len(custom_sigmas), "sampling step")
         projection = model.preview_projection() if host.previews_enabled() else None  # before the DiT loads
 
         def on_step(step: int, total: int, x0):

@@ -100,7 +100,7 @@ def test_preview_fit_recovers_a_linear_latent_space():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("1.0, 0.5, 0", [1.0, 0.5, 0.0]), ("0.9\n0.3,\n0.0", [0.9, 0.3, 0.0])],
+    [("1.0, 0.5, 0", [1.0, 0.5]), ("0.9\n0.3,\n0.1", [0.9, 0.3, 0.1]), ("1", [1.0])],
 )
 def test_custom_sigmas_parse(text, expected):
     assert parse_sigmas(text) == expected
@@ -110,10 +110,11 @@ def test_custom_sigmas_parse(text, expected):
     "text, message",
     [
         ("1.0, x", "comma-separated numbers"),
-        ("1.0", "at least 2 values"),
+        ("0", "at least one value"),
         ("1.0, 0.5, 0.7", "strictly"),
-        ("1.5, 0.0", "at most 1.0"),
-        ("", "at least 2 values"),
+        ("1.5, 0.5", "within"),
+        ("0.5, -0.1", "within"),
+        ("", "at least one value"),
     ],
 )
 def test_bad_custom_sigmas_name_the_input(text, message):

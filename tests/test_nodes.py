@@ -1,0 +1,147 @@
+"""The node classes on the tiny checkpoint, called the way ComfyUI calls them (outside ComfyUI here):
+ComfyUI tensor conventions, errors that name the input, interrupts that leave the next run working,
+and agreement with the core pipeline they wrap."""
+
+import pytest
+import torch
+from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes.encode import Qwen21Encode
+from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
+from qwen21_nodes.nodes.sample import Qwen21Sampler
+from qwen21_nodes.nodes.vae import Qwen21VAEDecode, Qwen21VAEEncode
+from qwen21_nodes.runner.cli import ensure_tiny_models
+from qwen21_nodes.runner.core_nodes import load_image_file
+from qwen21_nodes.runner.graph import input_specs
+
+SAMPLER_DEFAULTS = {
+    name: spec[2]["default"] for name, spec in input_specs(Qwen21Sampler).items() if "default" in spec[2]
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
+    host.set_models_dir(models)
+    (loaded,) = Qwen21ModelLoader().load(
+        host.list_weight_files("diffusion_models")[0],
+        host.list_weight_files("text_encoders")[0],
+        host.list_weight_files("vae")[0],
+        weight_dtype="auto",
+        device="cpu",
+        offload_text_encoder=True,
+    )
+    yield loaded
+    host.set_models_dir(None)
+
+
+def encode(model, prompt="a red apple", resolution=64, **images):
+    return Qwen21Encode().encode(model, prompt, "", resolution, **images)
+
+
+def sample(model, conditioning, **changes):
+    inputs = {**SAMPLER_DEFAULTS, "steps": 2, **changes}
+    return Qwen21Sampler().sample(model, conditioning, **inputs)
+
+
+def test_loaders_list_the_tiny_files_and_agree(model):
+    (folder,) = [f for f in host.list_diffusers_folders() if "turbo" not in f]
+    (from_folder,) = Qwen21DiffusersLoader().load(folder, "fp32", "cpu", True)
+    assert model.pipe.dtype == torch.float32 and model.pipe.device.type == "cpu"  # auto on CPU = fp32
+    for ours, theirs in zip(
+        model.pipe.transformer.state_dict().values(), from_folder.pipe.transformer.state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, theirs)
+    assert (
+        host.list_weight_files("diffusion_models")[0]
+        in Qwen21ModelLoader.INPUT_TYPES()["required"]["diffusion_model"][0]
+    )
+
+
+def test_encode_derives_the_size_from_the_last_image(model):
+    cond, width, height = encode(model, resolution=128)
+    assert (width, height) == (128, 128) == (cond.width, cond.height)
+    wide = torch.rand(1, 64, 128, 3)
+    tall = torch.rand(1, 128, 64, 3)
+    cond, width, height = encode(model, resolution=128, image_1=tall, image_2=wide)
+    assert cond.num_images == 2 and width > height and width % 32 == 0 and height % 32 == 0
+
+
+def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
+    image, mask = load_image_file(str(host_examples() / "rgba_subject.png"))
+    cond, _, _ = encode(model, image_1=image, mask_1=mask)
+    assert cond.num_images == 1
+    _rgb_only, placeholder = load_image_file(str(host_examples() / "reference_1.png"))  # 64x64 "no alpha" mask
+    assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
+    with pytest.raises(ValueError, match="mask_2 is connected but image_2 is not"):
+        encode(model, image_1=image, mask_2=mask)
+
+
+def host_examples():
+    from qwen21_nodes.runner.cli import EXAMPLE_INPUTS
+
+    return EXAMPLE_INPUTS
+
+
+def test_sampler_gives_a_comfyui_latent_and_stats(model):
+    cond, width, height = encode(model)
+    result = sample(model, cond, batch_size=2, seed=5)
+    (latent,) = result["result"]
+    samples = latent["samples"]
+    assert samples.shape == (2, 64, height // 16, width // 16) and samples.device.type == "cpu"
+    assert samples.dtype == torch.float32 and torch.isfinite(samples).all()
+    stats = result["ui"]["qwen21_stats"][0]
+    assert stats["steps"] == 2 and "steps/s" in result["ui"]["qwen21_status"][0]
+    expected = model.pipe.sample(cond, steps=2, seed=5, batch_size=2)
+    assert torch.equal(samples, expected.cpu())
+    other = sample(model, cond, batch_size=2, seed=6)["result"][0]["samples"]
+    assert not torch.equal(samples, other)
+
+
+def test_sampler_size_schedules_and_denoise(model):
+    cond, _, _ = encode(model)
+    latent = sample(model, cond, width=96, height=64)["result"][0]
+    assert latent["samples"].shape[-2:] == (4, 6)
+    custom = sample(model, cond, schedule="custom", sigmas="1.0, 0.6, 0.3, 0")  # ComfyUI-style list
+    assert custom["ui"]["qwen21_stats"][0]["steps"] == 3
+    half = sample(model, cond, latent=latent, denoise=0.5)["result"][0]["samples"]
+    assert half.shape == latent["samples"].shape  # size taken from the input latent
+    with pytest.raises(ValueError, match="denoise 0.5 < 1 needs an input `latent`"):
+        sample(model, cond, denoise=0.5)
+    with pytest.raises(ValueError, match="latent must be Qwen-Image-2.1 latents"):
+        sample(model, cond, latent={"samples": torch.zeros(1, 16, 8, 8)}, denoise=0.5)
+    with pytest.raises(ValueError, match="turbo"):
+        sample(model, cond, schedule="turbo")
+
+
+def test_interrupt_stops_sampling_and_the_next_run_works(model):
+    cond, _, _ = encode(model)
+    host.request_interrupt()
+    with pytest.raises(host.Interrupted):
+        sample(model, cond, steps=5)
+    assert sample(model, cond)["ui"]["qwen21_stats"][0]["steps"] == 2
+
+
+def test_decode_splits_alpha_like_comfyui(model):
+    cond, width, height = encode(model)
+    latent = sample(model, cond)["result"][0]
+    result = Qwen21VAEDecode().decode(model, latent, "auto", 0, "auto", "exact")
+    image, mask = result["result"]
+    assert image.shape == (1, height, width, 3) and mask.shape == (1, height, width)
+    rgba = model.pipe.decode(latent["samples"])
+    assert torch.equal(image, rgba[..., :3]) and torch.equal(mask, 1.0 - rgba[..., 3])
+    assert "VAE untiled" in result["ui"]["qwen21_status"][0]
+    tiled = Qwen21VAEDecode().decode(model, latent, "on", 32, "fp32", "exact")
+    assert tiled["ui"]["qwen21_stats"][0]["tiled"] and tiled["ui"]["qwen21_stats"][0]["tiles"] > 1
+    assert tiled["result"][0].shape == image.shape  # tile accuracy itself is the VAE tests' business
+    with pytest.raises(ValueError, match="latents of other models"):
+        Qwen21VAEDecode().decode(model, {"samples": torch.zeros(1, 16, 4, 4)}, "auto", 0, "auto", "exact")
+
+
+def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
+    image = torch.rand(2, 70, 50, 3)
+    (latent,) = Qwen21VAEEncode().encode(model, image, torch.zeros(1, 64, 64))
+    assert latent["samples"].shape == (2, 64, 4, 3)
+    (decoded, alpha) = Qwen21VAEDecode().decode(model, latent, "auto", 0, "auto", "exact")["result"]
+    assert decoded.shape == (2, 64, 48, 3) and alpha.shape == (2, 64, 48)
+    with pytest.raises(ValueError, match="at least 16x16"):
+        Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
