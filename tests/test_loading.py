@@ -235,3 +235,19 @@ def test_shape_mismatch_names_key_and_shapes(tiny, tmp_path):
     with pytest.raises(CheckpointMismatchError, match=r"transformer_blocks\.1\.attn\.to_out\.0\.weight: checkpoint "
                                                       r"\[64, 60\] vs model \[64, 64\]"):  # fmt: skip
         loading.load_transformer(tmp_path / "broken.safetensors", "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_cuda_load_matches_cpu_load(tiny, monkeypatch):
+    from qwen21_nodes.qwen21_core import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 4096)  # many chunks per tensor: both pinned buffers in turn
+    cpu = loading.load_components(_single(tiny), "cpu", torch.bfloat16)
+    cuda = loading.load_components(_single(tiny), "cuda", torch.bfloat16)
+    assert cuda.transformer.device.type == "cuda" and cuda.text_encoder.device.type == "cuda"
+    for name in ("transformer", "vae"):
+        gpu_state = {k: v.cpu() for k, v in getattr(cuda, name).state_dict().items()}
+        _same_tensors(getattr(cpu, name).state_dict(), gpu_state)
+    _same_tensors(
+        cpu.text_encoder.model.state_dict(), {k: v.cpu() for k, v in cuda.text_encoder.model.state_dict().items()}
+    )
