@@ -265,7 +265,6 @@ COMPONENT_NAMES = {
     "vae": "VAE",
     "text_encoder": "text encoder (Qwen3-VL-8B)",
 }
-DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,17 @@ def test_released_rotary_split_is_derived_for_128_wide_heads():
     assert loading.transformer_config_from_shapes(shapes) == TransformerConfig()  # the released defaults
 
 
+def test_released_vae_config_is_derived_from_its_shapes():
+    from qwen21_nodes.qwen21_core.vae import QwenImage21VAE
+
+    with torch.device("meta"):
+        model = QwenImage21VAE(VAEConfig())
+    shapes = {k: tuple(v.shape) for k, v in model.checkpoint_slots().items() if v is not None}
+    shapes.update(model.dropped_checkpoint_keys())
+    assert len(shapes) == 238
+    assert loading.vae_config_from_shapes(shapes) == VAEConfig()  # the released defaults
+
+
 def test_diffusers_layout_single_files_and_unprefixed_comfy_files(tiny, tmp_path):
     comfy = load_file(tiny["transformer"])
     unprefixed = {k.removeprefix("model.diffusion_model."): v for k, v in comfy.items()}
