@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -550,11 +551,16 @@ def load_into(
     devices = {slot.device for slot in slots.values() if slot is not None}
     if len(devices) != 1:
         raise ValueError(f"{what}: all tensors to fill must be on one device, found {sorted(map(str, devices))}")
-    stager = _Stager(ckpt, devices.pop())
+    device = devices.pop()
+    stager = _Stager(ckpt, device)
     keys.sort(key=lambda k: (str(ckpt.tensors[k].file), ckpt.tensors[k].start))  # sequential disk reads
+    start = time.perf_counter()
     for key in keys:
         _copy_one(key, slots, stager, convert, quant)
     stager.finish()
+    seconds = time.perf_counter() - start
+    gigabytes = sum(ckpt.tensors[k].nbytes for k in keys) / 1e9
+    log.info("%s: %d tensors, %.2f GB from %s to %s in %.2f s", what, len(keys), gigabytes, ckpt.path, device, seconds)
 
 
 def _copy_one(key, slots, stager, convert, quant) -> None:
