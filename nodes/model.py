@@ -27,7 +27,7 @@ class Qwen21Model:
     def __init__(self, pipe, offload_text_encoder: bool):
         self.pipe = pipe
         self.offload_text_encoder = offload_text_encoder
-        device = pipe.device
+        self.device = device = pipe.device  # where everything runs; ComfyUI may park modules elsewhere between runs
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release)
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
@@ -40,6 +40,10 @@ class Qwen21Model:
         """pipe.encode with the text encoder (and the VAE, for condition images) placed first."""
         self.text_encoder.load()
         self.vae.load()
+        if self.pipe.device != self.device:
+            # pipe.encode runs the text encoder on the transformer's current device, so a transformer
+            # ComfyUI moved off must come back first (it costs VRAM while encoding).
+            self.transformer.load()
         try:
             return self.pipe.encode(**kwargs)
         finally:
@@ -55,7 +59,7 @@ class Qwen21Model:
 
     def decode(self, latents: torch.Tensor, **kwargs):
         self.vae.load()
-        return self.pipe.decode(latents.to(self.pipe.device), **kwargs)
+        return self.pipe.decode(latents, **kwargs)
 
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None):
         self.vae.load()
