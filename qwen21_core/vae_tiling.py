@@ -1,0 +1,301 @@
+"""Memory-aware tiling for VAE decode and encode: plan, overlapping tiles with blending, OOM retry.
+
+Plan ("auto"): on CUDA, an untiled pass runs when its estimated memory fits in what is free (driver-free
+memory plus what torch's allocator holds unused, times a safety margin); a batch that does not fit whole is
+split into the largest sub-batches that do. Only when one image does not fit is it tiled, with the largest
+tile that fits. Off CUDA, "auto" never tiles. "on" always tiles (tile_size or TilingConfig.tile_size);
+"off" never does. Tiles are processed one image at a time.
+
+The estimate is bytes per pixel (output pixels for decode, input pixels for encode) times pixels, from the
+constants below. Only activations count: the weights are already resident.
+
+Tiles: square tiles of `tile` latent pixels, spread evenly so that neighbours overlap by at least
+`overlap * tile` (all tiles have the same size; the overlap grows to fill the image). Each output tile is
+weighted by a separable ramp that rises linearly across its overlap with each neighbour (1 in its interior)
+and the weighted sum is divided by the summed weights: a convex combination of the overlapping tiles, so
+no seam. The VAE's mid-block attention sees only its tile, so tiled results differ slightly from untiled.
+
+OOM: a CUDA out-of-memory error while tiling halves the tile (the overlap ratio stays), down to
+`min_tile_size`; the error is re-raised as VAEOutOfMemoryError, with advice, only when even that fails.
+Under "auto", an untiled pass that runs out of memory falls back to tiling. Nothing is mutated: the
+TilingConfig the caller passed is the same afterwards, success or failure. `callback(done, total)` runs
+after every tile (after every sub-batch when untiled) and may raise to interrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LATENT_SCALE = 16  # pixels per latent pixel along each axis
+
+# Peak activation bytes per pixel of ONE image for an untiled pass (decode: output pixels; encode: input
+# pixels), by (kind, quality, bytes per activation element).
+# FIRST ESTIMATES: the slope of the peak of live activation tensors between 512^2 and 1024^2 of our own
+# decode/encode of the full-size model on the meta device (`bench_vae.py --meta-memory`; decode bf16 exact
+# 2020, fast 1728 with the fused norm, fp32 4036; encode bf16 964, fp32 1921), plus 25% for cuDNN workspaces
+# and allocator rounding. The H200 slope of torch.cuda.max_memory_allocated from
+# `bench_vae.py --measure-memory` replaces them.
+BYTES_PER_PIXEL = {
+    ("decode", "exact", 2): 2550,
+    ("decode", "exact", 4): 5050,
+    ("decode", "fast", 2): 2200,
+    ("decode", "fast", 4): 5050,
+    ("encode", "exact", 2): 1200,
+    ("encode", "exact", 4): 2400,
+}
+SAFETY = 0.85  # plan to use at most this fraction of the free memory
+
+
+@dataclass(frozen=True)
+class TilingConfig:
+    """Tiling defaults. tile_size and min_tile_size in pixels (multiples of 16); overlap: the fraction of a
+    tile shared with each neighbour (at least; 0 < overlap <= 0.5)."""
+
+    tile_size: int = 512
+    overlap: float = 0.25
+    min_tile_size: int = 128
+
+    def __post_init__(self):
+        check_tile_size(self.tile_size, "tile_size")
+        check_tile_size(self.min_tile_size, "min_tile_size")
+        if not 0.0 < self.overlap <= 0.5:
+            raise ValueError(f"TilingConfig.overlap must be in (0, 0.5], got {self.overlap}")
+
+
+class VAEOutOfMemoryError(torch.OutOfMemoryError):
+    """The VAE ran out of GPU memory in every configuration it was allowed to try."""
+
+
+def check_tile_size(tile_size, what: str = "tile_size") -> int:
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 2 * LATENT_SCALE:
+        raise ValueError(f"{what} must be an int >= {2 * LATENT_SCALE} pixels, got {tile_size!r}")
+    if tile_size % LATENT_SCALE:
+        raise ValueError(
+            f"{what} must be a multiple of {LATENT_SCALE} pixels, got {tile_size}; "
+            f"e.g. {tile_size // LATENT_SCALE * LATENT_SCALE}"
+        )
+    return tile_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def bytes_per_pixel(kind: str, quality: str, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return BYTES_PER_PIXEL[(kind, quality if kind == "decode" else "exact", 4 if element >= 4 else 2)]
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a pass may plan to use on `device`, or None where it is not tracked (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free + cached_unused) * SAFETY)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiles and blending
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tile_starts(length: int, tile: int, overlap: int) -> list[int]:
+    """Starts of equal tiles covering [0, length) with neighbours overlapping by at least `overlap`."""
+    if length <= tile:
+        return [0]
+    count = math.ceil((length - overlap) / (tile - overlap))
+    return [round(i * (length - tile) / (count - 1)) for i in range(count)]
+
+
+def _ramps(starts: list[int], tile: int, length: int, scale: int, device) -> list[torch.Tensor]:
+    """Per tile, its 1-D blend weights in output units: linear over each overlap with a neighbour."""
+    size = min(tile, length) * scale
+    position = torch.arange(size, device=device, dtype=torch.float32) + 0.5
+    ramps = []
+    for k, start in enumerate(starts):
+        weight = torch.ones(size, device=device)
+        if k > 0:  # rise across the overlap with the previous tile
+            overlap = (starts[k - 1] + tile - start) * scale
+            weight = torch.minimum(weight, position / overlap)
+        if k + 1 < len(starts):  # fall across the overlap with the next tile
+            overlap = (start + tile - starts[k + 1]) * scale
+            weight = torch.minimum(weight, (size - position) / overlap)
+        ramps.append(weight)
+    return ramps
+
+
+def _span(start: int, size: int, scale: int) -> slice:
+    return slice(start * scale, (start + size) * scale)
+
+
+def _run_tiled(fn, x, tile: int, overlap: int, in_scale: int, out_scale: int, callback) -> tuple[torch.Tensor, int]:
+    """Blend fn over tiles of `tile` latent pixels, one image at a time. Returns (result fp32, tile count)."""
+    batch, _, height, width = x.shape
+    height, width = height // in_scale, width // in_scale  # in latent pixels
+    rows, cols = tile_starts(height, tile, overlap), tile_starts(width, tile, overlap)
+    row_ramps = _ramps(rows, tile, height, out_scale, x.device)
+    col_ramps = _ramps(cols, tile, width, out_scale, x.device)
+    th, tw = min(tile, height), min(tile, width)
+    total = batch * len(rows) * len(cols)
+    out = None
+    done = 0
+    for b in range(batch):
+        for r, row in enumerate(rows):
+            for c, col in enumerate(cols):
+                piece = x[b : b + 1, :, _span(row, th, in_scale), _span(col, tw, in_scale)]
+                y = fn(piece.contiguous())
+                if out is None:
+                    shape = (batch, y.shape[1], height * out_scale, width * out_scale)
+                    out = torch.zeros(shape, device=y.device, dtype=torch.float32)
+                weight = row_ramps[r][:, None] * col_ramps[c][None, :]
+                out[b : b + 1, :, _span(row, th, out_scale), _span(col, tw, out_scale)].add_(y.float().mul_(weight))
+                del y
+                done += 1
+                if callback is not None:
+                    callback(done, total)
+    # Divide by the summed weights (separable: rows x columns).
+    row_sum = torch.zeros(height * out_scale, device=out.device)
+    col_sum = torch.zeros(width * out_scale, device=out.device)
+    for row, ramp in zip(rows, row_ramps, strict=True):
+        row_sum[row * out_scale : row * out_scale + ramp.numel()] += ramp
+    for col, ramp in zip(cols, col_ramps, strict=True):
+        col_sum[col * out_scale : col * out_scale + ramp.numel()] += ramp
+    out.div_(row_sum[:, None] * col_sum[None, :])
+    return out, total
+
+
+def _run_untiled(fn, x, batch_chunk: int, callback) -> torch.Tensor:
+    batch = x.shape[0]
+    chunks = range(0, batch, batch_chunk)
+    if len(chunks) == 1:
+        y = fn(x)
+        if callback is not None:
+            callback(1, 1)
+        return y
+    out = None
+    for k, start in enumerate(chunks):
+        y = fn(x[start : start + batch_chunk])
+        if out is None:
+            out = y.new_empty((batch, *y.shape[1:]))
+        out[start : start + y.shape[0]] = y
+        del y
+        if callback is not None:
+            callback(k + 1, len(chunks))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    tiled: bool
+    batch_chunk: int = 1  # images per untiled pass
+    tile: int = 0  # latent pixels per tile side when tiled
+
+
+def _plan(kind, mode, x, tile_size, config, quality, in_scale) -> _Plan:
+    batch = x.shape[0]
+    height, width = x.shape[2] // in_scale, x.shape[3] // in_scale
+    default_tile = (tile_size or config.tile_size) // LATENT_SCALE
+    if mode == "off":
+        return _Plan(tiled=False, batch_chunk=batch)
+    if mode == "on":
+        return _Plan(tiled=True, tile=default_tile)
+    free = available_bytes(x.device)
+    if free is None:
+        return _Plan(tiled=False, batch_chunk=batch)
+    per_image = bytes_per_pixel(kind, quality, x.dtype) * height * width * LATENT_SCALE**2
+    fit = free // max(per_image, 1)
+    if fit >= 1:
+        return _Plan(tiled=False, batch_chunk=min(batch, fit))
+    if tile_size:
+        return _Plan(tiled=True, tile=default_tile)
+    per_tile_pixel = bytes_per_pixel(kind, quality, x.dtype) * LATENT_SCALE**2
+    fitting = int(math.sqrt(free / per_tile_pixel))
+    return _Plan(tiled=True, tile=max(fitting, config.min_tile_size // LATENT_SCALE))
+
+
+def run(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    *,
+    kind: str,
+    mode: str,
+    tile_size: int | None,
+    config: TilingConfig,
+    quality: str,
+    callback: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Apply fn (one untiled decode or encode pass) to x, tiled or not, and return (result, info).
+
+    kind: "decode" (x: latents; fn scales up 16x) or "encode" (x: pixels; fn scales down 16x).
+    mode: "auto", "on" or "off"; tile_size: pixels (multiple of 16) or None for the default.
+    info: {"tiled", "tiles", "tile_size" (px or None), "batch_chunk", "oom_retries"}.
+    """
+    if tile_size is not None:
+        check_tile_size(tile_size)
+    in_scale, out_scale = (1, LATENT_SCALE) if kind == "decode" else (LATENT_SCALE, 1)
+    plan = _plan(kind, mode, x, tile_size, config, quality, in_scale)
+    oom_retries = 0
+    if not plan.tiled:
+        failure = None
+        try:
+            y = _run_untiled(fn, x, plan.batch_chunk, callback)
+            chunks = math.ceil(x.shape[0] / plan.batch_chunk)
+            info = {"tiled": False, "tiles": chunks, "tile_size": None, "batch_chunk": plan.batch_chunk}
+            return y, {**info, "oom_retries": 0}
+        except torch.OutOfMemoryError as exc:
+            failure = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Here the exception and the activations its traceback held are gone.
+        _release_cached_memory(x.device)
+        size = f"{x.shape[2] // in_scale * LATENT_SCALE}x{x.shape[3] // in_scale * LATENT_SCALE}"
+        if mode == "off":
+            raise VAEOutOfMemoryError(
+                f"VAE {kind} of {x.shape[0]} image(s) at {size} ran out of GPU memory untiled ({failure}). "
+                "Use tiling='auto' or 'on', a lower precision, or free GPU memory."
+            )
+        log.info("VAE %s at %s ran out of memory untiled; retrying tiled", kind, size)
+        oom_retries = 1
+        plan = _Plan(tiled=True, tile=(tile_size or config.tile_size) // LATENT_SCALE)
+
+    floor = min(config.min_tile_size // LATENT_SCALE, plan.tile)
+    tile = plan.tile
+    tried = []
+    while True:
+        overlap = max(1, round(tile * config.overlap))
+        tried.append(tile * LATENT_SCALE)
+        failure = None
+        try:
+            y, tiles = _run_tiled(fn, x, tile, overlap, in_scale, out_scale, callback)
+            info = {"tiled": True, "tiles": tiles, "tile_size": tile * LATENT_SCALE, "batch_chunk": 1}
+            return y, {**info, "oom_retries": oom_retries}
+        except torch.OutOfMemoryError as exc:
+            failure = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        _release_cached_memory(x.device)
+        if tile <= floor:
+            raise VAEOutOfMemoryError(
+                f"VAE {kind} ran out of GPU memory even with {tile * LATENT_SCALE}px tiles (tried {tried} px; "
+                f"last error: {failure}). Free GPU memory (unload other models), use a lower precision "
+                "('bf16' or 'fp16'), or process fewer images at once."
+            )
+        oom_retries += 1
+        next_tile = max(floor, tile // 2)
+        log.info("VAE %s: out of memory with %dpx tiles; retrying with %dpx", kind, tile * 16, next_tile * 16)
+        tile = next_tile
+
+
+def _release_cached_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
