@@ -362,9 +362,9 @@ def load_qwen3vl(
     """
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
     path = Path(path)
-    processor_dir = find_tokenizer(path, tokenizer)
     ckpt, layout, quant = _open(path, "text_encoder")
     with ckpt:
+        processor_dir = find_tokenizer(path, tokenizer)  # before the weights: a missing tokenizer fails fast
         config, config_from = _text_encoder_config(ckpt, path, config_path)
         config.dtype = dtype
         model = build_empty(lambda: Qwen3VLModel(config), device, dtype)
