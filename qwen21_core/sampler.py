@@ -17,6 +17,7 @@ import torch
 
 from .conditioning import Conditioning, PromptEmbedding
 from .config import SchedulerConfig
+from .images import check_output_size
 from .scheduler import euler_step, partial_schedule
 from .sequence import build_layout
 from .transformer import Branch, QwenImage21Transformer
@@ -24,17 +25,6 @@ from .transformer import Branch, QwenImage21Transformer
 log = logging.getLogger(__name__)
 
 LATENT_SCALE = 16  # pixels per latent token side
-SIZE_MULTIPLE = 32  # the 2x2 slot grouping needs an even latent grid
-
-
-def check_output_size(height: int, width: int):
-    """Height and width must be positive multiples of 32; the error suggests the nearest valid size."""
-    for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer number of pixels, got {value!r}")
-        if value % SIZE_MULTIPLE:
-            nearest = max(SIZE_MULTIPLE, round(value / SIZE_MULTIPLE) * SIZE_MULTIPLE)
-            raise ValueError(f"{name}={value} is not a multiple of {SIZE_MULTIPLE}; use {nearest}")
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -127,7 +117,7 @@ class Sampler:
         denoise: float = 1.0,
         callback: Callable | None = None,
     ) -> torch.Tensor:
-        check_output_size(height, width)
+        check_output_size(width=width, height=height)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if true_cfg_scale < 1.0:

@@ -194,8 +194,8 @@ def test_start_latents_with_denoise(parts):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(height=100, width=64), "height=100 is not a multiple of 32; use 96"),
-        (dict(height=64, width=70), "width=70 is not a multiple of 32; use 64"),
+        (dict(height=100, width=64), "height 100 is not a positive multiple of 32.*use 96"),
+        (dict(height=64, width=70), "width 70 is not a positive multiple of 32.*use 64"),
         (dict(height=64, width=64, noise=torch.zeros(1, Z, 2, 2)), r"noise must have the latent shape \[1, 16, 4, 4\]"),
         (dict(height=64, width=64, true_cfg_scale=0.5), "true_cfg_scale must be >= 1"),
         (dict(height=64, width=64, batch_size=0), "batch_size must be >= 1"),
