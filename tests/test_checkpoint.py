@@ -71,6 +71,17 @@ def test_reads_every_dtype_bit_exactly(tmp_path):
             assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), key
 
 
+def test_parallel_piecewise_reads_are_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "_READ_PIECE", 1000)  # odd piece size: many pieces, cut inside elements
+    big = torch.randn(300, 257, generator=torch.Generator().manual_seed(2))
+    save_file({"big": big, "small": torch.ones(3)}, tmp_path / "a.safetensors")
+    with Checkpoint.open(tmp_path / "a.safetensors") as ckpt:
+        assert torch.equal(ckpt.read("big"), big)
+        part = torch.empty(5000, dtype=torch.uint8)
+        ckpt.read_bytes("big", 777, part)
+        assert torch.equal(part, big.reshape(-1).view(torch.uint8)[777:5777])
+
+
 def test_sharded_folder_reads_across_shards(tmp_path):
     weights = _weights()
     save_file({"up.weight": weights["up.weight"]}, tmp_path / "m-00001-of-00002.safetensors")
