@@ -413,15 +413,11 @@ def test_unknown_safetensors_dtype_is_named(tmp_path):
 
 _MEMORY_SCRIPT = textwrap.dedent(
     """
-    import json, sys, types, torch
+    import json, sys, torch
     from torch import nn
-
-    path, layers, dim, package_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    # Import checkpoint.py without the package's __init__ (which loads the ComfyUI nodes): faster.
-    package = types.ModuleType("qwen21_nodes")
-    package.__path__ = [package_dir]
-    sys.modules["qwen21_nodes"] = package
     from qwen21_nodes.qwen21_core import checkpoint as ck
+
+    path, layers, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
     def status_mib(field):  # VmRSS: resident now; VmHWM: peak resident since the last reset
         for line in open("/proc/self/status"):
@@ -456,8 +452,7 @@ def test_peak_memory_stays_near_one_tensor_above_the_model(tmp_path):
     del weights
     model_mib, tensor_mib = layers * dim * dim * 4 / 2**20, dim * dim * 4 / 2**20
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    package_dir = os.path.dirname(os.path.dirname(ck.__file__))
-    args = [str(tmp_path / "big.safetensors"), str(layers), str(dim), package_dir]
+    args = [str(tmp_path / "big.safetensors"), str(layers), str(dim)]
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, env=env,
                          check=True)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
