@@ -230,7 +230,6 @@ class ManagedModules:
         load_device: torch.device,
         on_unload: Callable[[], None] | None = None,
     ):
-        self.modules = modules
         self.patcher = None
         if not IN_COMFYUI:
             return
