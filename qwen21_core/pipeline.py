@@ -52,6 +52,8 @@ class Qwen21Pipeline:
         self.pipeline_config = pipeline_config or PipelineConfig()
         self.text_encoder_offload = text_encoder_offload
         self.sources = sources or {}
+        # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
+        self.execution_device = transformer.device
         self.decode_graphs = DecodeGraphs(transformer)
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
@@ -101,10 +103,11 @@ class Qwen21Pipeline:
     # ---- encode -----------------------------------------------------------------------------------
 
     def _prefix_budget(self) -> PrefixMemoryBudget | None:
-        if self.device.type != "cuda":
+        device = self.execution_device
+        if device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if self.text_encoder_offload and self.text_encoder is not None and self.text_encoder.device == self.device:
+        free, _ = torch.cuda.mem_get_info(device)
+        if self.text_encoder_offload and self.text_encoder is not None and self.text_encoder.device == device:
             free += sum(p.numel() * p.element_size() for p in self.text_encoder.model.parameters())
         return PrefixMemoryBudget.for_transformer(
             self.transformer.config, self.dtype, max(0, free - DECODE_HEADROOM_BYTES)
@@ -123,7 +126,7 @@ class Qwen21Pipeline:
         """Encode a prompt (+ negative prompt) with its condition images. Images: ComfyUI IMAGE, PIL or numpy."""
         if self.text_encoder is None:
             raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
-        self.text_encoder.to(self.device)
+        self.text_encoder.to(self.execution_device)
         try:
             return encode_conditioning(
                 self.text_encoder,
@@ -138,7 +141,7 @@ class Qwen21Pipeline:
                 memory_budget=self._prefix_budget(),
             )
         finally:
-            if self.text_encoder_offload and self.device.type == "cuda":
+            if self.text_encoder_offload and self.execution_device.type == "cuda":
                 self.text_encoder.offload()
 
     # ---- sample -----------------------------------------------------------------------------------
