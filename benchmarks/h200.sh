@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
+# to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
+#   tests demo dit dit-quick vae qk te load
+# The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/pkg
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+ln -sfn "$PWD" /tmp/pkg/qwen21_nodes
+# comfy-kitchen (the fused op ComfyUI uses), carried in .ck/ for the QK-norm+RoPE comparison only
+if ls .ck/*.tar.xz >/dev/null 2>&1; then tar xJf .ck/*.tar.xz -C /tmp/pkg; fi
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat the whole call
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name" | tee -a "$OUT/summary.txt"
+  local start=$SECONDS
+  timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  echo "=== $name rc=$? ${SECONDS}s" | tee -a "$OUT/summary.txt"
+}
+
+for part in "$@"; do
+  case $part in
+    tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
+    dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
+    dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;
+    vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
+    qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
+    te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
+    load)
+      run bench_load_ours 240 python3 benchmarks/bench_load.py --cases ours
+      run bench_load_diffusers 240 python3 benchmarks/bench_load.py --cases diffusers:diffusers ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+grep -h '^{' "$OUT"/*.log > "$OUT/all.jsonl" 2>/dev/null || true
