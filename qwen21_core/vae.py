@@ -628,7 +628,7 @@ class QwenImage21VAE(nn.Module):
             callback=callback,
         )
         self.last_encode_info = {**info, "precision": _dtype_name(dtype)}
-        return latents.to(images.device)
+        return latents.to(images.device, dtype)  # tiles blend in fp32; return the compute dtype either way
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

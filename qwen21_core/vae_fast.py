@@ -10,15 +10,15 @@ everywhere else:
   4x4 kernel whose taps are sums of the 3x3 taps, so the 4x-larger upsampled tensor is never built and the
   conv does 4/9 of the multiply-adds. Derivation: output row 2h+i reads upsampled rows 2h+i-1..2h+i+1, i.e.
   input rows h-1, h, h (i=0) or h, h, h+1 (i=1); so the transposed-conv tap k of the 4-tap kernel carries
-  3x3 rows {k=0: 2, k=1: 1+2, k=2: 0+1, k=3: 0} (padding 1), the same along columns. Folded in fp32 on
-  use, then cast;
+  3x3 rows {k=0: 2, k=1: 1+2, k=2: 0+1, k=3: 0} (padding 1), the same along columns. Folded in fp32 when
+  a decode first needs it, then cast; kept only for the tiles of that decode;
 * single-head attention reads q, k, v straight out of the channels-last qkv (no permuted copies);
 * cuDNN autotuning (benchmark mode) for the duration of the decode.
 
 Installation is structural, not by class name: `fast_ops(vae)` walks the decoder and records which
 resamplers can be folded (a nearest x2 upsampler followed by a 3x3, stride-1, padding-1, ungrouped conv
 with zero padding). Parameters are never replaced or renamed, so the state dict is unchanged and exact
-mode is untouched; nothing derived from the weights is kept between calls.
+mode is untouched; nothing derived from the weights outlives the decode call.
 
 Quality: not bit-identical to exact (fp32 sums in another order, one rounding per norm instead of four,
 folded weights rounded once). Tested on the tiny VAE in tests/test_vae.py; the full-size gate (PSNR >= 45 dB
@@ -95,6 +95,7 @@ class FastOps(ExactOps):
 
     def __init__(self, foldable: set[int]):
         self.foldable = foldable  # ids of the resamplers whose upsample + conv can be folded
+        self.folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # for the tiles of one decode only
 
     def session(self, device: torch.device):
         if device.type == "cuda":
@@ -118,7 +119,10 @@ class FastOps(ExactOps):
         if id(resample) not in self.foldable:
             return super().upsample_conv(x, resample)
         conv = resample.resample[1]
-        weight = fold_upsample_conv_weight(conv.weight, x.dtype)
+        key = (id(resample), x.dtype)
+        if key not in self.folded:
+            self.folded[key] = fold_upsample_conv_weight(conv.weight, x.dtype)
+        weight = self.folded[key]
         y = F.conv_transpose2d(x, weight, cast_param(conv.bias, x.dtype), stride=2, padding=1)
         return fp16_guard_(y)
 

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,40 @@ def check_tile_size(tile_size, what: str = "tile_size") -> int:
 def bytes_per_pixel(kind: str, quality: str, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return BYTES_PER_PIXEL[(kind, quality if kind == "decode" else "exact", 4 if element >= 4 else 2)]
+
+
+class _LiveTensors(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[int, list]] = {}  # storage id -> (bytes, weak refs of its tensors)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                size, refs = self.storages.get(storage._cdata, (0, []))
+                self.storages[storage._cdata] = (max(size, storage.nbytes()), [*refs, weakref.ref(t)])
+        live = 0
+        for key, (size, refs) in list(self.storages.items()):
+            refs = [r for r in refs if r() is not None]
+            if refs:
+                self.storages[key] = (size, refs)
+                live += size
+            else:
+                del self.storages[key]
+        self.peak = max(self.peak, live)  # after each op: its inputs and outputs are alive together
+        return out
+
+
+def live_tensor_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensors created by fn that were alive at the same time (device-independent, so it runs
+    on the meta device for full-size models). How the first BYTES_PER_PIXEL estimates were derived; it
+    misses cuDNN workspaces and allocator rounding, hence their margin."""
+    with torch.no_grad(), _LiveTensors() as live:
+        fn()
+    return live.peak
 
 
 def available_bytes(device: torch.device) -> int | None:
