@@ -256,14 +256,15 @@ def meta_memory(sizes):
     output allocation, which is what they allocate)."""
     with torch.device("meta"):
         vae = QwenImage21VAE()
-    eager, fast = norm_kernel.rmsnorm_silu_eager, norm_kernel.rmsnorm_silu
+    saved = norm_kernel.unsupported_reason, norm_kernel.rmsnorm_silu_fused
     for dtype in (torch.bfloat16, torch.float32):
         vae = vae.to(dtype)
         for kind, quality in (("decode", "exact"), ("decode", "fast"), ("encode", "exact")):
             peaks = []
             for res in sizes:
-                if quality == "fast":
-                    norm_kernel.rmsnorm_silu = lambda x, *a, **k: torch.empty_like(x)
+                if quality == "fast":  # the fused kernel allocates its output only
+                    norm_kernel.unsupported_reason = lambda x, gamma: None
+                    norm_kernel.rmsnorm_silu_fused = lambda x, *a, **k: torch.empty_like(x)
                 z = torch.empty(1, 64, res // 16, res // 16, device="meta", dtype=dtype)
                 pixels = torch.empty(1, 4, res, res, device="meta", dtype=dtype)
                 try:
@@ -272,7 +273,7 @@ def meta_memory(sizes):
                     else:
                         peaks.append(vae_tiling.live_tensor_peak(lambda: vae.encode_pixels(pixels)))
                 finally:
-                    norm_kernel.rmsnorm_silu_eager, norm_kernel.rmsnorm_silu = eager, fast
+                    norm_kernel.unsupported_reason, norm_kernel.rmsnorm_silu_fused = saved
             slope = (peaks[-1] - peaks[0]) / (sizes[-1] ** 2 - sizes[0] ** 2)
             emit(what="meta_bytes_per_pixel", kind=kind, quality=quality, dtype=str(dtype), slope=round(slope),
                  peaks_gib=[p / 2**30 for p in peaks], sizes=sizes)  # fmt: skip

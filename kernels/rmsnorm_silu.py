@@ -4,9 +4,11 @@ x is [B, C, H, W] in NCHW or channels-last layout; the norm runs over C at every
 diffusers' `QwenImage21RMS_norm` (F.normalize in fp32, cast, `* sqrt(C) * gamma`) followed by SiLU. Two
 flavours of the op, each with its torch reference beside its Triton kernel:
 
-* `rmsnorm_silu` (quality="fast"): one kernel reads x, sums squares in fp32 over the channels, and writes
-  silu(x * scale / max(norm, eps) * gamma) with ONE rounding to x's dtype. Two reads and one write of x,
-  against the reference's nine passes; more accurate than the reference in half precision, not identical.
+* `rmsnorm_silu_fused` (quality="fast"): one kernel reads x, sums squares in fp32 over the channels, and
+  writes silu(x * scale / max(norm, eps) * gamma) with ONE rounding to x's dtype. Two reads and one write
+  of x, against the reference's nine passes; more accurate than the reference in half precision, not
+  identical. Its reference is `rmsnorm_silu_reference`; callers check `unsupported_reason` first and use
+  their own fallback (the VAE's fast path falls back to the exact norm).
 * `rmsnorm_silu_eager` (quality="exact"): the reference's roundings, step for step: q = x / norm in fp32,
   rounded to x's dtype; q * scale, rounded; q * gamma, rounded; SiLU in fp32, rounded. The norm itself comes
   from torch (`linalg.vector_norm` on the fp32 copy, as F.normalize computes it), because its summation order
@@ -18,9 +20,9 @@ flavours of the op, each with its torch reference beside its Triton kernel:
   extreme inputs. Elsewhere the torch reference runs, which is itself leaner than the reference's code
   (the divide writes x's dtype directly; scale, gamma and SiLU run in place; no `+ 0.0`).
 
-Dispatch: the kernels run on CUDA tensors when Triton is installed (and on CPU tensors under
-TRITON_INTERPRET=1, for tests); everything else takes the torch reference. Unsupported layouts (H and W
-not mergeable into one strided axis) and dtypes also fall back.
+Dispatch (`rmsnorm_silu_eager`, `unsupported_reason`): the kernels run on CUDA tensors when Triton is
+installed (and on CPU tensors under TRITON_INTERPRET=1, for tests); everything else takes torch.
+Unsupported layouts (H and W not mergeable into one strided axis) and dtypes also fall back.
 """
 
 from __future__ import annotations
@@ -249,13 +251,6 @@ def rmsnorm_silu_fused(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
         num_warps=NUM_WARPS,
     )
     return y
-
-
-def rmsnorm_silu(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool = True):
-    """Fast flavour: the fused kernel where it runs, else its torch reference."""
-    if unsupported_reason(x, gamma) is None:
-        return rmsnorm_silu_fused(x, gamma, scale, eps, silu)
-    return rmsnorm_silu_reference(x, gamma, scale, eps, silu)
 
 
 def rmsnorm_silu_eager_fused(

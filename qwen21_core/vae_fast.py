@@ -5,7 +5,8 @@ everywhere else:
 
 * channels-last activations end to end (cuDNN's native layout for half-precision convs);
 * convs take their zero padding inside (no padded copy of every conv input);
-* channel RMS norm + SiLU in one fused Triton kernel (kernels/rmsnorm_silu.py: fp32 math, one rounding);
+* channel RMS norm + SiLU in one fused Triton kernel (kernels/rmsnorm_silu.py: fp32 math, one rounding)
+  where Triton runs (CUDA); elsewhere the exact norm;
 * "folded" upsampling: nearest 2x upsample followed by a 3x3 conv equals a stride-2 transposed conv with a
   4x4 kernel whose taps are sums of the 3x3 taps, so the 4x-larger upsampled tensor is never built and the
   conv does 4/9 of the multiply-adds. Derivation: output row 2h+i reads upsampled rows 2h+i-1..2h+i+1, i.e.
@@ -113,7 +114,9 @@ class FastOps(ExactOps):
         return fp16_guard_(F.conv2d(x, weight, bias, conv.stride, padding, conv.dilation, conv.groups))
 
     def norm(self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool) -> torch.Tensor:
-        return norm_kernel.rmsnorm_silu(x, norm.gamma, norm.scale, _NORM_EPS, silu)
+        if norm_kernel.unsupported_reason(x, norm.gamma) is not None:  # e.g. CPU, or no Triton
+            return super().norm(x, norm, silu)
+        return norm_kernel.rmsnorm_silu_fused(x, norm.gamma, norm.scale, _NORM_EPS, silu)
 
     def upsample_conv(self, x: torch.Tensor, resample: Resample) -> torch.Tensor:
         if id(resample) not in self.foldable:

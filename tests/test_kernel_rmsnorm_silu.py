@@ -81,7 +81,6 @@ def test_fast_reference_is_the_same_math_in_fp32():
 def test_dispatchers_fall_back_where_the_kernel_cannot_run():
     x, gamma = _inputs((1, 5, 4, 4), torch.float64, torch.contiguous_format)  # float64: no kernel
     assert K.unsupported_reason(x, gamma) is not None
-    assert torch.equal(K.rmsnorm_silu(x, gamma, 2.0, EPS), K.rmsnorm_silu_reference(x, gamma, 2.0, EPS))
     assert torch.equal(
         K.rmsnorm_silu_eager(x, gamma, 2.0, EPS, True), K.rmsnorm_silu_eager_reference(x, gamma, 2.0, EPS, True)
     )
