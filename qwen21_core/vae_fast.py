@@ -89,6 +89,17 @@ def _is_foldable_upsampler(module: nn.Module) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _cudnn_benchmark(enabled: bool):
+    """Set only cuDNN's benchmark flag for the block (torch.backends.cudnn.flags would reset the others)."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
 class FastOps(ExactOps):
     """Fast arithmetic; each method falls back to the exact one where its preconditions fail."""
 
@@ -99,9 +110,7 @@ class FastOps(ExactOps):
         self.folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # for the tiles of one decode only
 
     def session(self, device: torch.device):
-        if device.type == "cuda":
-            return torch.backends.cudnn.flags(enabled=True, benchmark=CUDNN_BENCHMARK)
-        return contextlib.nullcontext()
+        return _cudnn_benchmark(CUDNN_BENCHMARK) if device.type == "cuda" else contextlib.nullcontext()
 
     def begin(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=torch.channels_last)

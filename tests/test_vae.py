@@ -322,3 +322,17 @@ def test_fast_decode_on_the_gpu_is_close_to_exact():
     assert ours.last_decode_info["quality"] == "fast"
     assert psnr(fast, exact) >= 40
     assert torch.equal(ours.decode(z), exact)
+
+
+def test_fast_session_touches_only_the_cudnn_benchmark_flag():
+    from qwen21_nodes.qwen21_core.vae_fast import _cudnn_benchmark
+
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)
+    try:
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = False, True, False
+        with _cudnn_benchmark(True):
+            assert (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == (True, True, False)
+        assert (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == (False, True, False)
+    finally:
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = saved
