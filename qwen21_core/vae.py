@@ -7,10 +7,13 @@ keeps a full copy of every conv input for frames that never come (about 4 GiB at
 weights of the temporal resamplers never run for a single frame; they are read from checkpoints and dropped.
 
 Exact mode performs, for every value, the same floating-point operations in the same order as the reference,
-so fp32 results are bit-identical to it (tests/test_vae.py); it is only leaner:
+so its results are bit-identical to the reference on the same device and dtype (fp32 on CPU in
+tests/test_vae.py; fp32 and bf16 on the GPU in its GPU tests and benchmarks/bench_vae.py). It is only leaner:
 * no temporal caches and no defensive clones;
-* the channel RMS norm writes its result in the activation dtype straight from the fp32 division (one
-  pass instead of a divide, a cast and a `+ 0.0`), then scales, shifts by gamma and applies SiLU in place;
+* the channel RMS norm (the reference's fp32 divide, cast, `* sqrt(C)`, `* gamma`, `+ 0.0` and SiLU: six
+  passes and an fp32 intermediate) is one fused pass after torch's norm on the GPU, once a self-test proved
+  that kernel bit-identical to torch (kernels/rmsnorm_silu.py); elsewhere the divide writes the activation
+  dtype directly and the rest runs in place;
 * nearest 2x upsampling runs in the activation dtype (a pure copy, so the same values as the reference's
   fp32 round trip, at a quarter of the traffic);
 * the parameter-free "DupUp" shortcut of the up blocks is added through strided views (no 4x gather).
