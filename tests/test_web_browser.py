@@ -1,0 +1,376 @@
+"""The web extension (web/*.js) in a real browser against a real ComfyUI server.
+
+Headless Chromium from the system (Debian's `chromium`; no browser download) driven by Python
+playwright, on the server that tests/test_comfyui_server.py starts (the pack in custom_nodes, the
+tiny checkpoint in models/). Needs COMFYUI_DIR, `pip install playwright` and `apt-get install
+chromium` (or CHROMIUM=/path/to/chromium); skips, saying which is missing, otherwise.
+Screenshots are kept under artifacts/web/ (ignored by git); their paths are printed (pytest -s).
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api",
+    reason="the browser tests need playwright (pip install playwright); they use the system Chromium",
+)
+
+import test_comfyui_server as comfy_server  # noqa: E402
+from qwen21_nodes.runner.cli import tiny_overrides  # noqa: E402
+from qwen21_nodes.runner.graph import load_prompt  # noqa: E402
+
+# The ComfyUI server (and the tiny checkpoint it serves) is the one the server tests start.
+server = comfy_server.server
+tiny_models = comfy_server.tiny_models
+PACK_FOLDER = comfy_server.PACK_FOLDER
+WORKFLOWS_DIR = comfy_server.WORKFLOWS_DIR
+UI_WORKFLOWS = comfy_server.UI_WORKFLOWS
+COMFYUI_DIR = comfy_server.COMFYUI_DIR
+
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "web"
+MAX_IMAGES = 16
+RUN_TIMEOUT_MS = 300_000
+EXTENSION_FILES = ("condition_images.js", "run_status.js")
+EXTENSION_NAMES = ("qwen21.conditionImages", "qwen21.runStatus")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.comfyui,
+    pytest.mark.skipif(
+        not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
+        reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the browser tests",
+    ),
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="no Chromium found (apt-get install chromium, or set CHROMIUM=/path/to/it)"
+    ),
+]
+
+# ---- page-side helpers (JavaScript run in the page) -----------------------------------------------
+
+JS_SETUP = """() => {
+    window.qwen21Errors = [];
+    const api = window.comfyAPI.api.api;
+    api.addEventListener("execution_error", (event) => window.qwen21Errors.push(event.detail));
+}"""
+
+# [[input name, type, origin node id or null, origin slot or null], ...] of the encoder's sockets.
+JS_ENCODER_SOCKETS = """() => {
+    const node = app.graph.nodes.find((n) => n.type === "Qwen21Encode");
+    return node.inputs.map((input) => {
+        const link = input.link == null ? null : app.graph.links[input.link] ?? app.graph._links.get(input.link);
+        return [input.name, input.type, link ? link.origin_id : null, link ? link.origin_slot : null];
+    });
+}"""
+
+# Every link's target slot must be the position of the input that holds it (what the canvas draws).
+JS_BROKEN_LINKS = """() => {
+    const broken = [];
+    for (const node of app.graph.nodes) {
+        (node.inputs ?? []).forEach((input, slot) => {
+            if (input.link == null) return;
+            const link = app.graph.links[input.link] ?? app.graph._links.get(input.link);
+            if (!link || link.target_id !== node.id || link.target_slot !== slot) broken.push([node.id, input.name]);
+        });
+    }
+    return broken;
+}"""
+
+# Connect node `from`'s output of the right type to the encoder input `name` (from = null: disconnect).
+JS_CONNECT = """([from, name]) => {
+    const encoder = app.graph.nodes.find((n) => n.type === "Qwen21Encode");
+    const slot = encoder.findInputSlot(name);
+    if (slot < 0) throw new Error(`the encoder has no input ${name}`);
+    if (from == null) return encoder.disconnectInput(slot);
+    const source = app.graph.getNodeById(from);
+    const output = source.outputs.findIndex((o) => o.type === encoder.inputs[slot].type);
+    if (!source.connect(output, encoder, slot)) throw new Error(`could not connect ${source.type} to ${name}`);
+}"""
+
+JS_ADD_LOAD_IMAGE = """([image, x, y]) => {
+    const node = LiteGraph.createNode("LoadImage");
+    node.pos = [x, y];
+    app.graph.add(node);
+    node.widgets.find((w) => w.name === "image").value = image;
+    return node.id;
+}"""
+
+JS_SET_WIDGETS = """(settings) => {
+    for (const [nodeId, name, value] of settings) {
+        const widget = app.graph.getNodeById(Number(nodeId)).widgets.find((w) => w.name === name);
+        if (!widget) throw new Error(`node ${nodeId} has no widget ${name}`);
+        widget.value = value;
+    }
+}"""
+
+JS_STATUS = """(type) => {
+    const node = app.graph.nodes.find((n) => n.type === type);
+    const widget = node.widgets?.find((w) => w.name === "qwen21_status");
+    return widget ? widget.value : null;
+}"""
+
+JS_FIT_VIEW = """() => {
+    const nodes = app.graph.nodes.filter((n) => n.type !== "MarkdownNote");
+    const title = LiteGraph.NODE_TITLE_HEIGHT;
+    const left = Math.min(...nodes.map((n) => n.pos[0]));
+    const top = Math.min(...nodes.map((n) => n.pos[1] - title));
+    const right = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
+    const bottom = Math.max(...nodes.map((n) => n.pos[1] + n.size[1]));
+    app.canvas.ds.fitToBounds([left, top, right - left, bottom - top], { zoom: 0.97 });
+    app.canvas.setDirty(true, true);
+}"""
+
+
+# ---- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking"],
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    # Skip the first-visit template gallery, which would cover the canvas in the screenshots.
+    assert server.post("/settings/Comfy.TutorialCompleted", json=True).status_code == 200
+    page = browser.new_page(viewport={"width": 1700, "height": 950})
+    page.page_errors = []
+    page.on("pageerror", lambda error: page.page_errors.append(str(error)))
+    page.goto(server.url)
+    page.wait_for_function("window.app && window.app.graph && window.app.extensions?.length", timeout=120_000)
+    page.evaluate(JS_SETUP)
+    yield page
+    page.close()
+
+
+def load_workflow(page, workflow: dict) -> None:
+    page.evaluate("(workflow) => app.loadGraphData(workflow)", workflow)
+
+
+def alerts(page, text: str) -> int:
+    """How many toasts on the page contain `text` (the frontend reports workflow problems there)."""
+    return page.locator(".p-toast-message", has_text=text).count()
+
+
+def ui_workflow(name: str) -> dict:
+    return json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())
+
+
+def pair_sockets(sockets: list) -> list[str]:
+    return [name for name, *_ in sockets if name.split("_")[0] in ("image", "mask")]
+
+
+def expected_pairs(connected: int) -> list[str]:
+    """The sockets the encoder should show when pairs up to `connected` are in use: one more pair."""
+    shown = min(MAX_IMAGES, connected + 1)
+    return [f"{kind}_{i}" for i in range(1, shown + 1) for kind in ("image", "mask")]
+
+
+def screenshot(page, name: str) -> Path:
+    # Close the toasts (they would cover the right-hand nodes); DOM clicks, as some lie off-screen.
+    page.evaluate("() => document.querySelectorAll('.p-toast-close-button').forEach((b) => b.click())")
+    page.evaluate(JS_FIT_VIEW)
+    page.wait_for_timeout(300)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def queue_and_wait_for_status(page, expected: dict[str, str]) -> dict[str, str]:
+    """Queue the graph from the page; wait until each node type's status text contains its substring."""
+    page.evaluate("() => { window.qwen21Errors.length = 0; return app.queuePrompt(0, 1); }")
+    deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
+    while True:
+        errors = page.evaluate("() => window.qwen21Errors")
+        assert not errors, f"the run failed: {errors[0].get('exception_message')}"
+        statuses = {node_type: page.evaluate(JS_STATUS, node_type) for node_type in expected}
+        if all(text and expected[node_type] in text for node_type, text in statuses.items()):
+            return statuses
+        assert time.monotonic() < deadline, f"status lines {statuses} after the run, expected {expected}"
+        page.wait_for_timeout(250)
+
+
+def point_at_tiny_checkpoint(page, name: str, models: Path, *extra: str) -> None:
+    """Set the loader/encoder/sampler widgets the way the runner's tiny_overrides does for the
+    API twin of the workflow (same node ids), plus `extra` NODE_ID.INPUT=JSON settings."""
+    prompt = load_prompt((WORKFLOWS_DIR / "api" / f"{name}.json").read_text())
+    settings = []
+    for assignment in tiny_overrides(prompt, models) + list(extra):
+        target, value = assignment.split("=", 1)
+        node_id, input_name = target.split(".", 1)
+        settings.append([node_id, input_name, json.loads(value)])
+    page.evaluate(JS_SET_WIDGETS, settings)
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+
+
+def test_extension_scripts_are_served_and_registered_once(server, page):
+    listed = server.get("/extensions").json()
+    for file in EXTENSION_FILES:
+        assert listed.count(f"/extensions/{PACK_FOLDER}/{file}") == 1, listed
+    registered = page.evaluate("() => app.extensions.map((e) => e.name)")
+    for name in EXTENSION_NAMES:
+        assert registered.count(name) == 1, registered
+    ours = [error for error in page.page_errors if PACK_FOLDER in error or "qwen21" in error]
+    assert not ours, ours
+
+
+def test_every_node_has_a_help_page(server):
+    from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
+
+    for name in NODE_CLASS_MAPPINGS:
+        reply = server.get(f"/extensions/{PACK_FOLDER}/docs/{name}.md")
+        assert reply.status_code == 200, f"no help page web/docs/{name}.md"
+        assert reply.text.lstrip().startswith("# "), f"web/docs/{name}.md does not start with a heading"
+
+
+@pytest.mark.parametrize("path", UI_WORKFLOWS, ids=[p.stem for p in UI_WORKFLOWS])
+def test_ui_workflow_passes_the_frontends_schema_check(page, path):
+    before = alerts(page, "Invalid workflow")
+    load_workflow(page, json.loads(path.read_text()))
+    page.wait_for_timeout(200)
+    assert alerts(page, "Invalid workflow") == before, page.locator(".p-toast-message").last.inner_text()
+
+
+@pytest.mark.parametrize("path", UI_WORKFLOWS, ids=[p.stem for p in UI_WORKFLOWS])
+def test_ui_workflow_loads_with_only_the_image_sockets_in_use(server, page, path):
+    workflow = json.loads(path.read_text())
+    encoder = next(node for node in workflow["nodes"] if node["type"] == "Qwen21Encode")
+    saved_links = {link[0]: link for link in workflow["links"]}
+    saved = {i["name"]: saved_links[i["link"]][1:3] for i in encoder["inputs"] if i.get("link") is not None}
+    last_used = max((int(name.split("_")[1]) for name in saved if name != "model"), default=0)
+
+    load_workflow(page, workflow)
+
+    sockets = page.evaluate(JS_ENCODER_SOCKETS)
+    assert pair_sockets(sockets) == expected_pairs(last_used)
+    loaded = {name: [origin, slot] for name, _type, origin, slot in sockets if origin is not None}
+    assert loaded == saved, "the links into the encoder changed on load"
+    assert page.evaluate(JS_BROKEN_LINKS) == []
+    # What the page would queue is exactly the workflow's API twin: no socket change leaks into it.
+    queued = page.evaluate("async () => (await app.graphToPrompt()).output")
+    api = json.loads((WORKFLOWS_DIR / "api" / path.name).read_text())
+    assert {k: (v["class_type"], v["inputs"]) for k, v in queued.items()} == {
+        k: (v["class_type"], v["inputs"]) for k, v in api.items()
+    }
+
+
+def test_connecting_the_last_image_adds_one_socket_and_trailing_empty_ones_go(server, page):
+    load_workflow(page, ui_workflow("text_to_image"))
+    assert pair_sockets(page.evaluate(JS_ENCODER_SOCKETS)) == expected_pairs(0)
+    image = page.evaluate(JS_ADD_LOAD_IMAGE, ["reference_1.png", 40, 700])
+
+    def connect(name, source=image):
+        page.evaluate(JS_CONNECT, [source, name])
+        return pair_sockets(page.evaluate(JS_ENCODER_SOCKETS))
+
+    assert connect("image_1") == expected_pairs(1)
+    assert connect("image_2") == expected_pairs(2)  # the third socket appears
+    assert connect("mask_3") == expected_pairs(3), "a connected mask keeps its pair and adds the next"
+    assert connect("mask_3", None) == expected_pairs(2)
+    assert connect("image_1", None) == expected_pairs(2), "an empty socket before a used one stays"
+    assert connect("image_2", None) == expected_pairs(0)
+    for i in range(1, MAX_IMAGES + 1):
+        sockets = connect(f"image_{i}")
+    assert sockets == expected_pairs(MAX_IMAGES) and "image_17" not in sockets
+    assert page.evaluate(JS_BROKEN_LINKS) == []
+    queued = page.evaluate("async () => (await app.graphToPrompt()).output")
+    encoder = next(node for node in queued.values() if node["class_type"] == "Qwen21Encode")
+    assert [encoder["inputs"].get(f"image_{i}") for i in range(1, MAX_IMAGES + 1)] == [[str(image), 0]] * MAX_IMAGES
+    assert not any(name.startswith("mask_") for name in encoder["inputs"])
+
+
+def test_saved_workflow_reloads_with_the_same_sockets_and_links(server, page):
+    load_workflow(page, ui_workflow("edit_1_reference"))
+    second = page.evaluate(JS_ADD_LOAD_IMAGE, ["reference_2.png", 40, 720])
+    page.evaluate(JS_CONNECT, [second, "image_2"])
+    before = page.evaluate(JS_ENCODER_SOCKETS)
+    queued_before = page.evaluate("async () => (await app.graphToPrompt()).output")
+    saved = page.evaluate("() => JSON.parse(JSON.stringify(app.graph.serialize()))")
+    saved_encoder = next(node for node in saved["nodes"] if node["type"] == "Qwen21Encode")
+    assert pair_sockets([[i["name"]] for i in saved_encoder["inputs"]]) == expected_pairs(2)
+
+    page.evaluate("() => app.graph.clear()")
+    load_workflow(page, saved)
+
+    assert page.evaluate(JS_ENCODER_SOCKETS) == before
+    assert page.evaluate(JS_BROKEN_LINKS) == []
+    assert page.evaluate("async () => (await app.graphToPrompt()).output") == queued_before
+
+
+def test_status_formatting_of_paths_a_cpu_run_does_not_take(server, page):
+    parts = page.evaluate(
+        """async (pack) => {
+            const { statusParts } = await import(`/extensions/${pack}/run_status.js`);
+            return [
+                statusParts({steps: 40, seconds: 10, steps_per_second: 4, prefix_cache: "reused",
+                             prefix_cache_mib: 96, decode_graph: "off: the model is not on CUDA",
+                             peak_vram_mib: 20480}),
+                statusParts({steps: 8, seconds: 1, steps_per_second: 8, prefix_cache: "off",
+                             decode_graph: "replay", peak_vram_mib: 512}),
+                statusParts({tiled: true, tiles: 4, tile_size: 512, oom_retries: 1, quality: "fast",
+                             precision: "bf16"}),
+            ];
+        }""",
+        PACK_FOLDER,
+    )
+    sampler_hit, sampler_replay, vae_tiled = parts
+    assert sampler_hit == [
+        "4.00 steps/s",
+        "40 steps in 10.0 s",
+        "prefix cache hit 96.0 MiB",
+        "graphs off (the model is not on CUDA)",
+        "peak VRAM 20.00 GiB",
+    ]
+    assert "prefix cache off" in sampler_replay and "graphs replayed" in sampler_replay
+    assert "peak VRAM 512.0 MiB" in sampler_replay
+    assert vae_tiled == ["tiled (4 tiles of 512px)", "1 OOM retries", "fast", "bf16"]
+
+
+def test_run_from_the_page_shows_the_status_lines_and_updates_them(server, page):
+    load_workflow(page, ui_workflow("edit_1_reference"))
+    point_at_tiny_checkpoint(page, "edit_1_reference", server.models)
+    second = page.evaluate(JS_ADD_LOAD_IMAGE, ["reference_2.png", 40, 720])
+    page.evaluate(JS_CONNECT, [second, "image_2"])
+    assert pair_sockets(page.evaluate(JS_ENCODER_SOCKETS)) == expected_pairs(2)
+    assert [page.evaluate(JS_STATUS, t) for t in ("Qwen21Sampler", "Qwen21VAEDecode")] == [None, None], (
+        "a status line before any run"
+    )
+    saved_before = page.evaluate("() => app.graph.serialize().nodes.map((n) => [n.id, n.widgets_values])")
+
+    first = queue_and_wait_for_status(page, {"Qwen21Sampler": "2 steps in", "Qwen21VAEDecode": ""})
+    sampler, vae = first["Qwen21Sampler"], first["Qwen21VAEDecode"]
+    for expected in ("steps/s", "prefix cache built", "graphs off", "peak VRAM"):
+        assert expected in sampler, sampler
+    assert "untiled" in vae and "exact" in vae, vae
+    widgets = page.evaluate("() => app.graph.nodes.find((n) => n.type === 'Qwen21Sampler').widgets.map((w) => w.name)")
+    previews = [i for i, name in enumerate(widgets) if name.startswith("$$")]
+    assert all(widgets.index("qwen21_status") < i for i in previews), f"status painted under a preview: {widgets}"
+    shot = screenshot(page, "status_after_run")
+    assert shot.stat().st_size > 10_000
+
+    # The status widget is display only: not saved, not sent.
+    saved_after = page.evaluate("() => app.graph.serialize().nodes.map((n) => [n.id, n.widgets_values])")
+    assert saved_after == saved_before
+    queued = page.evaluate("async () => (await app.graphToPrompt()).output")
+    assert all("qwen21_status" not in node["inputs"] for node in queued.values())
+
+    sampler_id = next(k for k, v in queued.items() if v["class_type"] == "Qwen21Sampler")
+    page.evaluate(JS_SET_WIDGETS, [[sampler_id, "steps", 3]])
+    second_run = queue_and_wait_for_status(page, {"Qwen21Sampler": "3 steps in"})
+    assert second_run["Qwen21Sampler"] != sampler
+    screenshot(page, "status_after_second_run")
