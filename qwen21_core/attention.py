@@ -77,11 +77,28 @@ def decode_attention(q, k, v, key_mask=None):
     return _sdpa(q, k, v, key_mask)
 
 
+_LSE_KERNELS = ["cudnn", "flash"]  # tried in order on CUDA; one that fails is dropped for the process
+
+
+def _cuda_lse_attention(q, k, v):
+    while _LSE_KERNELS:
+        try:
+            if _LSE_KERNELS[0] == "cudnn":
+                out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+            else:
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+            return out, lse.reshape(q.shape[:3])
+        except (RuntimeError, NotImplementedError):
+            if torch.cuda.is_current_stream_capturing():
+                raise  # never switch kernels in the middle of a capture
+            _LSE_KERNELS.pop(0)
+    raise RuntimeError("no CUDA attention kernel with log-sum-exp output is available")
+
+
 def _sdpa_with_lse(q, k, v, key_mask=None):
     """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD."""
     if q.is_cuda and key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
-        return out, lse
+        return _cuda_lse_attention(q, k, v)
     scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if key_mask is not None:
@@ -95,18 +112,17 @@ def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, pr
     """Decode attention for B rows sharing one prefix, without repeating the prefix B times.
 
     q, k_target, v_target: [B, N, H, D]; k_prefix, v_prefix: [1, P, H, D]; prefix_key_mask: [P] bool.
-    The prefix part runs once with the batch folded into the query axis; the two partial softmaxes
-    are merged through their log-sum-exp.
+    The prefix part runs once with the batch rows as extra query tokens (a free view of BSHD q); the two
+    partial softmaxes are merged through their log-sum-exp: out = out_t + sigmoid(lse_p - lse_t) * (out_p - out_t).
     """
     b, n, h, d = q.shape
-    q_folded = q.permute(2, 0, 1, 3).reshape(1, h, b * n, d)  # [1, H, B*N, D]
+    q_folded = q.reshape(1, b * n, h, d).transpose(1, 2)  # [1, H, B*N, D], no copy
     mask = None if prefix_key_mask is None else prefix_key_mask[None, None, None, :]
     out_p, lse_p = _sdpa_with_lse(q_folded, k_prefix.transpose(1, 2), v_prefix.transpose(1, 2), mask)
-    out_p = out_p.reshape(h, b, n, d).transpose(0, 1)  # [B, H, N, D]
-    lse_p = lse_p.reshape(h, b, n).transpose(0, 1)
     out_t, lse_t = _sdpa_with_lse(q.transpose(1, 2), k_target.transpose(1, 2), v_target.transpose(1, 2))
-    top = torch.maximum(lse_p, lse_t)
-    w_p = torch.exp(lse_p - top)[..., None]
-    w_t = torch.exp(lse_t - top)[..., None]
-    out = (out_p.float() * w_p + out_t.float() * w_t) / (w_p + w_t)
-    return out.to(q.dtype).transpose(1, 2)  # [B, N, H, D]
+    out_p = out_p.transpose(1, 2).reshape(b, n, h, d)  # back to BSHD rows
+    out_t = out_t.transpose(1, 2)
+    lse_p = lse_p.reshape(h, b, n).permute(1, 2, 0)  # [B, N, H]
+    lse_t = lse_t.permute(0, 2, 1)
+    weight_p = torch.sigmoid(lse_p - lse_t)[..., None]  # share of the prefix in each row's softmax, fp32
+    return (out_t + (out_p - out_t) * weight_p).to(q.dtype)  # [B, N, H, D]

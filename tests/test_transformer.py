@@ -186,3 +186,20 @@ def test_decode_before_prefill_is_an_error(models):
     branch = ours.new_branch(layout)
     with pytest.raises(RuntimeError, match="before prefill"):
         ours.decode(branch, torch.zeros(1, 4, CHANNELS), torch.ones(1))
+
+
+@pytest.mark.gpu
+def test_shared_prefix_attention_matches_joint_attention_on_cuda():
+    """The LSE merge (cuDNN or flash with log-sum-exp) equals one SDPA over [prefix | target] per row."""
+    from qwen21_nodes.qwen21_core.attention import decode_attention, shared_prefix_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, n, p, h, d = 3, 256, 77, 4, 128
+    q, k_t, v_t = (torch.randn(b, n, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    k_p, v_p = (torch.randn(1, p, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    merged = shared_prefix_decode_attention(q, k_p, v_p, k_t, v_t)
+    joint_k = torch.cat([k_p.expand(b, -1, -1, -1), k_t], 1)
+    joint_v = torch.cat([v_p.expand(b, -1, -1, -1), v_t], 1)
+    expected = decode_attention(q, joint_k, joint_v)
+    assert merged.shape == expected.shape and merged.dtype == torch.bfloat16
+    assert (merged.float() - expected.float()).abs().max().item() <= 2e-2
