@@ -45,7 +45,13 @@ function syncSockets(node, maxPairs) {
     const surplus = node.inputs.some((input) => pairIndex(input) > wanted);
     if (surplus && isDraggingLink()) {
         // Removing a socket under a link being dragged would drop the link; retry once it lands.
-        requestAnimationFrame(() => syncSockets(node, maxPairs));
+        if (!node.qwen21SyncPending) {
+            node.qwen21SyncPending = true;
+            requestAnimationFrame(() => {
+                node.qwen21SyncPending = false;
+                syncSockets(node, maxPairs);
+            });
+        }
         return;
     }
     node.qwen21Syncing = true;
