@@ -1,10 +1,11 @@
 """The web extension (web/*.js) in a real browser against a real ComfyUI server.
 
 Headless Chromium from the system (Debian's `chromium`; no browser download) driven by Python
-playwright, on the server that tests/test_comfyui_server.py starts (the pack in custom_nodes, the
-tiny checkpoint in models/). Needs COMFYUI_DIR, `pip install playwright` and `apt-get install
-chromium` (or CHROMIUM=/path/to/chromium); skips, saying which is missing, otherwise.
-Screenshots are kept under artifacts/web/ (ignored by git); their paths are printed (pytest -s).
+playwright, on a server started by tests/test_comfyui_server.py's fixture (the pack in custom_nodes,
+the tiny checkpoint in models/). Needs COMFYUI_DIR (and COMFYUI_PYTHON, as there), `pip install
+playwright` and `apt-get install chromium` (or CHROMIUM=/path/to/chromium); skips, saying which is
+missing, otherwise. Screenshots are kept under artifacts/web/ (ignored by git); their paths are
+printed (pytest -s).
 """
 
 import json
@@ -277,6 +278,18 @@ def test_ui_workflow_loads_with_only_the_image_sockets_in_use(server, page, path
     assert {k: (v["class_type"], v["inputs"]) for k, v in queued.items()} == {
         k: (v["class_type"], v["inputs"]) for k, v in api.items()
     }
+
+
+def test_a_new_encoder_node_shows_one_image_pair(server, page):
+    inputs = page.evaluate(
+        """() => {
+            const node = LiteGraph.createNode("Qwen21Encode");
+            app.graph.add(node);
+            return node.inputs.map((input) => input.name);
+        }"""
+    )
+    assert pair_sockets([[name] for name in inputs]) == expected_pairs(0)
+    assert "model" in inputs
 
 
 def test_connecting_the_last_image_adds_one_socket_and_trailing_empty_ones_go(server, page):
