@@ -119,7 +119,10 @@ def comfy_kitchen_variants(device):
         import comfy_kitchen
         from comfy_kitchen.registry import registry
 
-        version = importlib.metadata.version("comfy-kitchen")
+        try:
+            version = importlib.metadata.version("comfy-kitchen")
+        except importlib.metadata.PackageNotFoundError:  # unpacked without its dist-info (as carried to the GPU)
+            version = getattr(comfy_kitchen, "__version__", "unknown")
     except Exception as error:  # noqa: BLE001 - any import failure means "not comparable here"
         return {}, f"unavailable ({type(error).__name__}: {error})"
     backends = [name for name in ("cuda", "triton", "eager") if registry.is_available(name)]

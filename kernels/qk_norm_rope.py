@@ -32,17 +32,20 @@ from ._triton import jit, tl, triton, triton_runs_on
 # Token gate: the fused kernel is used when B*S >= the threshold (0 = always). On the eager path each call
 # pays host launch overhead, which the fused kernel loses on short sequences; inside a captured CUDA graph
 # that overhead is gone, hence a separate threshold. Sources, first found wins: `min_tokens=` argument,
-# environment variable, default. PLACEHOLDER defaults until benchmarks/bench_qk_norm_rope.py runs on the
-# H200 (2048 is the crossover vLLM-Omni measured for its eager path).
+# environment variable, default. Defaults from benchmarks/bench_qk_norm_rope.py on the H200 (BENCHMARKS.md):
+# the fused kernel won at every length measured (16..20480 tokens, eager and in-graph; 23x the torch
+# reference at 4096 tokens, and the full 1024^2 decode step went from 152.6 to 120.7 ms), so both gates
+# default to 0 = always. vLLM-Omni needed 2048 because its fused path was host-bound; ours is not.
 MIN_TOKENS_ENV = "QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS"
 MIN_TOKENS_IN_GRAPH_ENV = "QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS_IN_GRAPH"
-DEFAULT_MIN_TOKENS = 2048
+DEFAULT_MIN_TOKENS = 0
 DEFAULT_MIN_TOKENS_IN_GRAPH = 0
 
 # Launch shape of the fused kernel: elements per program (heads x padded head_dim) and warps per program.
-# PLACEHOLDERS until the H200 sweep (bench_qk_norm_rope.py --sweep) picks them.
-TILE_ELEMENTS = 2048
-NUM_WARPS = 4
+# From the H200 sweep (bench_qk_norm_rope.py --sweep): 4096 elements x 1 warp was best or within 2% of the
+# best at 1024, 4096 and 20480 tokens (3.7-4.0 TB/s).
+TILE_ELEMENTS = 4096
+NUM_WARPS = 1
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -268,7 +268,7 @@ def path_taken(monkeypatch):
 
 def test_gate_default_threshold(path_taken):
     threshold = qnr.DEFAULT_MIN_TOKENS
-    assert path_taken(1, threshold) == "fused"
+    assert path_taken(1, max(threshold, 1)) == "fused"
     if threshold > 0:
         assert path_taken(1, threshold - 1) == "reference"
 
