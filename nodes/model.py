@@ -90,9 +90,10 @@ def sample_status(stats: dict) -> str:
     """One compact line from the pipeline's sampling stats, for the node's status text."""
     if not stats:
         return ""
-    cache = stats.get("prefix_cache", "off")
+    cache = {"reused": "hit (prefill skipped)"}.get(stats.get("prefix_cache", "off"), stats.get("prefix_cache", "off"))
     if cache != "off":
-        cache += f", {stats.get('prefix_cache_mib', 0):.0f} MiB"
+        mib = stats.get("prefix_cache_mib", 0)
+        cache += f", {mib:.1f} MiB" if mib < 10 else f", {mib:.0f} MiB"
     return (
         f"{stats.get('steps_per_second', 0):.2f} steps/s · prefix cache {cache} · "
         f"graphs {stats.get('decode_graph', 'off')} · peak {stats.get('peak_vram_mib', 0) / 1024:.1f} GiB"
@@ -105,6 +106,9 @@ def decode_status(stats: dict) -> str:
         return ""
     path = f"tiled ({stats.get('tiles')} tiles)" if stats.get("tiled") else "untiled"
     retries = stats.get("oom_retries", 0)
-    return f"VAE {path} · {stats.get('quality', 'exact')} · {stats.get('precision')}" + (
-        f" · {retries} OOM retries" if retries else ""
-    )
+    line = f"VAE {path} · {stats.get('quality', 'exact')} · {stats.get('precision')}"
+    if "seconds" in stats:
+        line += f" · {stats['seconds']:.2f} s"
+    if "peak_vram_mib" in stats:
+        line += f" · peak {stats['peak_vram_mib'] / 1024:.1f} GiB"
+    return line + (f" · {retries} OOM retries" if retries else "")

@@ -145,8 +145,10 @@ class DecodeGraphs:
         branch.release()
 
     def end_generation(self):
+        """Mark every entry idle and forget this generation's fallback reasons (after `describe`)."""
         for entry in self.entries.values():
             entry.in_use = False
+        self.reasons.clear()
 
     def clear(self):
         for entry in self.entries.values():

@@ -12,6 +12,7 @@ be rebuilt. Options default to the exact path; faster, non-identical paths must 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -221,7 +222,12 @@ class Qwen21Pipeline:
             )
         finally:
             stats: SampleStats = sampler.stats
-            stats.decode_graph = self.decode_graphs.describe() if runner is not None else "off"
+            if runner is not None:
+                stats.decode_graph = self.decode_graphs.describe()
+            elif not decode_graphs:
+                stats.decode_graph = "off: disabled"
+            else:
+                stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
             self.last_sample_stats = stats.as_dict()
             self.decode_graphs.end_generation()
         return latents
@@ -230,8 +236,18 @@ class Qwen21Pipeline:
 
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
-        images = self.vae.decode(latents.to(self.vae_device), **options)
-        self.last_decode_stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
+        device = self.vae_device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        images = self.vae.decode(latents.to(device), **options)
+        stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the images are used right away anyway; this makes the time real
+        stats["seconds"] = round(time.perf_counter() - started, 3)
+        if device.type == "cuda":
+            stats["peak_vram_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+        self.last_decode_stats = stats
         return images
 
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None = None, **options) -> torch.Tensor:

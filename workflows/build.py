@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import uuid
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -207,7 +208,7 @@ def _node_height(sockets: list, widgets: list, node_class) -> int:
     )
 
 
-def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
+def to_ui(prompt: dict, note: str, node_classes: dict, name: str) -> dict:
     from qwen21_nodes.runner.graph import WIDGET_TYPES, input_specs
     from qwen21_nodes.runner.ui_format import widget_names
 
@@ -275,7 +276,8 @@ def to_ui(prompt: dict, note: str, node_classes: dict) -> dict:
         "widgets_values": [note], "color": "#432", "bgcolor": "#653",
     })  # fmt: skip
     return {
-        "id": f"qwen21-{len(nodes)}-{note_id}",
+        # the frontend validates this as a UUID; derived from the name so rebuilds are stable
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"qwen21-nodes/workflows/{name}")),
         "revision": 0,
         "last_node_id": note_id,
         "last_link_id": len(links),
@@ -342,7 +344,7 @@ def render_workflows() -> dict[Path, dict]:
     files = {}
     for name, (prompt, note) in workflows().items():
         files[HERE / "api" / f"{name}.json"] = prompt
-        files[HERE / f"{name}.json"] = to_ui(prompt, note, classes)
+        files[HERE / f"{name}.json"] = to_ui(prompt, note, classes, name)
     return files
 
 
