@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
-#   tests demo dit dit-quick vae qk te load
+#   tests demo dit dit-quick vae vae-mem qk te load
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,7 @@ for part in "$@"; do
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
     dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
+    vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
     load)
