@@ -365,7 +365,8 @@ def main():
     emit(what="setup", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
          torch=torch.__version__, dtype=str(dtype), init_s=round(time.perf_counter() - start, 1),
          params_b=round(sum(p.numel() for p in ours.parameters()) / 1e9, 3),
-         qk_norm_rope_min_tokens=os.environ.get("QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS", "default"))  # fmt: skip
+         qk_norm_rope_min_tokens=os.environ.get("QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS", "default"),
+         float32_matmul_precision=torch.get_float32_matmul_precision())  # fmt: skip
     args.fp32_reference = args.fp32_ours = None
     if reference is not None and not args.no_fp32:
         import copy

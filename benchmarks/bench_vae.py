@@ -62,7 +62,7 @@ def measure(fn, device, iters, warmup=1):
     result = None
     for _ in range(warmup):
         result = fn()
-    del result
+    result = None
     sync(device)
     peak = None
     if device.type == "cuda":
@@ -72,7 +72,8 @@ def measure(fn, device, iters, warmup=1):
         result = fn()
         sync(device)
         peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30
-        del result
+        if iters:
+            del result
     times = []
     for _ in range(iters):
         start = time.perf_counter()

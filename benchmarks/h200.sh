@@ -37,8 +37,8 @@ for part in "$@"; do
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
     load)
-      run bench_load_ours 240 python3 benchmarks/bench_load.py --cases ours
-      run bench_load_diffusers 240 python3 benchmarks/bench_load.py --cases diffusers:diffusers ;;
+      run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
+      run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;
     *) echo "unknown part $part" ;;
   esac
 done
