@@ -39,19 +39,17 @@ log = logging.getLogger(__name__)
 LATENT_SCALE = 16  # pixels per latent pixel along each axis
 
 # Peak activation bytes per pixel of ONE image for an untiled pass (decode: output pixels; encode: input
-# pixels), by (kind, quality, bytes per activation element).
-# FIRST ESTIMATES: the slope of the peak of live activation tensors between 512^2 and 1024^2 of our own
-# decode/encode of the full-size model on the meta device (`bench_vae.py --meta-memory`; decode bf16 exact
-# 2020, fast 1728 with the fused norm, fp32 4036; encode bf16 964, fp32 1921), plus 25% for cuDNN workspaces
-# and allocator rounding. The H200 slope of torch.cuda.max_memory_allocated from
-# `bench_vae.py --measure-memory` replaces them.
+# pixels), by (kind, quality, bytes per activation element). Measured on the H200 with
+# `python benchmarks/bench_vae.py --measure-memory --sizes 512 1024` (full-size random weights): the slope of
+# torch.cuda.max_memory_allocated between 512^2 and 1024^2, plus 10% (cuDNN workspaces, allocator rounding).
+# Measured slopes: decode bf16 exact 2736, fast 1728; fp32 exact 5482, fast 3457; encode bf16 1353, fp32 2322.
 BYTES_PER_PIXEL = {
-    ("decode", "exact", 2): 2550,
-    ("decode", "exact", 4): 5050,
-    ("decode", "fast", 2): 2200,
-    ("decode", "fast", 4): 5050,
-    ("encode", "exact", 2): 1200,
-    ("encode", "exact", 4): 2400,
+    ("decode", "exact", 2): 3010,
+    ("decode", "exact", 4): 6030,
+    ("decode", "fast", 2): 1901,
+    ("decode", "fast", 4): 3803,
+    ("encode", "exact", 2): 1488,
+    ("encode", "exact", 4): 2554,
 }
 SAFETY = 0.85  # plan to use at most this fraction of the free memory
 
