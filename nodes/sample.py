@@ -132,17 +132,29 @@ class Qwen21Sampler:
                     "BOOLEAN",
                     {
                         "default": True,
-                        "tooltip": "Cache the prompt/condition K/V after step 1 (identical results). Saves ~40% per "
-                        "step with 1 reference image and more with 4; costs 2 x layers x prefix tokens x 4096 x 2 "
-                        "bytes of VRAM (~0.5 GiB per 1000 prefix tokens in bf16).",
+                        "tooltip": "Cache the prompt/condition K/V after step 1 (identical results). On an H200 at "
+                        "1024x1024 a step costs 134 ms instead of 254 with 1 reference image, 182 instead of 757 "
+                        "with 4; the cache holds ~0.5 GiB of VRAM per 1000 prefix tokens (bf16). Off: recompute "
+                        "them every step (for checking).",
                     },
                 ),
                 "decode_graphs": (
                     "BOOLEAN",
                     {
                         "default": True,
-                        "tooltip": "Capture steps 2..N as a CUDA graph and replay it (identical results): cuts "
-                        "per-step launch overhead; the first run at a new size pays a ~1-2 s capture. GPU only.",
+                        "tooltip": "Capture a whole step as a CUDA graph and replay it (identical results; GPU "
+                        "only). Removes launch overhead (~2% at 512x512, none measurable at 1024x1024 on an "
+                        "H200) and keeps the step's buffers, so re-running the same prompt with a new seed "
+                        "skips the text/reference prefill. A new size pays a 0.1-2 s capture.",
+                    },
+                ),
+                "compile_blocks": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "tooltip": "torch.compile the blocks' elementwise math: steps ~8% faster at 1024x1024 "
+                        "(114 -> 105 ms on an H200), ~10% at 512x512; the first run at a new size compiles for "
+                        "a few seconds. Not bit-identical to the default path (~52 dB PSNR of the velocity).",
                     },
                 ),
             },
@@ -169,6 +181,7 @@ class Qwen21Sampler:
         denoise,
         prefix_cache,
         decode_graphs,
+        compile_blocks=False,
         latent=None,
     ):
         start = None
@@ -206,6 +219,7 @@ class Qwen21Sampler:
             callback=on_step,
             prefix_cache=prefix_cache,
             decode_graphs=decode_graphs,
+            compile_blocks=compile_blocks,
         )
         stats = dict(model.pipe.last_sample_stats or {})
         return {

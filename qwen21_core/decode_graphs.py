@@ -8,7 +8,8 @@ latents and timestep are copied in per step. Replay runs the same kernels as eag
 outputs are bit-identical (checked on the GPU).
 
 Bookkeeping rules:
-- key = (role, batch, prefix length, image layout, target shape, dtype, device, attention backend);
+- key = (role, batch, prefix length, image layout, target shape, dtype, device, attention backend,
+  compiled blocks or not);
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -104,7 +105,10 @@ class DecodeGraphs:
     def key_for(self, layout, batch: int, backend: str, role: str) -> tuple:
         tr = self.transformer
         image_layout = tuple((s.start, s.end, s.is_text) for s in layout.segments)
-        return (role, batch, layout.prefix_len, image_layout, layout.target_shape, tr.dtype, str(tr.device), backend)
+        return (
+            role, batch, layout.prefix_len, image_layout, layout.target_shape, tr.dtype, str(tr.device), backend,
+            tr.compiled,  # compiled and eager block code are different graphs
+        )  # fmt: skip
 
     def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive") -> Branch:
         """A branch for this generation: an idle captured entry's (adopted) or a fresh one."""

@@ -178,6 +178,7 @@ class Qwen21Pipeline:
         denoise: float = 1.0,
         prefix_cache: bool = True,
         decode_graphs: bool = True,
+        compile_blocks: bool = False,
         attention_backend: str = "auto",
     ) -> torch.Tensor:
         """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
@@ -187,6 +188,8 @@ class Qwen21Pipeline:
         callback(step, total, x0_raw_latents): after each step; raise in it to interrupt.
         prefix_cache: False recomputes the text/condition prefix every step (for checking; slower).
         decode_graphs: replay decode steps from CUDA graphs (CUDA only; bit-identical to eager).
+        compile_blocks: regional torch.compile of the block math for decode steps (opt-in: ~8% faster steps
+            at 1024^2 on an H200, a few seconds of compile per new size, not bit-identical: ~52 dB vs eager).
         """
         conds = [cond] if isinstance(cond, Conditioning) else list(cond)
         if not conds:
@@ -194,6 +197,7 @@ class Qwen21Pipeline:
         height = height or conds[0].height
         width = width or conds[0].width
         base_sigmas = self._base_sigmas(schedule, sigmas)
+        self.transformer.compile_blocks(compile_blocks)
         vae_config = self.vae.config
         runner = self.decode_graphs if decode_graphs and self.device.type == "cuda" else None
         sampler = Sampler(

@@ -248,6 +248,8 @@ class QwenImage21Transformer(nn.Module):
         if not enabled:
             self.block_functions = EAGER
             return
+        if self.block_functions is not EAGER:
+            return  # already compiled: keep the compiled code (and its caches)
         self.block_functions = BlockFunctions(
             torch.compile(modulated_qkv, dynamic=False, mode=mode),
             torch.compile(attention_out_and_mlp, dynamic=False, mode=mode),
@@ -301,6 +303,10 @@ class QwenImage21Transformer(nn.Module):
             slot.copy_(value)
 
     # ---- generation ------------------------------------------------------------------------------
+
+    @property
+    def compiled(self) -> bool:
+        return self.block_functions is not EAGER
 
     @property
     def dtype(self) -> torch.dtype:

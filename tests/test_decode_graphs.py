@@ -218,3 +218,15 @@ def test_rerun_of_the_same_conditioning_reuses_the_kept_prefix(model):
     third = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs)
     third.sample([other], seed=2, **kw)
     assert third.stats.prefills == 1
+
+
+def test_compiled_and_eager_blocks_never_share_a_graph(model):
+    graphs = DecodeGraphs(model, capture=Recorder())
+    layout = _layout()
+    eager_key = graphs.key_for(layout, 1, "auto", "positive")
+    model.compile_blocks(True)  # wraps lazily; nothing is compiled until called
+    try:
+        assert graphs.key_for(layout, 1, "auto", "positive") != eager_key
+    finally:
+        model.compile_blocks(False)
+    assert graphs.key_for(layout, 1, "auto", "positive") == eager_key

@@ -72,7 +72,7 @@ def _sampler(**inputs) -> dict:
     values = {
         "model": ["1", 0], "conditioning": ["2", 0], "seed": 42, "steps": 40, "true_cfg_scale": 1.0,
         "width": 0, "height": 0, "batch_size": 1, "schedule": "default", "sigmas": "", "denoise": 1.0,
-        "prefix_cache": True, "decode_graphs": True,
+        "prefix_cache": True, "decode_graphs": True, "compile_blocks": False,
     }  # fmt: skip
     values.update(inputs)
     return {"class_type": "Qwen21Sampler", "inputs": values}
