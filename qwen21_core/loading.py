@@ -230,48 +230,44 @@ def _info(ckpt: Checkpoint, layout: Layout, quant, dtype, device, config_from: s
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _load_model(path, device, dtype, config_path, component, config_cls, config_from_shapes, model_cls, what):
+    """Shared by the DiT and the VAE: open, detect the layout, find or derive the config, build, fill."""
+    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    config_path = _config_file(Path(path), config_path)
+    ckpt, layout, quant = _open(Path(path), component)
+    with ckpt:
+        convert = key_maps.converter(layout, ckpt.keys())
+        if config_path is not None:
+            config = config_cls.from_dict(_check_class(config_path, COMPONENT_CLASSES[component]))
+            config_from = str(config_path)
+        else:
+            config = config_from_shapes(_shapes(ckpt, convert, quant))
+            config_from = "derived from tensor shapes"
+        model = build_empty(lambda: model_cls(config), device, dtype)
+        load_into(module_slots(model), ckpt, convert, what=what, quant=quant)
+        info = _info(ckpt, layout, quant, dtype, device, config_from)
+    log.info("%s: %s", component, info)
+    return model, info
+
+
 def load_transformer(
     path: str | os.PathLike, device, dtype: torch.dtype, config_path: str | os.PathLike | None = None
 ) -> tuple[QwenImage21Transformer, dict[str, str]]:
     """A diffusers transformer folder or a (ComfyUI or diffusers layout) single file -> our transformer."""
-    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
-    config_path = _config_file(Path(path), config_path)
-    ckpt, layout, quant = _open(Path(path), "transformer")
-    with ckpt:
-        convert = key_maps.converter(layout, ckpt.keys())
-        if config_path is not None:
-            config = TransformerConfig.from_dict(_check_class(config_path, COMPONENT_CLASSES["transformer"]))
-            config_from = str(config_path)
-        else:
-            config = transformer_config_from_shapes(_shapes(ckpt, convert, quant))
-            config_from = "derived from tensor shapes"
-        model = build_empty(lambda: QwenImage21Transformer(config), device, dtype)
-        load_into(module_slots(model), ckpt, convert, what="Qwen-Image-2.1 transformer", quant=quant)
-        info = _info(ckpt, layout, quant, dtype, device, config_from)
-    log.info("transformer: %s", info)
-    return model, info
+    return _load_model(
+        path, device, dtype, config_path, "transformer", TransformerConfig, transformer_config_from_shapes,
+        QwenImage21Transformer, "Qwen-Image-2.1 transformer",
+    )  # fmt: skip
 
 
 def load_vae(
     path: str | os.PathLike, device, dtype: torch.dtype, config_path: str | os.PathLike | None = None
 ) -> tuple[QwenImage21VAE, dict[str, str]]:
     """A diffusers VAE folder or a (ComfyUI Wan 2.2 or diffusers layout) single file -> our VAE."""
-    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
-    config_path = _config_file(Path(path), config_path)
-    ckpt, layout, quant = _open(Path(path), "vae")
-    with ckpt:
-        convert = key_maps.converter(layout, ckpt.keys())
-        if config_path is not None:
-            config = VAEConfig.from_dict(_check_class(config_path, COMPONENT_CLASSES["vae"]))
-            config_from = str(config_path)
-        else:
-            config = vae_config_from_shapes(_shapes(ckpt, convert, quant))
-            config_from = "derived from tensor shapes"
-        model = build_empty(lambda: QwenImage21VAE(config), device, dtype)
-        load_into(module_slots(model), ckpt, convert, what="Qwen-Image-2.1 VAE", quant=quant)
-        info = _info(ckpt, layout, quant, dtype, device, config_from)
-    log.info("vae: %s", info)
-    return model, info
+    return _load_model(
+        path, device, dtype, config_path, "vae", VAEConfig, vae_config_from_shapes, QwenImage21VAE,
+        "Qwen-Image-2.1 VAE",
+    )  # fmt: skip
 
 
 def _shapes(ckpt: Checkpoint, convert, quant) -> dict[str, tuple[int, ...]]:
