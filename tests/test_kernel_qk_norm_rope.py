@@ -12,13 +12,9 @@ differences rare in half precision.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+import triton_interpreter
 from qwen21_nodes.kernels import _triton
 from qwen21_nodes.kernels import qk_norm_rope as qnr
 
@@ -30,52 +26,14 @@ ULP_BOUND = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 @pytest.fixture
 def kernel_device(monkeypatch):
     """The device the fused kernel runs on in this process; skips where it runs nowhere."""
-    if _triton.INTERPRETER_ACTIVE:
-        _round_bf16_like_the_gpu(monkeypatch)
-        return torch.device("cpu")
-    if _triton.TRITON_AVAILABLE and torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("no GPU here: these run on CPU in the child process of test_kernel_through_interpreter")
-
-
-def _round_bf16_like_the_gpu(monkeypatch):
-    # Triton's interpreter converts fp32 -> bf16 by truncation (and its round-to-nearest path drops the
-    # carry into the exponent); the GPU rounds to nearest even, like torch. Convert through torch so the
-    # interpreter computes what the GPU computes and bf16 can be compared exactly.
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    if not hasattr(interpreter, "_convert_float"):
-        pytest.skip("this Triton's interpreter changed; cannot make its bf16 casts round like the GPU")
-    convert = interpreter._convert_float
-
-    def convert_rounding_bf16(values, src_dtype, dst_dtype, rounding_mode):
-        if src_dtype == tl.float32 and dst_dtype == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy().view(np.uint16)
-        return convert(values, src_dtype, dst_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert_rounding_bf16)
+    return triton_interpreter.kernel_device(
+        monkeypatch, "no GPU here: these run on CPU in the child process of test_kernel_through_interpreter"
+    )
 
 
 @pytest.mark.slow  # a child process: imports the package again, then interprets the kernel (~15 s on 2 cores)
 def test_kernel_through_interpreter():
-    if _triton.INTERPRETER_ACTIVE:
-        pytest.skip("this is the child process")
-    if not _triton.TRITON_AVAILABLE:
-        pytest.skip("Triton is not installed; the torch reference serves every device")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{child.stdout}\n{child.stderr}"
+    child = triton_interpreter.run_under_interpreter(__file__)
     # The kernel tests must have run there, not skipped (-ra lists skip reasons).
     assert " passed" in child.stdout and "child process of test_kernel" not in child.stdout, child.stdout
 

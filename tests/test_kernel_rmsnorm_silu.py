@@ -16,14 +16,11 @@ Tolerances:
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import triton_interpreter
 from qwen21_nodes.kernels import _triton
 from qwen21_nodes.kernels import rmsnorm_silu as K
 
@@ -111,32 +108,9 @@ def test_launchers_check_their_inputs(x, gamma, match):
 
 @pytest.fixture
 def kernel_device(monkeypatch):
-    if _triton.INTERPRETER_ACTIVE:
-        _round_bf16_to_nearest_even(monkeypatch)
-        return torch.device("cpu")
-    if _triton.TRITON_AVAILABLE and torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("no GPU here: the kernels run on CPU in the child process of test_kernels_through_interpreter")
-
-
-def _round_bf16_to_nearest_even(monkeypatch):
-    # The interpreter converts fp32 -> bf16 by truncation; the GPU (and torch) round to nearest even. Route
-    # that one conversion through torch so that the interpreter computes what the GPU computes.
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    if not hasattr(interpreter, "_convert_float"):
-        pytest.skip("this Triton's interpreter changed; its bf16 casts cannot be made to round like the GPU")
-    convert = interpreter._convert_float
-
-    def convert_rne(values, src_dtype, dst_dtype, rounding_mode):
-        if src_dtype == tl.float32 and dst_dtype == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy().view(np.uint16)
-        return convert(values, src_dtype, dst_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert_rne)
+    return triton_interpreter.kernel_device(
+        monkeypatch, "no GPU here: the kernels run on CPU in the child process of test_kernels_through_interpreter"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,20 +163,5 @@ def test_eager_kernel_self_test_passes_on_the_gpu(dtype):
 
 
 def test_kernels_through_interpreter():
-    if _triton.INTERPRETER_ACTIVE:
-        pytest.skip("this is the child process")
-    if not _triton.TRITON_AVAILABLE:
-        pytest.skip("Triton is not installed; the torch references serve every device")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_matches",
-         str(Path(__file__).resolve())],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert child.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{child.stdout}\n{child.stderr}"
+    child = triton_interpreter.run_under_interpreter(__file__, "-k", "kernel_matches")
     assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout
