@@ -18,14 +18,13 @@ and the agreement of our decode velocity with diffusers' (max abs, PSNR).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
+from _common import emit, sync
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.sequence import build_layout
@@ -50,16 +49,6 @@ COMPILE_CASES = {"512_ref0_cfg1_b1", "1024_ref0_cfg1_b1", "1024_ref4_cfg1_b1"}
 FP32_CASES = {"512_ref0_cfg1_b1", "1024_ref0_cfg1_b1", "1024_ref1_cfg1_b1", "64_ref0_cfg1_b1", "64_ref1_cfg4_b1"}
 TINY_CONFIG = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, context_in_dim=64, in_channels=16,
                    out_channels=16, axes_dims_rope=(8, 12, 12))  # fmt: skip
-
-
-def emit(**fields):
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device, iters, warmup=2):

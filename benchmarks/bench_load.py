@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from _common import emit
 from qwen21_nodes.qwen21_core import key_maps
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
@@ -41,11 +42,6 @@ SHARD_BYTES = 5 * 10**9
 CHECKSUM_KEYS = ("img_in.weight", "transformer_blocks.1.attn.to_k.weight", "transformer_blocks.1.img_mlp.proj.weight")
 COMFY_FILE = "qwen_image_2.1_random_bf16.safetensors"
 BF16 = "BF16"
-
-
-def emit(**fields):
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
 
 
 # ---- writing the random checkpoint ------------------------------------------------------------------------

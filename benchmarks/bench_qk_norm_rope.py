@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import statistics
 import time
 
 import torch
+from _common import emit, sync
 from qwen21_nodes.kernels import _triton
 from qwen21_nodes.kernels import qk_norm_rope as qnr
 
@@ -38,15 +38,6 @@ EPS = 1e-6
 NEVER = 10**12  # a token threshold no call reaches: the reference path
 CACHE_PREFIX = 128  # k_out / v_out start this far into the K/V cache, as a decode step's target slice does
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def emit(**row):
-    print(json.dumps(row), flush=True)
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -57,14 +48,14 @@ def synchronize(device):
 def time_eager(fn, device, iters, repeats):
     """Median seconds per call of `iters` back-to-back calls (host overhead shows when it dominates)."""
     fn()
-    synchronize(device)
+    sync(device)
     samples = []
     for _ in range(repeats):
-        synchronize(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(iters):
             fn()
-        synchronize(device)
+        sync(device)
         samples.append((time.perf_counter() - start) / iters)
     return statistics.median(samples)
 
@@ -88,7 +79,7 @@ def time_graph(fn, device, iters, repeats):
         start.record()
         graph.replay()
         end.record()
-        end.synchronize()
+        end.sync()
         samples.append(start.elapsed_time(end) / 1e3 / iters)
     del graph
     return statistics.median(samples)

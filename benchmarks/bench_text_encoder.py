@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _common import sync  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen21_nodes.qwen21_core.images import prepare_condition_image  # noqa: E402
 from qwen21_nodes.qwen21_core.text_encoder import (  # noqa: E402
@@ -79,11 +80,6 @@ def prompt_of(encoder: Qwen21TextEncoder, tokens: int) -> str:
     return " ".join(words)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device: torch.device, repeats: int):
     """(median seconds, peak CUDA bytes or None, last result), after one warm-up call."""
     result = fn()
@@ -91,10 +87,10 @@ def timed(fn, device: torch.device, repeats: int):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(repeats):
-        synchronize(device)
+        sync(device)
         start = time.perf_counter()
         result = fn()
-        synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return statistics.median(times), peak, result

@@ -28,13 +28,12 @@ Records ("what" field):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 import time
 
 import torch
+from _common import emit, sync
 from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
 from qwen21_nodes.qwen21_core import vae_fast, vae_tiling
 from qwen21_nodes.qwen21_core.config import VAEConfig
@@ -44,16 +43,6 @@ TINY_CONFIG = VAEConfig(
     base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=(1, 2, 4, 4, 4), latents_mean=(0.0,) * 4,
     latents_std=(1.0,) * 4,
 )  # fmt: skip
-
-
-def emit(**fields):
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(fn, device, iters, warmup=1):
