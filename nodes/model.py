@@ -51,7 +51,7 @@ class Qwen21Model:
                 self.text_encoder.unload()
 
     def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, **kwargs):
-        needed = self.sampling_bytes(cond, height or cond.height, width or cond.width, batch_size, true_cfg_scale)
+        needed = self.pipe.sampling_bytes(cond, height or cond.height, width or cond.width, batch_size, true_cfg_scale)
         self.transformer.load(needed)
         return self.pipe.sample(
             cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, **kwargs
@@ -70,20 +70,6 @@ class Qwen21Model:
         if self._preview_projection is None:
             self._preview_projection = fit_latent_rgb(lambda images: self.encode_image(images, None))
         return self._preview_projection
-
-    def sampling_bytes(self, cond, height: int, width: int, batch_size: int, true_cfg_scale: float) -> int:
-        """Rough device memory one sampling run needs besides the weights (activations + prefix K/V),
-        so ComfyUI evicts enough other models first. An estimate, not a bound."""
-        config = getattr(self.pipe.transformer, "config", None)
-        if config is None:
-            return 0
-        target = (height // 16) * (width // 16)
-        prefix = cond.positive.length + sum(h * w for h, w in cond.image_shapes)
-        branches = batch_size * (2 if true_cfg_scale > 1 and cond.negative is not None else 1)
-        element = torch.finfo(self.pipe.dtype).bits // 8
-        activations = branches * (target + prefix) * config.inner_dim * element * 12  # QKV, MLP, residuals
-        prefix_kv = branches * 2 * config.num_layers * prefix * config.inner_dim * element
-        return int(activations + prefix_kv)
 
 
 def sample_status(stats: dict) -> str:

@@ -142,11 +142,11 @@ class DecodeGraphs:
 
     def release(self, branch: Branch):
         """End of a generation for this branch: an entry keeps its buffers; others are freed."""
-        for entry in self.entries.values():
-            if isinstance(entry, _Entry) and entry.branch is branch:
-                entry.in_use = False
-                return
-        branch.release()
+        entry = self.entries.get(branch.graph_key)
+        if isinstance(entry, _Entry) and entry.branch is branch:
+            entry.in_use = False
+        else:
+            branch.release()
 
     def end_generation(self):
         """Mark every entry idle and forget this generation's fallback reasons (after `describe`)."""

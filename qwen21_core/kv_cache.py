@@ -45,11 +45,6 @@ class PrefixKVCache:
             self._prefix = self._joint[:, :, :, :prefix_len]
             self._target = self._joint[:, :, :, prefix_len:]
 
-    @staticmethod
-    def bytes_needed(num_layers, batch, prefix_len, target_len, heads, head_dim, dtype) -> int:
-        element = torch.empty(0, dtype=dtype).element_size()
-        return 2 * num_layers * (prefix_len + batch * target_len) * heads * head_dim * element
-
     @property
     def nbytes(self) -> int:
         if self._joint is not None:

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 SCHEDULES = ("default", "turbo")
 DECODE_HEADROOM_BYTES = 2 * 2**30  # activations of a decode step at 2048^2 stay below this (bf16)
+# Peak activations of a step beyond weights and K/V cache, in units of (tokens x inner_dim x element size):
+# 512 MiB for 4096 target tokens x 4096 channels in bf16 on the H200 (bench_dit `ours_decode_peak_extra_mib`).
+ACTIVATION_FACTOR = 16
 
 
 def default_device() -> torch.device:
@@ -146,6 +149,22 @@ class Qwen21Pipeline:
                 self.text_encoder.offload()
 
     # ---- sample -----------------------------------------------------------------------------------
+
+    def sampling_bytes(self, cond: Conditioning, height: int, width: int, batch_size: int, true_cfg_scale: float):
+        """Device memory a `sample` call needs beyond the weights: each CFG branch's K/V cache (prefix once,
+        target per row) plus the larger of the prefill's and a decode step's activations."""
+        cfg = self.transformer.config
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        target = (height // 16) * (width // 16)
+        slots = sum(h * w for h, w in cond.image_shapes) // 4
+        prompts = [cond.positive] + ([cond.negative] if true_cfg_scale > 1 and cond.negative is not None else [])
+        caches = activations = 0
+        for prompt in prompts:  # branches run one after another: caches add up, activations do not
+            prefix = prompt.length + 3 * slots  # every image slot becomes 4 latent tokens
+            caches += 2 * cfg.num_layers * (prefix + batch_size * target) * cfg.inner_dim * element
+            tokens = max(prefix, batch_size * target)
+            activations = max(activations, ACTIVATION_FACTOR * tokens * cfg.inner_dim * element)
+        return caches + activations
 
     def _base_sigmas(self, schedule: str, sigmas):
         if sigmas is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -55,7 +55,6 @@ class SampleStats:
     cache_bytes: int = 0
     decode_graph: str = "off"
     peak_vram_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def steps_per_second(self) -> float:
@@ -72,7 +71,6 @@ class SampleStats:
             "prefix_cache_mib": round(self.cache_bytes / 2**20, 1),
             "decode_graph": self.decode_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
-            **self.extra,
         }
 
 

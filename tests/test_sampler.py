@@ -205,3 +205,29 @@ def test_bad_inputs_are_clear_errors(parts, kwargs, message):
     _, ours, vae = parts
     with pytest.raises(ValueError, match=message):
         _sampler(ours, vae).sample([Conditioning(_prompt(4, 0))], steps=2, **kwargs)
+
+
+def test_sampling_bytes_counts_what_the_caches_really_hold(parts):
+    """The memory estimate ComfyUI gets covers exactly the K/V caches the sampler allocates (plus activations)."""
+    from qwen21_nodes.qwen21_core.pipeline import ACTIVATION_FACTOR, Qwen21Pipeline
+
+    _, ours, vae = parts
+    slots, negative_slots = torch.zeros(12, dtype=torch.bool), torch.zeros(9, dtype=torch.bool)
+    slots[2:6] = True
+    negative_slots[1:5] = True
+    cond = Conditioning(_prompt(0, 1, slots), _prompt(0, 2, negative_slots), condition_latents=[torch.zeros(Z, 4, 4)])
+    allocated = []
+    original = ours.new_branch
+    ours.new_branch = lambda *a, **k: allocated.append(original(*a, **k)) or allocated[-1]
+    try:
+        sampler = _sampler(ours, vae)
+        sampler.sample([cond], height=64, width=64, steps=1, true_cfg_scale=2.0, batch_size=2)
+    finally:
+        del ours.new_branch
+    cache_bytes = sampler.stats.cache_bytes
+    pipe = Qwen21Pipeline.__new__(Qwen21Pipeline)
+    pipe.transformer = ours
+    cfg = ours.config
+    longest = max(b.layout.prefix_len for b in allocated)
+    activations = ACTIVATION_FACTOR * max(longest, 2 * 16) * cfg.inner_dim * 4
+    assert pipe.sampling_bytes(cond, 64, 64, 2, 2.0) == cache_bytes + activations
