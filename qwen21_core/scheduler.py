@@ -37,6 +37,10 @@ def _shift(sigmas: np.ndarray, config: SchedulerConfig, mu: float) -> np.ndarray
 
 def _stretch_to_terminal(sigmas: np.ndarray, terminal: float) -> np.ndarray:
     one_minus = 1 - sigmas
+    if one_minus[-1] == 0:
+        # a grid that ends at sigma 1 (a single step) cannot be stretched: the reference divides by zero
+        # and returns NaN sigmas (a black image); leave it unstretched instead
+        return sigmas
     return 1 - one_minus / (one_minus[-1] / (1 - terminal))
 
 

@@ -88,3 +88,9 @@ def test_unsupported_scheduler_options_are_errors():
         SchedulerConfig(use_karras_sigmas=True)
     with pytest.raises(ValueError, match="keys this pack does not know"):
         SchedulerConfig.from_dict({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0, "bogus": 1})
+
+
+def test_a_single_step_gives_finite_sigmas():
+    """The reference returns NaN here (0/0 in the terminal stretch); we keep the unstretched grid."""
+    sigmas, timesteps = flow_schedule(QWEN21_SCHEDULER, 4096, steps=1)
+    assert torch.equal(sigmas, torch.tensor([1.0, 0.0])) and torch.equal(timesteps, torch.tensor([1000.0]))
