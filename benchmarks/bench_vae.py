@@ -16,9 +16,9 @@ Records ("what" field):
                 diffusers' [-1, 1] output), max_abs, psnr_vs_exact (0..1 images, peak 1).
                 Variants: diffusers, diffusers_tiled (its default 256/192 tiles), exact (default path: the
                 fused eager norm where its self-test passed), exact_torch (norm in torch only),
-                exact_implicit_pad (experiment, not a product path: convs pad internally instead of the
-                reference's padded copy; is it still identical on this GPU?), exact_tiled (512 px tiles),
-                fast, fast_no_cudnn_benchmark.
+                exact_previous (the exact path before norms wrote into padded buffers and half-precision
+                norms skipped the fp32 copy; exact_speedup_vs_previous = its time / exact's time),
+                exact_tiled (512 px tiles), fast, fast_no_cudnn_benchmark.
   precision     PSNR of bf16 / fp16 decodes (exact and fast) against an fp32 decode of the same weights.
   encode        ours vs diffusers: ms, identical, max_abs.
   summary       the issue's targets at this size.
@@ -37,7 +37,7 @@ from _common import emit, sync
 from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
 from qwen21_nodes.qwen21_core import vae_fast, vae_tiling
 from qwen21_nodes.qwen21_core.config import VAEConfig
-from qwen21_nodes.qwen21_core.vae import ExactOps, QwenImage21VAE, cast_param
+from qwen21_nodes.qwen21_core.vae import ExactOps, QwenImage21VAE
 
 TINY_CONFIG = VAEConfig(
     base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=(1, 2, 4, 4, 4), latents_mean=(0.0,) * 4,
@@ -88,14 +88,13 @@ def to_image(pixels):
     return pixels.float().mul(0.5).add(0.5).clamp(0, 1).permute(0, 2, 3, 1)
 
 
-class ImplicitPadOps(ExactOps):
-    """Experiment: exact ops, but symmetric zero padding done inside the conv (no padded copy)."""
+class PreviousExactOps(ExactOps):
+    """The exact path as it was before the norm wrote into padded buffers: the norm's own output tensor, then
+    F.pad's copy before each 3x3 conv. Run with the "direct_norm" self-test forced off for the norm over an
+    fp32 copy, as then. Kept for the in-process comparison with the current exact path."""
 
-    def conv(self, x, conv, pad=None):
-        if pad is None or len(set(pad)) != 1:
-            return super().conv(x, conv, pad)
-        weight, bias = cast_param(conv.weight, x.dtype), cast_param(conv.bias, x.dtype)
-        return torch.nn.functional.conv2d(x, weight, bias, conv.stride, pad[0], conv.dilation, conv.groups)
+    def norm_conv(self, x, norm, silu, conv, pad=None):
+        return self.conv(self.norm(x, norm, silu), conv, pad)
 
 
 def build_models(config, device, dtype, seed=0):
@@ -146,26 +145,20 @@ def bench_size(ref, ours, res, args, device):
         emit(what="decode", info=dict(ours.last_decode_info), **fields, **common)
         return ms, peak, images
 
-    verified = norm_kernel.eager_kernel_verified(device, dtype) if device.type == "cuda" else False
-    emit(what="eager_norm_kernel_verified", value=verified, **common)
+    on_cuda = device.type == "cuda"
+    verified = norm_kernel.eager_kernel_verified(device, dtype) if on_cuda else False
+    direct = norm_kernel.direct_norm_verified(device, dtype) if on_cuda and dtype != torch.float32 else False
+    emit(what="self_tests", eager_norm_kernel=verified, direct_half_norm=direct, **common)
     ms_exact, peak_exact, exact = ours_record("exact", lambda: ours.decode(z, tiling="off"))
 
-    key = (str(device), dtype)
-    saved = norm_kernel._VERIFIED.get(key)
-    norm_kernel._VERIFIED[key] = False  # force the torch norm for this variant
-    try:
+    with norm_kernel.forced_self_test("eager_kernel", device, dtype, False):  # the norm in torch only
         ours_record("exact_torch", lambda: ours.decode(z, tiling="off"))
-    finally:
-        norm_kernel._VERIFIED.pop(key, None)
-        if saved is not None:
-            norm_kernel._VERIFIED[key] = saved
 
-    implicit = ImplicitPadOps()
-    with torch.no_grad():
-        ms, _, pixels = measure(lambda: ours.decode_pixels(z, implicit), device, iters)
-    same, max_abs = torch.equal(pixels, ref_pixels), (pixels - ref_pixels).abs().max().item()
-    emit(what="decode", variant="exact_implicit_pad", ms=ms, ratio=ms / ms_ref, identical=same, max_abs=max_abs,
-         **common)  # fmt: skip
+    previous = PreviousExactOps()
+    with norm_kernel.forced_self_test("direct_norm", device, dtype, False), torch.no_grad():
+        ms, peak, pixels = measure(lambda: ours.decode_pixels(z, previous), device, iters)
+    emit(what="decode", variant="exact_previous", ms=ms, peak_gib=_add(peak, our_w), ratio=ms / ms_ref,
+         exact_speedup_vs_previous=ms / ms_exact, identical=torch.equal(pixels, ref_pixels), **common)  # fmt: skip
     del pixels
 
     ours_record("exact_tiled", lambda: ours.decode(z, tiling="on", tile_size=args.tile), exact, compare_to_ref=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
-#   tests demo dit dit-quick vae vae-mem qk te load
+#   tests tests-vae demo dit dit-quick vae vae-mem vae-profile qk te load
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +29,13 @@ run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat t
 for part in "$@"; do
   case $part in
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    tests-vae) run tests_vae 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vae.py \
+      tests/test_vae_tiling.py tests/test_kernel_rmsnorm_silu.py ;;
     demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
     dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
+    vae-profile) run bench_vae_profile 150 python3 benchmarks/bench_vae.py --profile --sizes 1024 ;;
     vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;

@@ -11,14 +11,17 @@ flavours of the op, each with its torch reference beside its Triton kernel:
   their own fallback (the VAE's fast path falls back to the exact norm).
 * `rmsnorm_silu_eager` (quality="exact"): the reference's roundings, step for step: q = x / norm in fp32,
   rounded to x's dtype; q * scale, rounded; q * gamma, rounded; SiLU in fp32, rounded. The norm itself comes
-  from torch (`linalg.vector_norm` on the fp32 copy, as F.normalize computes it), because its summation order
-  belongs to torch's reduction kernel. The kernel fuses the rest into one pass. It is compiled without fp
-  contraction and without flush-to-zero, so every divide (div_rn), multiply and cast rounds as torch's
-  separate kernels do; the one library call is exp in SiLU (libdevice expf). The VAE's exact mode uses the
-  kernel only after `eager_kernel_verified` has compared it with torch on the device: SiLU over EVERY value
-  of the dtype (all 2^16 half-precision values; all 2^32 fp32 values) and the whole chain on random and
-  extreme inputs. Elsewhere the torch reference runs, which is itself leaner than the reference's code
-  (the divide writes x's dtype directly; scale, gamma and SiLU run in place; no `+ 0.0`).
+  from torch (`channel_norm`: `linalg.vector_norm` as F.normalize computes it), because its summation order
+  belongs to torch's reduction kernel; on CUDA it reduces half-precision x straight into fp32 instead of
+  over an fp32 copy, once `direct_norm_verified` has shown the sums equal. The kernel fuses the rest into
+  one pass and can write into any strided view (`out`), e.g. the interior of the zero-padded buffer the
+  next conv reads, which saves the VAE the padded copy. It is compiled without fp contraction and without
+  flush-to-zero, so every divide (div_rn), multiply and cast rounds as torch's separate kernels do; the one
+  library call is exp in SiLU (libdevice expf). The VAE's exact mode uses the kernel only after
+  `eager_kernel_verified` has compared it with torch on the device: SiLU over EVERY value of the dtype (all
+  2^16 half-precision values; all 2^32 fp32 values) and the whole chain on random and extreme inputs, into
+  plain and padded outputs. Elsewhere the torch reference runs, which is itself leaner than the reference's
+  code (the divide writes x's dtype directly; scale, gamma and SiLU run in place; no `+ 0.0`).
 
 Dispatch (`rmsnorm_silu_eager`, `unsupported_reason`): the kernels run on CUDA tensors when Triton is
 installed (and on CPU tensors under TRITON_INTERPRET=1, for tests); everything else takes torch.
@@ -27,6 +30,7 @@ Unsupported layouts (H and W not mergeable into one strided axis) and dtypes als
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -56,17 +60,40 @@ _HALF = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def channel_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """max(||x||_2 over dim 1, eps) [B, 1, H, W] in fp32, computed exactly as F.normalize does on the
+def channel_norm_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(||x||_2 over dim 1, eps) [B, 1, H, W] in fp32, computed exactly as F.normalize does: on the
     reference's fp32 copy of half-precision inputs."""
     xf = x.float() if x.dtype in _HALF else x
     return torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(eps)
 
 
+# torch splits a reduction whose operand spans 2^31 bytes or more into parts and adds their results, which
+# changes the summation order. The reference's fp32 copy crosses that line at 2^29 elements.
+_UNSPLIT_FP32_ELEMENTS = 2**29
+
+
+def channel_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`channel_norm_reference`'s values. On CUDA, torch reduces half-precision input straight into an fp32
+    accumulator (no fp32 copy: a third of the traffic); its reduction layout depends on the accumulator
+    type and the shapes, not on the input's dtype, so the sums are the same. Used only where
+    `direct_norm_verified` has compared both on the device, and only below the size at which torch would
+    split the reduction over the copy (2048^2 decodes cross it once)."""
+    if (
+        x.dtype in _HALF
+        and x.device.type == "cuda"
+        and x.numel() < _UNSPLIT_FP32_ELEMENTS
+        and direct_norm_verified(x.device, x.dtype)
+    ):
+        return torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32).clamp_min_(eps)
+    return channel_norm_reference(x, eps)
+
+
 def rmsnorm_silu_eager_reference(
     x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool, norm: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The reference's values, with fewer passes. gamma: [C, 1, 1] in x's dtype; norm: `channel_norm(x)`."""
+    """The reference's values, with fewer passes. gamma: [C, 1, 1] in x's dtype; norm: `channel_norm(x)`.
+    (x's layout, not strided outputs: torch's CPU kernels switch between vector and scalar SiLU with the
+    layout, and the scalar one rounds differently.)"""
     if norm is None:
         norm = channel_norm(x, eps)
     y = torch.empty_like(x)
@@ -75,6 +102,15 @@ def rmsnorm_silu_eager_reference(
     torch.div(x, norm, out=y)
     y.mul_(scale).mul_(gamma)  # two roundings, as `normalized * scale * gamma` (the reference's + 0.0 is exact)
     return torch.nn.functional.silu(y, inplace=True) if silu else y
+
+
+def _checked_out(out: torch.Tensor, x: torch.Tensor, caller: str) -> torch.Tensor:
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"{caller}: out must be {x.dtype} {tuple(x.shape)} on {x.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    return out
 
 
 def rmsnorm_silu_reference(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool = True):
@@ -143,9 +179,10 @@ def _eager_tail_kernel(
     x_ptr,  # [B, C, P] via strides
     norm_ptr,  # [B, P] fp32 via strides: max(||x||, eps)
     gamma_ptr,  # [C], x's dtype
-    y_ptr,  # [B, C, P] via strides
+    y_ptr,  # [B, C, H, W] via strides (any: e.g. the interior of a padded buffer)
     C,
     P,
+    W,
     x_stride_b,
     x_stride_c,
     x_stride_p,
@@ -153,7 +190,8 @@ def _eager_tail_kernel(
     norm_stride_p,
     y_stride_b,
     y_stride_c,
-    y_stride_p,
+    y_stride_h,
+    y_stride_w,
     scale,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -163,7 +201,9 @@ def _eager_tail_kernel(
     # Program (pixel block x channel block, batch). Each step rounds where the reference's kernels round.
     b = tl.program_id(1).to(tl.int64)
     blocks_c = tl.cdiv(C, BLOCK_C)
-    pixels = (tl.program_id(0) // blocks_c).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pixels_32 = (tl.program_id(0) // blocks_c) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pixels = pixels_32.to(tl.int64)
+    y_pixels = (pixels_32 // W).to(tl.int64) * y_stride_h + (pixels_32 % W).to(tl.int64) * y_stride_w
     channels = (tl.program_id(0) % blocks_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     pixel_mask = pixels < P
     mask = (channels < C)[:, None] & pixel_mask[None, :]
@@ -182,7 +222,7 @@ def _eager_tail_kernel(
         else:
             e = tl.exp(-q)
         q = tl.math.div_rn(q, 1.0 + e)
-    tl.store(y_ptr + b * y_stride_b + offsets_c * y_stride_c + pixels[None, :] * y_stride_p, q.to(dtype), mask=mask)
+    tl.store(y_ptr + b * y_stride_b + offsets_c * y_stride_c + y_pixels[None, :], q.to(dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,17 +294,26 @@ def rmsnorm_silu_fused(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
 
 
 def rmsnorm_silu_eager_fused(
-    x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool, norm: torch.Tensor | None = None
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    scale: float,
+    eps: float,
+    silu: bool,
+    norm: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The exact flavour's kernel alone (norm from torch). gamma must be in x's dtype."""
+    """The exact flavour's kernel alone (norm from torch). gamma must be in x's dtype; out as for the
+    reference (any strides)."""
     reason = unsupported_reason(x, gamma)
     if reason is None and gamma.dtype != x.dtype:
         reason = f"gamma dtype {gamma.dtype} must equal x dtype {x.dtype} (the reference multiplies in x's dtype)"
+    if reason is None and x[0, 0].numel() >= 2**31:
+        reason = f"{x.shape[2]}x{x.shape[3]} pixels per channel exceed the kernel's 32-bit pixel index"
     if reason:
         raise ValueError(f"rmsnorm_silu_eager_fused: {reason}")
     if norm is None:
         norm = channel_norm(x, eps)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else _checked_out(out, x, "rmsnorm_silu_eager_fused")
     batch, channels, height, width = x.shape
     pixels = height * width
     block_c, block_p = _tile(x)
@@ -283,10 +332,11 @@ def rmsnorm_silu_eager_fused(
         y,
         channels,
         pixels,
+        width,
         *_pixel_strides(x),
         norm_strides[0],
         norm_strides[2],
-        *_pixel_strides(y),
+        *y.stride(),
         float(scale),
         BLOCK_C=block_c,
         BLOCK_P=block_p,
@@ -299,9 +349,12 @@ def rmsnorm_silu_eager_fused(
     return y
 
 
-def rmsnorm_silu_eager(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool):
-    """Exact flavour: the reference's values. The fused kernel runs only on CUDA devices where
-    `eager_kernel_verified` proved it identical to torch for x's dtype; else the torch reference."""
+def rmsnorm_silu_eager(
+    x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: float, silu: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exact flavour: the reference's values, written to `out` if given (any strides). The fused kernel runs
+    only on CUDA devices where `eager_kernel_verified` proved it identical to torch for x's dtype (and
+    writes `out` directly); else the torch reference (then copied into `out`)."""
     norm = channel_norm(x, eps)
     if (
         x.device.type == "cuda"
@@ -309,15 +362,40 @@ def rmsnorm_silu_eager(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
         and gamma.dtype == x.dtype
         and eager_kernel_verified(x.device, x.dtype)
     ):
-        return rmsnorm_silu_eager_fused(x, gamma, scale, eps, silu, norm)
-    return rmsnorm_silu_eager_reference(x, gamma, scale, eps, silu, norm)
+        return rmsnorm_silu_eager_fused(x, gamma, scale, eps, silu, norm, out)
+    y = rmsnorm_silu_eager_reference(x, gamma, scale, eps, silu, norm)
+    return y if out is None else _checked_out(out, x, "rmsnorm_silu_eager").copy_(y)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Self-test that lets exact mode use the eager kernel
 # ---------------------------------------------------------------------------------------------------------
 
-_VERIFIED: dict[tuple[str, torch.dtype], bool] = {}
+_VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}  # (check, device, dtype) -> passed
+
+
+def _key(check: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str, torch.dtype]:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" are one device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return check, str(device), dtype
+
+
+@contextlib.contextmanager
+def forced_self_test(check: str, device: torch.device, dtype: torch.dtype, passed: bool):
+    """For benchmarks and tests: treat self-test `check` ("eager_kernel" or "direct_norm") as `passed` on
+    (device, dtype) for the duration."""
+    key = _key(check, device, dtype)
+    saved = _VERIFIED.get(key)
+    _VERIFIED[key] = passed
+    try:
+        yield
+    finally:
+        _VERIFIED.pop(key)
+        if saved is not None:
+            _VERIFIED[key] = saved
+
+
 _FP32_CHUNK = 1 << 24  # fp32 bit patterns per SiLU comparison (64 MiB per tensor)
 
 
@@ -359,18 +437,54 @@ def _chain_matches(dtype: torch.dtype, device: torch.device) -> bool:
         for layout in (torch.contiguous_format, torch.channels_last):
             xl = x.contiguous(memory_format=layout)
             norm = channel_norm(xl, 1e-12)
-            for silu in (True, False):
-                got = rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, silu, norm)
-                if not _same(got, rmsnorm_silu_eager_reference(xl, gamma, channels**0.5, 1e-12, silu, norm)):
+            for silu in (False, True):  # want ends as the SiLU chain, used below
+                want = rmsnorm_silu_eager_reference(xl, gamma, channels**0.5, 1e-12, silu, norm)
+                if not _same(rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, silu, norm), want):
                     return False
+            # Written into the interior of a padded buffer: same values, the border untouched.
+            padded = torch.full((2, channels, height + 2, width + 3), 7.0, device=device, dtype=dtype)
+            interior = padded[:, :, 1:-1, 2:-1]
+            rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, True, norm, out=interior)
+            if not _same(interior, want):
+                return False
+            interior.fill_(7.0)
+            if not bool((padded == 7.0).all()):
+                return False
     return True
+
+
+# Shapes of the direct-norm check: [B, C, H, W] covering torch's reduction layouts (one thread per output;
+# channels split over a block; over several blocks when outputs are few), up to the decoder's sizes.
+_NORM_CHECK_SHAPES = ((2, 3, 7, 5), (1, 144, 256, 256), (2, 288, 33, 17), (1, 576, 32, 32), (1, 1152, 64, 64))
+
+
+def direct_norm_verified(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when torch's fp32-accumulated norm of half-precision input equals the norm of the fp32 copy bit
+    for bit on `device`, for every layout in _NORM_CHECK_SHAPES (NCHW and channels-last). Once per
+    (device, dtype); a few ms."""
+    key = _key("direct_norm", device, dtype)
+    if key not in _VERIFIED:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        ok = True
+        with torch.no_grad():
+            for shape in _NORM_CHECK_SHAPES:
+                x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, *shape[2:], generator=gen))
+                x = x.to(device, dtype)
+                for layout in (torch.contiguous_format, torch.channels_last):
+                    xl = x.contiguous(memory_format=layout)
+                    direct = torch.linalg.vector_norm(xl, dim=1, keepdim=True, dtype=torch.float32)
+                    ok = ok and _same(direct, torch.linalg.vector_norm(xl.float(), dim=1, keepdim=True))
+        if not ok:
+            log.info("rmsnorm_silu: direct %s norm differs from the fp32 copy's on %s; using the copy", dtype, device)
+        _VERIFIED[key] = ok
+    return _VERIFIED[key]
 
 
 def eager_kernel_verified(device: torch.device, dtype: torch.dtype) -> bool:
     """True when the exact flavour's kernel reproduced torch bit for bit on `device` for `dtype`: SiLU on
     every value of the dtype, and the full chain on hard inputs. Runs once per (device, dtype), in about
     1 ms for half-precision dtypes and 0.5 s for fp32 (2^32 values)."""
-    key = (str(device), dtype)
+    key = _key("eager_kernel", device, dtype)
     if key not in _VERIFIED:
         try:
             with torch.no_grad():

@@ -10,10 +10,12 @@ Exact mode performs, for every value, the same floating-point operations in the 
 so its results are bit-identical to the reference on the same device and dtype (fp32 on CPU in
 tests/test_vae.py; fp32 and bf16 on the GPU in its GPU tests and benchmarks/bench_vae.py). It is only leaner:
 * no temporal caches and no defensive clones;
-* the channel RMS norm (the reference's fp32 divide, cast, `* sqrt(C)`, `* gamma`, `+ 0.0` and SiLU: six
-  passes and an fp32 intermediate) is one fused pass after torch's norm on the GPU, once a self-test proved
-  that kernel bit-identical to torch (kernels/rmsnorm_silu.py); elsewhere the divide writes the activation
-  dtype directly and the rest runs in place;
+* the channel RMS norm (the reference's fp32 copy, its norm, fp32 divide, cast, `* sqrt(C)`, `* gamma`,
+  `+ 0.0` and SiLU) is torch's norm of the half-precision input, without the copy, plus one fused pass on
+  the GPU, once self-tests proved both bit-identical to torch (kernels/rmsnorm_silu.py); elsewhere the
+  divide writes the activation dtype directly and the rest runs in place;
+* a norm followed by a padded 3x3 conv writes straight into the interior of a zero-bordered buffer laid
+  out as F.pad would lay it out, so the conv reads the same tensor without the reference's padded copy;
 * nearest 2x upsampling runs in the activation dtype (a pure copy, so the same values as the reference's
   fp32 round trip, at a quarter of the traffic);
 * the parameter-free "DupUp" shortcut of the up blocks is added through strided views (no 4x gather).
@@ -89,6 +91,36 @@ def cast_param(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return None if p is None else p.to(dtype)
 
 
+def suggested_memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout torch gives the output of F.pad(x) (its `suggest_memory_format`): channels-last when x's
+    strides order the dims C, W, H, N from fastest to slowest, with torch's tie-breaks for size-1 dims;
+    otherwise NCHW. The convs' kernels, and so their results, depend on this layout."""
+    sizes, strides = x.shape, x.stride()
+    if strides[1] == 0:
+        return torch.contiguous_format
+    smallest = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < smallest or (d == 0 and smallest == strides[1]):
+            return torch.contiguous_format
+        smallest = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return torch.channels_last
+
+
+def zero_bordered_empty(x: torch.Tensor, pad: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padded, interior): an uninitialised tensor of x's shape grown by `pad` (left, right, top, bottom), in
+    the layout F.pad(x, pad) would have, its border zeroed; and the view of its interior for the caller to
+    fill."""
+    left, right, top, bottom = pad
+    batch, channels, height, width = x.shape
+    shape = (batch, channels, top + height + bottom, left + width + right)
+    padded = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=suggested_memory_format(x))
+    padded[:, :, :top].zero_()
+    padded[:, :, top + height :].zero_()
+    padded[:, :, top : top + height, :left].zero_()
+    padded[:, :, top : top + height, left + width :].zero_()
+    return padded, padded[:, :, top : top + height, left : left + width]
+
+
 def fp16_guard_(x: torch.Tensor) -> torch.Tensor:
     """In fp16, clamp in place to the finite range: an overflowing conv or sum becomes +-65504, not inf
     (inf would turn into NaN in the next norm or difference). A no-op for other dtypes."""
@@ -119,10 +151,29 @@ class ExactOps:
         bias = cast_param(conv.bias, x.dtype)
         return fp16_guard_(F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups))
 
-    def norm(self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool) -> torch.Tensor:
-        """x / max(||x||_2 over channels, eps) * sqrt(C) * gamma, then SiLU if asked; result in x's dtype."""
+    def norm(
+        self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool, pad: tuple[int, int, int, int] | None = None
+    ) -> torch.Tensor:
+        """x / max(||x||_2 over channels, eps) * sqrt(C) * gamma, then SiLU if asked; result in x's dtype.
+        With `pad` the result is written straight into the interior of a zero-bordered buffer: the tensor
+        F.pad would build, without its copy."""
         gamma = cast_param(norm.gamma, x.dtype).view(-1, 1, 1)
-        return norm_kernel.rmsnorm_silu_eager(x, gamma, norm.scale, _NORM_EPS, silu)
+        if pad is None:
+            return norm_kernel.rmsnorm_silu_eager(x, gamma, norm.scale, _NORM_EPS, silu)
+        padded, interior = zero_bordered_empty(x, pad)
+        norm_kernel.rmsnorm_silu_eager(x, gamma, norm.scale, _NORM_EPS, silu, out=interior)
+        return padded
+
+    def norm_conv(
+        self,
+        x: torch.Tensor,
+        norm: ChannelRMSNorm,
+        silu: bool,
+        conv: nn.Conv2d,
+        pad: tuple[int, int, int, int] | None = None,
+    ) -> torch.Tensor:
+        """conv(zero-pad(norm(x), pad)), the pattern of every residual block and head."""
+        return self.conv(self.norm(x, norm, silu, pad), conv)
 
     def upsample_conv(self, x: torch.Tensor, resample: Resample) -> torch.Tensor:
         """Nearest 2x upsampling, then the 3x3 conv."""
@@ -133,8 +184,7 @@ class ExactOps:
     def attention(self, x: torch.Tensor, block: AttentionBlock) -> torch.Tensor:
         """Single-head self-attention over the H*W positions, plus the residual."""
         b, c, h, w = x.shape
-        y = self.norm(x, block.norm, silu=False)
-        qkv = self.conv(y, block.to_qkv)  # [B, 3C, H, W]
+        qkv = self.norm_conv(x, block.norm, False, block.to_qkv)  # [B, 3C, H, W]
         # [B, 1, HW, 3C]: the same strides as the reference, so SDPA takes the same kernel.
         qkv = qkv.reshape(b, 1, 3 * c, h * w).permute(0, 1, 3, 2).contiguous()
         q, k, v = qkv.chunk(3, dim=-1)
@@ -182,8 +232,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ExactOps) -> torch.Tensor:
         shortcut = x if self.conv_shortcut is None else ops.conv(x, self.conv_shortcut)
-        y = ops.conv(ops.norm(x, self.norm1, silu=True), self.conv1, _SAME_3X3)
-        y = ops.conv(ops.norm(y, self.norm2, silu=True), self.conv2, _SAME_3X3)
+        y = ops.norm_conv(x, self.norm1, True, self.conv1, _SAME_3X3)
+        y = ops.norm_conv(y, self.norm2, True, self.conv2, _SAME_3X3)
         return ops.add_(y, shortcut)
 
 
@@ -345,7 +395,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, ops)
         x = self.mid_block(x, ops)
-        return ops.conv(ops.norm(x, self.norm_out, silu=True), self.conv_out, _SAME_3X3)
+        return ops.norm_conv(x, self.norm_out, True, self.conv_out, _SAME_3X3)
 
 
 class Decoder(nn.Module):
@@ -377,7 +427,7 @@ class Decoder(nn.Module):
         x = self.mid_block(x, ops)
         for block in self.up_blocks:
             x = block(x, ops)
-        return ops.conv(ops.norm(x, self.norm_out, silu=True), self.conv_out, _SAME_3X3)
+        return ops.norm_conv(x, self.norm_out, True, self.conv_out, _SAME_3X3)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -122,10 +122,13 @@ class FastOps(ExactOps):
         weight, bias = cast_param(conv.weight, x.dtype), cast_param(conv.bias, x.dtype)
         return fp16_guard_(F.conv2d(x, weight, bias, conv.stride, padding, conv.dilation, conv.groups))
 
-    def norm(self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool) -> torch.Tensor:
-        if norm_kernel.unsupported_reason(x, norm.gamma) is not None:  # e.g. CPU, or no Triton
-            return super().norm(x, norm, silu)
+    def norm(self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool, pad=None) -> torch.Tensor:
+        if pad is not None or norm_kernel.unsupported_reason(x, norm.gamma) is not None:  # e.g. CPU, no Triton
+            return super().norm(x, norm, silu, pad)
         return norm_kernel.rmsnorm_silu_fused(x, norm.gamma, norm.scale, _NORM_EPS, silu)
+
+    def norm_conv(self, x, norm, silu, conv, pad=None) -> torch.Tensor:
+        return self.conv(self.norm(x, norm, silu), conv, pad)  # the conv pads inside
 
     def upsample_conv(self, x: torch.Tensor, resample: Resample) -> torch.Tensor:
         if id(resample) not in self.foldable:
@@ -142,7 +145,7 @@ class FastOps(ExactOps):
         if not x.is_contiguous(memory_format=torch.channels_last):
             return super().attention(x, block)
         b, c, h, w = x.shape
-        qkv = self.conv(self.norm(x, block.norm, silu=False), block.to_qkv)
+        qkv = self.norm_conv(x, block.norm, False, block.to_qkv)
         if not qkv.is_contiguous(memory_format=torch.channels_last):
             return super().attention(x, block)
         # Channels-last [B, 3C, H, W] is [B, HW, 3C] in memory: q, k, v are column blocks of it.

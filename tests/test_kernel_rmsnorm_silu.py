@@ -153,6 +153,46 @@ def test_eager_kernel_matches_its_reference(kernel_device, dtype, shape, layout)
         assert (got == want).float().mean() >= identical
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_eager_kernel_matches_its_reference_written_into_a_padded_buffer(kernel_device, dtype, layout):
+    x, gamma = _inputs((2, 19, 6, 11), dtype, layout, seed=3)
+    x, gamma = x.to(kernel_device), gamma.to(kernel_device)
+    norm = K.channel_norm(x, EPS)
+    want = K.rmsnorm_silu_eager_reference(x, gamma, 19**0.5, EPS, False, norm)
+    padded = torch.full((2, 19, 9, 14), 5.0, dtype=dtype, device=kernel_device).contiguous(memory_format=layout)
+    interior = padded[:, :, 2:-1, 1:-2]
+    assert K.rmsnorm_silu_eager_fused(x, gamma, 19**0.5, EPS, False, norm, out=interior) is interior
+    assert torch.equal(interior, want)
+    interior.fill_(5.0)
+    assert bool((padded == 5.0).all())  # nothing outside the interior was written
+
+
+def test_eager_dispatcher_writes_out_on_the_torch_path_too():
+    x, gamma = _inputs((1, 7, 5, 6), torch.float32, torch.channels_last)
+    out = torch.zeros(1, 7, 7, 8)[:, :, 1:-1, 1:-1]
+    K.rmsnorm_silu_eager(x, gamma, 7**0.5, EPS, True, out=out)
+    assert torch.equal(out, K.rmsnorm_silu_eager_reference(x, gamma, 7**0.5, EPS, True))
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \(1, 7, 5, 6\)"):
+        K.rmsnorm_silu_eager(x, gamma, 7**0.5, EPS, True, out=torch.zeros(1, 7, 5, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_direct_half_precision_norm_equals_the_fp32_copy_on_the_gpu(dtype):
+    K._VERIFIED.clear()
+    assert K.direct_norm_verified(torch.device("cuda"), dtype)
+    with K.forced_self_test("direct_norm", torch.device("cuda"), dtype, False):  # "cuda" is "cuda:0"
+        assert not K.direct_norm_verified(torch.device("cuda", torch.cuda.current_device()), dtype)
+    assert K.direct_norm_verified(torch.device("cuda"), dtype)
+    x = torch.randn(1, 288, 48, 40, device="cuda").to(dtype)  # a shape outside the self-test's list
+    assert torch.equal(K.channel_norm(x, EPS), K.channel_norm_reference(x, EPS))
+    # The first norm of the 1024^2 stage of a 2048^2 decode: its fp32 copy is 2.4 GB, over torch's 2^31-byte
+    # line, so torch splits the copy's reduction (another order); channel_norm must then use the copy too.
+    x = torch.randn(1, 576, 1024, 1024, device="cuda", dtype=dtype)
+    assert torch.equal(K.channel_norm(x, EPS), K.channel_norm_reference(x, EPS))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_eager_kernel_self_test_passes_on_the_gpu(dtype):

@@ -112,6 +112,24 @@ def test_unsupported_config_is_refused_with_the_reason():
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_padded_buffers_take_the_layout_of_f_pad():
+    # The conv after a norm reads a buffer the norm wrote into; its layout picks the conv kernel, so it must
+    # be the one F.pad would have produced, for every dense stride order (and torch's size-1 tie-breaks).
+    import itertools
+
+    from qwen21_nodes.qwen21_core.vae import zero_bordered_empty
+
+    for shape in ((2, 5, 4, 3), (1, 5, 1, 1), (2, 1, 4, 1), (1, 3, 1, 4)):
+        base = torch.randn(shape)
+        for order in itertools.permutations(range(4)):
+            x = base.permute(order).contiguous().permute([order.index(d) for d in range(4)])
+            want = torch.nn.functional.pad(x, (1, 2, 0, 1))
+            padded, interior = zero_bordered_empty(x, (1, 2, 0, 1))
+            assert padded.stride() == want.stride(), (shape, order)
+            interior.copy_(x)
+            assert torch.equal(padded, want)
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 4, 4), (2, 4, 3, 5), (1, 4, 6, 2)])
 def test_exact_decode_is_bit_identical_to_diffusers(pair, shape):
     ours, ref = pair
