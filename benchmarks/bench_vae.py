@@ -16,8 +16,10 @@ Records ("what" field):
                 diffusers' [-1, 1] output), max_abs, psnr_vs_exact (0..1 images, peak 1).
                 Variants: diffusers, diffusers_tiled (its default 256/192 tiles), exact (default path: the
                 fused eager norm where its self-test passed), exact_torch (norm in torch only),
-                exact_previous (the exact path before norms wrote into padded buffers and half-precision
-                norms skipped the fp32 copy; exact_speedup_vs_previous = its time / exact's time),
+                exact_no_epilogue_kernel (conv biases and residual sums by torch's ops, not
+                kernels/bias_residual.py), exact_previous (the exact path before norms wrote into padded
+                buffers, half-precision norms skipped the fp32 copy and the bias/residual kernel;
+                exact_speedup_vs_previous = its time / exact's time),
                 exact_tiled (512 px tiles), fast, fast_no_cudnn_benchmark.
   precision     PSNR of bf16 / fp16 decodes (exact and fast) against an fp32 decode of the same weights.
   encode        ours vs diffusers: ms, identical, max_abs.
@@ -34,6 +36,7 @@ import time
 
 import torch
 from _common import emit, sync
+from qwen21_nodes.kernels import bias_residual
 from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
 from qwen21_nodes.qwen21_core import vae_fast, vae_tiling
 from qwen21_nodes.qwen21_core.config import VAEConfig
@@ -89,12 +92,14 @@ def to_image(pixels):
 
 
 class PreviousExactOps(ExactOps):
-    """The exact path as it was before the norm wrote into padded buffers: the norm's own output tensor, then
-    F.pad's copy before each 3x3 conv. Run with the "direct_norm" self-test forced off for the norm over an
-    fp32 copy, as then. Kept for the in-process comparison with the current exact path."""
+    """The exact path as it was before this round of work: the norm's own output tensor, then F.pad's copy
+    before each 3x3 conv, and the residual sum as a pass of its own. Run with the "direct_norm" and
+    bias_residual self-tests forced off for the norm over an fp32 copy and torch's bias adds, as then. Kept
+    for the in-process comparison with the current exact path."""
 
-    def norm_conv(self, x, norm, silu, conv, pad=None):
-        return self.conv(self.norm(x, norm, silu), conv, pad)
+    def norm_conv(self, x, norm, silu, conv, pad=None, residual=None):
+        y = self.conv(self.norm(x, norm, silu), conv, pad)
+        return y if residual is None else self.add_(y, residual)
 
 
 def build_models(config, device, dtype, seed=0):
@@ -148,14 +153,25 @@ def bench_size(ref, ours, res, args, device):
     on_cuda = device.type == "cuda"
     verified = norm_kernel.eager_kernel_verified(device, dtype) if on_cuda else False
     direct = norm_kernel.direct_norm_verified(device, dtype) if on_cuda and dtype != torch.float32 else False
-    emit(what="self_tests", eager_norm_kernel=verified, direct_half_norm=direct, **common)
+    epilogue = bias_residual.epilogue_verified(device, dtype) if on_cuda else False
+    emit(what="self_tests", eager_norm_kernel=verified, direct_half_norm=direct, bias_residual=epilogue, **common)
     ms_exact, peak_exact, exact = ours_record("exact", lambda: ours.decode(z, tiling="off"))
 
     with norm_kernel.forced_self_test("eager_kernel", device, dtype, False):  # the norm in torch only
         ours_record("exact_torch", lambda: ours.decode(z, tiling="off"))
 
+    with bias_residual.forced_self_test(device, dtype, False):  # conv biases and residual sums by torch
+        ms, _, pixels = measure(lambda: ours.decode_pixels(z), device, iters)
+    emit(what="decode", variant="exact_no_epilogue_kernel", ms=ms, ratio=ms / ms_ref,
+         exact_speedup_vs_this=ms / ms_exact, identical=torch.equal(pixels, ref_pixels), **common)  # fmt: skip
+    del pixels
+
     previous = PreviousExactOps()
-    with norm_kernel.forced_self_test("direct_norm", device, dtype, False), torch.no_grad():
+    with (
+        norm_kernel.forced_self_test("direct_norm", device, dtype, False),
+        bias_residual.forced_self_test(device, dtype, False),
+        torch.no_grad(),
+    ):
         ms, peak, pixels = measure(lambda: ours.decode_pixels(z, previous), device, iters)
     emit(what="decode", variant="exact_previous", ms=ms, peak_gib=_add(peak, our_w), ratio=ms / ms_ref,
          exact_speedup_vs_previous=ms / ms_exact, identical=torch.equal(pixels, ref_pixels), **common)  # fmt: skip

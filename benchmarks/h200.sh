@@ -28,9 +28,11 @@ run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat t
 
 for part in "$@"; do
   case $part in
-    tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    tests-vae) run tests_vae 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vae.py \
-      tests/test_vae_tiling.py tests/test_kernel_rmsnorm_silu.py ;;
+    tests)  # the GPU-marked tests, and the kernel tests (their kernels run on CUDA here)
+      run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+      run tests_kernels 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_*.py ;;
+    tests-vae) run tests_vae 200 python3 -m pytest -q -p no:cacheprovider tests/test_vae.py \
+      tests/test_vae_tiling.py tests/test_kernel_rmsnorm_silu.py tests/test_kernel_bias_residual.py ;;
     demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
     dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;

@@ -36,3 +36,11 @@ def triton_runs_on(device: torch.device) -> bool:
 def jit(fn):
     """`triton.jit`, or the plain function where Triton is missing (then it is never launched)."""
     return triton.jit(fn) if TRITON_AVAILABLE else fn
+
+
+def device_key(device: torch.device | str) -> str:
+    """A device's name for caching per-device results ("cuda" and "cuda:N" of the current device are one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)

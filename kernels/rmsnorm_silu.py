@@ -35,7 +35,7 @@ import logging
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, TRITON_AVAILABLE, jit, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, TRITON_AVAILABLE, device_key, jit, tl, triton, triton_runs_on
 
 if TRITON_AVAILABLE:
     from triton.language.extra import libdevice
@@ -375,10 +375,7 @@ _VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}  # (check, device, dtyp
 
 
 def _key(check: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str, torch.dtype]:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" are one device
-        device = torch.device("cuda", torch.cuda.current_device())
-    return check, str(device), dtype
+    return check, device_key(device), dtype
 
 
 @contextlib.contextmanager

@@ -36,7 +36,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import rmsnorm_silu as norm_kernel
-from .vae import _NORM_EPS, AttentionBlock, ChannelRMSNorm, ExactOps, QwenImage21VAE, Resample, cast_param, fp16_guard_
+from .vae import (
+    _NORM_EPS,
+    AttentionBlock,
+    ChannelRMSNorm,
+    ExactOps,
+    QwenImage21VAE,
+    Resample,
+    cast_param,
+    conv_bias_residual,
+    fp16_guard_,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +125,18 @@ class FastOps(ExactOps):
     def begin(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=torch.channels_last)
 
-    def conv(self, x: torch.Tensor, conv: nn.Conv2d, pad: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    def conv_add(self, x, conv, residual, pad=None) -> torch.Tensor:
         if pad is None or conv.padding != (0, 0) or len(set(pad)) != 1:
-            return super().conv(x, conv, pad)
-        padding = pad[0]  # symmetric zero padding: let the conv do it instead of a padded copy
-        weight, bias = cast_param(conv.weight, x.dtype), cast_param(conv.bias, x.dtype)
-        return fp16_guard_(F.conv2d(x, weight, bias, conv.stride, padding, conv.dilation, conv.groups))
+            return super().conv_add(x, conv, residual, pad)
+        return conv_bias_residual(x, conv, residual, pad[0])  # symmetric: the conv pads inside, no padded copy
 
     def norm(self, x: torch.Tensor, norm: ChannelRMSNorm, silu: bool, pad=None) -> torch.Tensor:
         if pad is not None or norm_kernel.unsupported_reason(x, norm.gamma) is not None:  # e.g. CPU, no Triton
             return super().norm(x, norm, silu, pad)
         return norm_kernel.rmsnorm_silu_fused(x, norm.gamma, norm.scale, _NORM_EPS, silu)
 
-    def norm_conv(self, x, norm, silu, conv, pad=None) -> torch.Tensor:
-        return self.conv(self.norm(x, norm, silu), conv, pad)  # the conv pads inside
+    def norm_conv(self, x, norm, silu, conv, pad=None, residual=None) -> torch.Tensor:
+        return self.conv_add(self.norm(x, norm, silu), conv, residual, pad)  # the conv pads inside
 
     def upsample_conv(self, x: torch.Tensor, resample: Resample) -> torch.Tensor:
         if id(resample) not in self.foldable:
