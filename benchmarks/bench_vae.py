@@ -157,10 +157,10 @@ def bench_size(ref, ours, res, args, device):
     emit(what="self_tests", eager_norm_kernel=verified, direct_half_norm=direct, bias_residual=epilogue, **common)
     ms_exact, peak_exact, exact = ours_record("exact", lambda: ours.decode(z, tiling="off"))
 
-    with norm_kernel.forced_self_test("eager_kernel", device, dtype, False):  # the norm in torch only
+    with norm_kernel.SELF_TESTS.forced("eager_kernel", device, dtype, False):  # the norm in torch only
         ours_record("exact_torch", lambda: ours.decode(z, tiling="off"))
 
-    with bias_residual.forced_self_test(device, dtype, False):  # conv biases and residual sums by torch
+    with bias_residual.SELF_TESTS.forced("epilogue", device, dtype, False):  # conv biases and residual sums by torch
         ms, _, pixels = measure(lambda: ours.decode_pixels(z), device, iters)
     emit(what="decode", variant="exact_no_epilogue_kernel", ms=ms, ratio=ms / ms_ref,
          exact_speedup_vs_this=ms / ms_exact, identical=torch.equal(pixels, ref_pixels), **common)  # fmt: skip
@@ -168,8 +168,8 @@ def bench_size(ref, ours, res, args, device):
 
     previous = PreviousExactOps()
     with (
-        norm_kernel.forced_self_test("direct_norm", device, dtype, False),
-        bias_residual.forced_self_test(device, dtype, False),
+        norm_kernel.SELF_TESTS.forced("direct_norm", device, dtype, False),
+        bias_residual.SELF_TESTS.forced("epilogue", device, dtype, False),
         torch.no_grad(),
     ):
         ms, peak, pixels = measure(lambda: ours.decode_pixels(z, previous), device, iters)

@@ -106,7 +106,7 @@ def main():
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     for res in args.sizes:
         if args.copy_norm:
-            with norm_kernel.forced_self_test("direct_norm", device, dtype, False):
+            with norm_kernel.SELF_TESTS.forced("direct_norm", device, dtype, False):
                 check(config, device, dtype, res)
         else:
             check(config, device, dtype, res)

@@ -1,4 +1,5 @@
-"""The one place that says whether a Triton kernel can run for a tensor.
+"""The one place that says whether a Triton kernel can run for a tensor, and the plumbing the kernel modules
+share (the pixel view of [B, C, H, W] strides, and the per-device self-test results).
 
 Triton is optional (DESIGN 4): without it, or for CPU tensors, every dispatcher uses its torch reference.
 CUDA tensors run the compiled kernels. CPU tensors run them through the Triton interpreter when
@@ -9,7 +10,10 @@ in the environment of the whole process from its start (the kernel tests run in 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +26,7 @@ except ImportError:
 
 TRITON_AVAILABLE = triton is not None
 INTERPRETER_ACTIVE = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+log = logging.getLogger(__name__)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -38,9 +43,65 @@ def jit(fn):
     return triton.jit(fn) if TRITON_AVAILABLE else fn
 
 
-def device_key(device: torch.device | str) -> str:
-    """A device's name for caching per-device results ("cuda" and "cuda:N" of the current device are one)."""
+def pixel_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(batch, channel, pixel) strides of [B, C, H, W] with H and W merged into one axis (NCHW and
+    channels-last both merge), or None when they cannot be."""
+    b, c, h, w = t.stride()
+    if t.shape[3] == 1:
+        return b, c, h
+    if t.shape[2] == 1 or h == w * t.shape[3]:
+        return b, c, w
+    return None
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values everywhere, NaN matching NaN: what the self-tests demand of a kernel against torch."""
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _device_key(device: torch.device | str) -> str:
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" of the current device are one
         device = torch.device("cuda", torch.cuda.current_device())
     return str(device)
+
+
+class SelfTests:
+    """Results of a kernel module's self-tests, run once per (check, device, dtype) and kept. A kernel that
+    claims bit-identity with torch is used only where its self-test passed on that device."""
+
+    def __init__(self, module: str):
+        self.module = module
+        self._passed: dict[tuple[str, str, torch.dtype], bool] = {}
+
+    def passed(self, check: str, device: torch.device, dtype: torch.dtype, run: Callable[[], bool]) -> bool:
+        """The cached result of `run()` (under no_grad) for this check, device and dtype; an exception
+        (a compile or launch failure) counts as failed, so callers keep torch's ops."""
+        key = (check, _device_key(device), dtype)
+        if key not in self._passed:
+            try:
+                with torch.no_grad():
+                    ok = bool(run())
+            except Exception as exc:
+                log.warning("%s: self-test %s could not run on %s %s: %s", self.module, check, device, dtype, exc)
+                ok = False
+            if not ok:
+                log.info("%s: self-test %s failed on %s %s; torch's ops serve there", self.module, check, device, dtype)
+            self._passed[key] = ok
+        return self._passed[key]
+
+    @contextlib.contextmanager
+    def forced(self, check: str, device: torch.device, dtype: torch.dtype, passed: bool):
+        """For benchmarks and tests: treat `check` as `passed` on (device, dtype) for the duration."""
+        key = (check, _device_key(device), dtype)
+        saved = self._passed.get(key)
+        self._passed[key] = passed
+        try:
+            yield
+        finally:
+            self._passed.pop(key)
+            if saved is not None:
+                self._passed[key] = saved
+
+    def clear(self) -> None:
+        self._passed.clear()

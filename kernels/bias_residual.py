@@ -16,15 +16,10 @@ and that the kernel equals the torch formulation on hard inputs; callers use the
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 import torch.nn.functional as F
 
-from ._triton import device_key, jit, tl, triton, triton_runs_on
-
-log = logging.getLogger(__name__)
+from ._triton import SelfTests, jit, pixel_strides, same_bits, tl, triton, triton_runs_on
 
 BLOCK_ELEMENTS = 4096  # elements per program (channels x pixels tile)
 NUM_WARPS = 4
@@ -99,16 +94,6 @@ def _bias_residual_kernel(
     tl.store(y_ptrs, v, mask=mask)
 
 
-def _pixel_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(batch, channel, pixel) strides of [B, C, H, W] with H and W merged into one axis, or None."""
-    b, c, h, w = t.stride()
-    if t.shape[3] == 1:
-        return b, c, h
-    if t.shape[2] == 1 or h == w * t.shape[3]:
-        return b, c, w
-    return None
-
-
 def unsupported_reason(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these tensors, or None when it can."""
     if y.dim() != 4 or y.dtype not in _DTYPES:
@@ -119,7 +104,7 @@ def unsupported_reason(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tens
         return f"residual must match y ({y.dtype} {tuple(y.shape)}), got {residual.dtype} {tuple(residual.shape)}"
     if y.numel() == 0:
         return "y is empty"
-    if _pixel_strides(y) is None or (residual is not None and _pixel_strides(residual) is None):
+    if pixel_strides(y) is None or (residual is not None and pixel_strides(residual) is None):
         return "y and residual need H and W mergeable into one strided axis"
     if not triton_runs_on(y.device):
         return f"Triton cannot run on {y.device} here"
@@ -150,8 +135,8 @@ def add_bias_residual_(
         r,
         channels,
         pixels,
-        *_pixel_strides(y),
-        *_pixel_strides(r),
+        *pixel_strides(y),
+        *pixel_strides(r),
         HAS_RESIDUAL=residual is not None,
         CLAMP=clamp_fp16,
         LIMIT=_FP16_MAX,
@@ -166,25 +151,7 @@ def add_bias_residual_(
 # Self-test
 # ---------------------------------------------------------------------------------------------------------
 
-_VERIFIED: dict[tuple[str, torch.dtype], bool] = {}
-
-
-@contextlib.contextmanager
-def forced_self_test(device: torch.device, dtype: torch.dtype, passed: bool):
-    """For benchmarks and tests: treat the self-test as `passed` on (device, dtype) for the duration."""
-    key = (device_key(device), dtype)
-    saved = _VERIFIED.get(key)
-    _VERIFIED[key] = passed
-    try:
-        yield
-    finally:
-        _VERIFIED.pop(key)
-        if saved is not None:
-            _VERIFIED[key] = saved
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+SELF_TESTS = SelfTests("bias_residual")  # check "epilogue"
 
 
 def _epilogue_matches(device: torch.device, dtype: torch.dtype) -> bool:
@@ -200,10 +167,10 @@ def _epilogue_matches(device: torch.device, dtype: torch.dtype) -> bool:
         for layout in (torch.contiguous_format, torch.channels_last):
             xl = x.contiguous(memory_format=layout)
             with_bias = F.conv2d(xl, weight, bias)  # torch's own bias handling on this device
-            if not _same(add_bias_residual_(F.conv2d(xl, weight), bias), with_bias):
+            if not same_bits(add_bias_residual_(F.conv2d(xl, weight), bias), with_bias):
                 return False
             want = with_bias.add_(residual)
-            if not _same(add_bias_residual_(F.conv2d(xl, weight), bias, residual), want):
+            if not same_bits(add_bias_residual_(F.conv2d(xl, weight), bias, residual), want):
                 return False
     # Sums that overflow, NaN, signed zeros and subnormals; in fp16 also with the overflow guard.
     big = torch.tensor([finfo.max, -finfo.max, float("nan"), float("inf"), 1.0, -0.0, finfo.tiny, -finfo.tiny / 2])
@@ -212,7 +179,7 @@ def _epilogue_matches(device: torch.device, dtype: torch.dtype) -> bool:
     residual = big.flip(0).repeat(4, 1).reshape(1, 4, 8, 1).to(device, dtype)
     for clamp in (False, True) if dtype == torch.float16 else (False,):
         want = add_bias_residual_reference(y.clone(), bias, residual, clamp)
-        if not _same(add_bias_residual_(y.clone(), bias, residual, clamp), want):
+        if not same_bits(add_bias_residual_(y.clone(), bias, residual, clamp), want):
             return False
     return True
 
@@ -220,15 +187,4 @@ def _epilogue_matches(device: torch.device, dtype: torch.dtype) -> bool:
 def epilogue_verified(device: torch.device, dtype: torch.dtype) -> bool:
     """True when, on `device` for `dtype`, torch's conv adds its bias as its own rounding and the kernel
     reproduces torch's bias and residual sums bit for bit. Once per (device, dtype); about a millisecond."""
-    key = (device_key(device), dtype)
-    if key not in _VERIFIED:
-        try:
-            with torch.no_grad():
-                ok = _epilogue_matches(torch.device(device), dtype)
-        except Exception as exc:  # a compile or launch failure: callers keep torch's ops
-            log.warning("bias_residual: kernel self-test could not run on %s %s: %s", device, dtype, exc)
-            ok = False
-        if not ok:
-            log.info("bias_residual: kernel differs from torch on %s %s; exact mode keeps torch's ops", device, dtype)
-        _VERIFIED[key] = ok
-    return _VERIFIED[key]
+    return SELF_TESTS.passed("epilogue", device, dtype, lambda: _epilogue_matches(torch.device(device), dtype))

@@ -30,19 +30,25 @@ Unsupported layouts (H and W not mergeable into one strided axis) and dtypes als
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, TRITON_AVAILABLE, device_key, jit, tl, triton, triton_runs_on
+from ._triton import (
+    INTERPRETER_ACTIVE,
+    TRITON_AVAILABLE,
+    SelfTests,
+    jit,
+    pixel_strides,
+    same_bits,
+    tl,
+    triton,
+    triton_runs_on,
+)
 
 if TRITON_AVAILABLE:
     from triton.language.extra import libdevice
 else:
     libdevice = None
 
-log = logging.getLogger(__name__)
 
 # Launch shape: channels x pixels per tile (power-of-two sides). PLACEHOLDERS until
 # benchmarks/bench_vae.py --sweep-kernel runs on the H200.
@@ -230,16 +236,6 @@ def _eager_tail_kernel(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _pixel_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(batch, channel, pixel) strides of [B, C, H, W] with H and W merged into one axis, or None."""
-    b, c, h, w = t.stride()
-    if t.shape[3] == 1:
-        return b, c, h
-    if t.shape[2] == 1 or h == w * t.shape[3]:
-        return b, c, w
-    return None
-
-
 def unsupported_reason(x: torch.Tensor, gamma: torch.Tensor) -> str | None:
     """Why the kernels cannot take (x, gamma), or None when they can."""
     if x.dim() != 4:
@@ -250,7 +246,7 @@ def unsupported_reason(x: torch.Tensor, gamma: torch.Tensor) -> str | None:
         return f"gamma must hold C={x.shape[1]} values on {x.device}, got {tuple(gamma.shape)} on {gamma.device}"
     if x.numel() == 0:
         return "x is empty"
-    if _pixel_strides(x) is None:
+    if pixel_strides(x) is None:
         return f"x strides {x.stride()} do not merge H and W into one axis"
     if not triton_runs_on(x.device):
         return f"Triton cannot run on {x.device} here"
@@ -281,8 +277,8 @@ def rmsnorm_silu_fused(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
         y,
         channels,
         pixels,
-        *_pixel_strides(x),
-        *_pixel_strides(y),
+        *pixel_strides(x),
+        *pixel_strides(y),
         float(scale),
         float(eps),
         BLOCK_C=block_c,
@@ -320,10 +316,10 @@ def rmsnorm_silu_eager_fused(
     if norm.shape != (batch, 1, height, width) or norm.dtype != torch.float32:
         got = f"{norm.dtype} {tuple(norm.shape)}"
         raise ValueError(f"rmsnorm_silu_eager_fused: norm must be fp32 [B, 1, H, W], got {got}")
-    norm_strides = _pixel_strides(norm)
+    norm_strides = pixel_strides(norm)
     if norm_strides is None:
         norm = norm.contiguous()
-        norm_strides = _pixel_strides(norm)
+        norm_strides = pixel_strides(norm)
     grid = (triton.cdiv(pixels, block_p) * triton.cdiv(channels, block_c), batch)
     _eager_tail_kernel[grid](
         x,
@@ -333,7 +329,7 @@ def rmsnorm_silu_eager_fused(
         channels,
         pixels,
         width,
-        *_pixel_strides(x),
+        *pixel_strides(x),
         norm_strides[0],
         norm_strides[2],
         *y.stride(),
@@ -371,34 +367,8 @@ def rmsnorm_silu_eager(
 # Self-test that lets exact mode use the eager kernel
 # ---------------------------------------------------------------------------------------------------------
 
-_VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}  # (check, device, dtype) -> passed
-
-
-def _key(check: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str, torch.dtype]:
-    return check, device_key(device), dtype
-
-
-@contextlib.contextmanager
-def forced_self_test(check: str, device: torch.device, dtype: torch.dtype, passed: bool):
-    """For benchmarks and tests: treat self-test `check` ("eager_kernel" or "direct_norm") as `passed` on
-    (device, dtype) for the duration."""
-    key = _key(check, device, dtype)
-    saved = _VERIFIED.get(key)
-    _VERIFIED[key] = passed
-    try:
-        yield
-    finally:
-        _VERIFIED.pop(key)
-        if saved is not None:
-            _VERIFIED[key] = saved
-
-
+SELF_TESTS = SelfTests("rmsnorm_silu")  # checks "eager_kernel" and "direct_norm"
 _FP32_CHUNK = 1 << 24  # fp32 bit patterns per SiLU comparison (64 MiB per tensor)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equal values, NaN matching NaN."""
-    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 def _all_values(dtype: torch.dtype, device: torch.device, start: int = 0, count: int | None = None):
@@ -415,7 +385,7 @@ def _silu_matches(values: torch.Tensor) -> bool:
     x = values.view(1, 1, 1, -1)
     ones = torch.ones(1, device=x.device, dtype=x.dtype)
     got = rmsnorm_silu_eager_fused(x, ones, 1.0, 0.0, True, torch.ones_like(x, dtype=torch.float32))
-    return _same(got, torch.nn.functional.silu(x))
+    return same_bits(got, torch.nn.functional.silu(x))
 
 
 def _chain_matches(dtype: torch.dtype, device: torch.device) -> bool:
@@ -436,13 +406,13 @@ def _chain_matches(dtype: torch.dtype, device: torch.device) -> bool:
             norm = channel_norm(xl, 1e-12)
             for silu in (False, True):  # want ends as the SiLU chain, used below
                 want = rmsnorm_silu_eager_reference(xl, gamma, channels**0.5, 1e-12, silu, norm)
-                if not _same(rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, silu, norm), want):
+                if not same_bits(rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, silu, norm), want):
                     return False
             # Written into the interior of a padded buffer: same values, the border untouched.
             padded = torch.full((2, channels, height + 2, width + 3), 7.0, device=device, dtype=dtype)
             interior = padded[:, :, 1:-1, 2:-1]
             rmsnorm_silu_eager_fused(xl, gamma, channels**0.5, 1e-12, True, norm, out=interior)
-            if not _same(interior, want):
+            if not same_bits(interior, want):
                 return False
             interior.fill_(7.0)
             if not bool((padded == 7.0).all()):
@@ -455,46 +425,37 @@ def _chain_matches(dtype: torch.dtype, device: torch.device) -> bool:
 _NORM_CHECK_SHAPES = ((2, 3, 7, 5), (1, 144, 256, 256), (2, 288, 33, 17), (1, 576, 32, 32), (1, 1152, 64, 64))
 
 
+def _direct_norm_matches(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for shape in _NORM_CHECK_SHAPES:
+        x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, *shape[2:], generator=gen))
+        x = x.to(device, dtype)
+        for layout in (torch.contiguous_format, torch.channels_last):
+            xl = x.contiguous(memory_format=layout)
+            direct = torch.linalg.vector_norm(xl, dim=1, keepdim=True, dtype=torch.float32)
+            if not same_bits(direct, torch.linalg.vector_norm(xl.float(), dim=1, keepdim=True)):
+                return False
+    return True
+
+
 def direct_norm_verified(device: torch.device, dtype: torch.dtype) -> bool:
     """True when torch's fp32-accumulated norm of half-precision input equals the norm of the fp32 copy bit
     for bit on `device`, for every layout in _NORM_CHECK_SHAPES (NCHW and channels-last). Once per
     (device, dtype); a few ms."""
-    key = _key("direct_norm", device, dtype)
-    if key not in _VERIFIED:
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        ok = True
-        with torch.no_grad():
-            for shape in _NORM_CHECK_SHAPES:
-                x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, *shape[2:], generator=gen))
-                x = x.to(device, dtype)
-                for layout in (torch.contiguous_format, torch.channels_last):
-                    xl = x.contiguous(memory_format=layout)
-                    direct = torch.linalg.vector_norm(xl, dim=1, keepdim=True, dtype=torch.float32)
-                    ok = ok and _same(direct, torch.linalg.vector_norm(xl.float(), dim=1, keepdim=True))
-        if not ok:
-            log.info("rmsnorm_silu: direct %s norm differs from the fp32 copy's on %s; using the copy", dtype, device)
-        _VERIFIED[key] = ok
-    return _VERIFIED[key]
+    return SELF_TESTS.passed("direct_norm", device, dtype, lambda: _direct_norm_matches(device, dtype))
+
+
+def _eager_kernel_matches(device: torch.device, dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        chunks = range(0, 1 << 32, _FP32_CHUNK)
+        silu_ok = all(_silu_matches(_all_values(dtype, device, s, _FP32_CHUNK)) for s in chunks)
+    else:
+        silu_ok = _silu_matches(_all_values(dtype, device))
+    return silu_ok and _chain_matches(dtype, device)
 
 
 def eager_kernel_verified(device: torch.device, dtype: torch.dtype) -> bool:
     """True when the exact flavour's kernel reproduced torch bit for bit on `device` for `dtype`: SiLU on
     every value of the dtype, and the full chain on hard inputs. Runs once per (device, dtype), in about
     1 ms for half-precision dtypes and 0.5 s for fp32 (2^32 values)."""
-    key = _key("eager_kernel", device, dtype)
-    if key not in _VERIFIED:
-        try:
-            with torch.no_grad():
-                if dtype == torch.float32:
-                    chunks = range(0, 1 << 32, _FP32_CHUNK)
-                    silu_ok = all(_silu_matches(_all_values(dtype, device, s, _FP32_CHUNK)) for s in chunks)
-                else:
-                    silu_ok = _silu_matches(_all_values(dtype, device))
-                ok = silu_ok and _chain_matches(dtype, device)
-        except Exception as exc:  # a compile or launch failure: exact mode keeps the torch reference
-            log.warning("rmsnorm_silu: eager kernel self-test could not run on %s %s: %s", device, dtype, exc)
-            ok = False
-        if not ok:
-            log.info("rmsnorm_silu: eager kernel differs from torch on %s %s; exact mode uses torch", device, dtype)
-        _VERIFIED[key] = ok
-    return _VERIFIED[key]
+    return SELF_TESTS.passed("eager_kernel", device, dtype, lambda: _eager_kernel_matches(device, dtype))

@@ -97,7 +97,7 @@ def test_the_launcher_checks_its_inputs(y, bias, residual, match):
 def test_self_test_passes_on_the_gpu(dtype):
     if not _triton.TRITON_AVAILABLE:
         pytest.skip("Triton is not installed")
-    K._VERIFIED.clear()
+    K.SELF_TESTS.clear()
     assert K.epilogue_verified(torch.device("cuda"), dtype)
 
 

@@ -180,9 +180,9 @@ def test_eager_dispatcher_writes_out_on_the_torch_path_too():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_direct_half_precision_norm_equals_the_fp32_copy_on_the_gpu(dtype):
-    K._VERIFIED.clear()
+    K.SELF_TESTS.clear()
     assert K.direct_norm_verified(torch.device("cuda"), dtype)
-    with K.forced_self_test("direct_norm", torch.device("cuda"), dtype, False):  # "cuda" is "cuda:0"
+    with K.SELF_TESTS.forced("direct_norm", torch.device("cuda"), dtype, False):  # "cuda" is "cuda:0"
         assert not K.direct_norm_verified(torch.device("cuda", torch.cuda.current_device()), dtype)
     assert K.direct_norm_verified(torch.device("cuda"), dtype)
     x = torch.randn(1, 288, 48, 40, device="cuda").to(dtype)  # a shape outside the self-test's list
@@ -198,7 +198,7 @@ def test_direct_half_precision_norm_equals_the_fp32_copy_on_the_gpu(dtype):
 def test_eager_kernel_self_test_passes_on_the_gpu(dtype):
     if not _triton.TRITON_AVAILABLE:
         pytest.skip("Triton is not installed")
-    K._VERIFIED.clear()
+    K.SELF_TESTS.clear()
     assert K.eager_kernel_verified(torch.device("cuda"), dtype)
 
 
