@@ -33,6 +33,7 @@ for part in "$@"; do
       run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests
       run tests_kernels 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_*.py -k "not interpreter" ;;
     tests-vae) run tests_vae 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" tests/test_vae.py \
+      tests/test_kernel_self_tests.py \
       tests/test_vae_tiling.py tests/test_kernel_rmsnorm_silu.py tests/test_kernel_bias_residual.py ;;
     demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
