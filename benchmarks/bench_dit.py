@@ -25,6 +25,7 @@ import time
 
 import torch
 from _common import emit, sync
+from dit_reference import reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.sequence import build_layout
@@ -119,22 +120,10 @@ def case_inputs(res, nref, batch, config, device, dtype, seed):
 
 
 def reference_call(reference, mask, embeds, cond, x, shapes, target, t, cache=None, mode=None):
-    batch = x.shape[0]
-    th, tw = target
-    img_mask = torch.cat([mask, torch.ones(th * tw // 4, dtype=torch.bool)])[None].expand(batch, -1).to(x.device)
-    hidden = x if cond is None else torch.cat([cond[None].expand(batch, -1, -1), x], 1)
-    img_shapes = [[(1, h, w) for h, w in shapes] + [(1, th, tw)]] * batch
-    out = reference(
-        hidden_states=hidden,
-        encoder_hidden_states=embeds[None].expand(batch, -1, -1),
-        timestep=t,
-        img_shapes=img_shapes,
-        img_mask=img_mask,
-        kv_cache=cache,
-        kv_cache_mode=mode,
-        return_dict=False,
-    )[0]
-    return out[:, -x.shape[1] :]
+    """The reference's velocity for a case, through its K/V cache when given (the parity tests' adapter)."""
+    return reference_velocity(
+        reference, embeds, mask, cond, shapes, x, t, target_shape=target, kv_cache=cache, kv_cache_mode=mode
+    )
 
 
 def run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype):

@@ -53,6 +53,7 @@ def reference_velocity(reference, prompt_embeds, image_pad_mask, condition_token
     batch, tokens, _ = x.shape
     th, tw = kw.pop("target_shape")
     img_mask = torch.cat([image_pad_mask, torch.ones(th * tw // 4, dtype=torch.bool)])[None].expand(batch, -1)
+    img_mask = img_mask.to(x.device)
     shapes = [[(1, h, w) for h, w in condition_shapes] + [(1, th, tw)]] * batch
     hidden = x if condition_tokens is None else torch.cat([condition_tokens[None].expand(batch, -1, -1), x], 1)
     with torch.no_grad():
