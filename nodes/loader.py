@@ -83,15 +83,20 @@ def _comfyui_tokenizer(text_encoder_path: str) -> str | None:
     return None
 
 
-class Qwen21ModelLoader:
-    """Load Qwen-Image-2.1 from the three ComfyUI model files (diffusion model, text encoder, VAE)."""
+class _PipelineLoader:
+    """What both loaders declare alike: their category and their one output, the pipeline."""
 
     CATEGORY = CATEGORY
-    DESCRIPTION = __doc__
     RETURN_TYPES = (MODEL_TYPE,)
     RETURN_NAMES = ("model",)
     OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
     FUNCTION = "load"
+
+
+class Qwen21ModelLoader(_PipelineLoader):
+    """Load Qwen-Image-2.1 from the three ComfyUI model files (diffusion model, text encoder, VAE)."""
+
+    DESCRIPTION = __doc__
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -125,15 +130,10 @@ class Qwen21ModelLoader:
         return (_load(source, weight_dtype, device, offload_text_encoder),)
 
 
-class Qwen21DiffusersLoader:
+class Qwen21DiffusersLoader(_PipelineLoader):
     """Load Qwen-Image-2.1 from a diffusers folder (model_index.json) in models/diffusers."""
 
-    CATEGORY = CATEGORY
     DESCRIPTION = __doc__
-    RETURN_TYPES = (MODEL_TYPE,)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
-    FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
