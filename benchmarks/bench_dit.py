@@ -27,9 +27,9 @@ import torch
 from _common import emit, sync
 from dit_reference import reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
-from qwen21_nodes.qwen21_core.decode_graphs import DecodeGraphs
-from qwen21_nodes.qwen21_core.sequence import build_layout
-from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 
 TEXT_TOKENS = 128
 STEPS = 40

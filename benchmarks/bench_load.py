@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 from _common import emit
-from qwen21_nodes.qwen21_core import key_maps
+from qwen21_nodes.qwen21_core.checkpoints import key_maps
 from qwen21_nodes.qwen21_core.config import TransformerConfig
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
-from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
 
 CASES = ("ours:diffusers", "ours:comfyui", "diffusers:diffusers", "diffusers:comfyui")
 SHARD_BYTES = 5 * 10**9
@@ -169,7 +169,7 @@ def worker(case: str, cache: str, paths: dict[str, Path], device: torch.device) 
     if loader == "diffusers":
         from diffusers import QwenImage21Transformer2DModel  # imported outside the timing
     else:
-        from qwen21_nodes.qwen21_core.loading import load_transformer
+        from qwen21_nodes.qwen21_core.checkpoints.loading import load_transformer
     files = _files(path)
     if cache == "cold":
         _evict(files)

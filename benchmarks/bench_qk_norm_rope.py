@@ -287,7 +287,7 @@ def _fused_with(inputs, tile, warps):
 
 
 def build_transformer(config, device, dtype):
-    from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -336,8 +336,8 @@ def bench_decode(args, device, dtype):
 
 
 def bench_decode_resolution(args, model, prompt, pixels, side, gen):
-    from qwen21_nodes.qwen21_core.decode_graphs import cuda_graph_capture
-    from qwen21_nodes.qwen21_core.sequence import build_layout
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import cuda_graph_capture
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 
     device = model.device
     layout = build_layout(torch.zeros(prompt.shape[0], dtype=torch.bool), [], (side, side))

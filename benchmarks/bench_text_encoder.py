@@ -30,13 +30,13 @@ import torch  # noqa: E402
 from _common import sync  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen21_nodes.qwen21_core.images import prepare_condition_image  # noqa: E402
-from qwen21_nodes.qwen21_core.text_encoder import (  # noqa: E402
+from qwen21_nodes.qwen21_core.text.encoder import (  # noqa: E402
     QWEN3_VL_8B_CONFIG,
     QWEN3_VL_IMAGE_PROCESSOR,
     Qwen21TextEncoder,
     build_prompt_text,
 )
-from qwen21_nodes.qwen21_core.tiny_text_encoder import (  # noqa: E402
+from qwen21_nodes.qwen21_core.text.tiny import (  # noqa: E402
     QWEN_SPECIAL_TOKENS,
     build_tiny_processor,
     build_tiny_text_encoder,

@@ -38,9 +38,10 @@ import torch
 from _common import emit, sync
 from qwen21_nodes.kernels import bias_residual
 from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
-from qwen21_nodes.qwen21_core import vae_fast, vae_tiling
 from qwen21_nodes.qwen21_core.config import VAEConfig
-from qwen21_nodes.qwen21_core.vae import ExactOps, QwenImage21VAE
+from qwen21_nodes.qwen21_core.vae import fast as vae_fast
+from qwen21_nodes.qwen21_core.vae import tiling as vae_tiling
+from qwen21_nodes.qwen21_core.vae.model import ExactOps, QwenImage21VAE
 
 TINY_CONFIG = VAEConfig(
     base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=(1, 2, 4, 4, 4), latents_mean=(0.0,) * 4,

@@ -15,7 +15,7 @@ from _common import emit
 from bench_vae import TINY_CONFIG, build_models
 from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
 from qwen21_nodes.qwen21_core.config import VAEConfig
-from qwen21_nodes.qwen21_core.vae import ExactOps, ResidualBlock
+from qwen21_nodes.qwen21_core.vae.model import ExactOps, ResidualBlock
 from torch import nn
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..qwen21_core.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
+from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from . import host
 from .model import MODEL_TYPE, Qwen21Model

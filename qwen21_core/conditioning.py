@@ -1,6 +1,6 @@
 """What the encoder hands the sampler: prompt embeddings, condition latents and the output size.
 
-The text encoder (text_encoder.py) builds it; the sampler (sampler.py) reads it. It holds tensors
+The text encoder (text/encoder.py) builds it; the sampler (sampler.py) reads it. It holds tensors
 only (no modules), so it can be cached, hashed, moved between devices and passed through ComfyUI
 links.
 """

@@ -19,10 +19,10 @@ import torch
 
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
-from .decode_graphs import DecodeGraphs
+from .dit.decode_graphs import DecodeGraphs
+from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning
 from .sampler import Sampler, SampleStats
-from .transformer import QwenImage21Transformer
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Qwen21Pipeline:
         load_text_encoder: bool = True,
     ) -> Qwen21Pipeline:
         """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components)."""
-        from .loading import load_components
+        from .checkpoints.loading import load_components
 
         device = torch.device(device) if device is not None else default_device()
         parts = load_components(

@@ -17,10 +17,10 @@ import torch
 
 from .conditioning import Conditioning, PromptEmbedding
 from .config import SchedulerConfig
+from .dit.sequence import build_layout
+from .dit.transformer import Branch, QwenImage21Transformer
 from .images import check_output_size
 from .scheduler import euler_step, partial_schedule
-from .sequence import build_layout
-from .transformer import Branch, QwenImage21Transformer
 
 log = logging.getLogger(__name__)
 

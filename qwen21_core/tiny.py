@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import key_maps
+from .checkpoints import key_maps
 from .config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig
-from .tiny_text_encoder import TINY_HIDDEN_SIZE, save_tiny_text_encoder
-from .transformer import QwenImage21Transformer
-from .vae import QwenImage21VAE
+from .dit.transformer import QwenImage21Transformer
+from .text.tiny import TINY_HIDDEN_SIZE, save_tiny_text_encoder
+from .vae.model import QwenImage21VAE
 
 DIFFUSERS_VERSION = "0.42.1"
 TINY_TRANSFORMER = TransformerConfig(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from qwen21_nodes.qwen21_core.config import TransformerConfig
-from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 
 TINY_DIT = dict(
     in_channels=16,

@@ -9,10 +9,15 @@ import textwrap
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import checkpoint as ck
-from qwen21_nodes.qwen21_core import quantization
-from qwen21_nodes.qwen21_core.checkpoint import Checkpoint, CheckpointError, CheckpointMismatchError, WrongModelError
-from qwen21_nodes.qwen21_core.quantization import UnsupportedQuantizationError
+from qwen21_nodes.qwen21_core.checkpoints import files as ck
+from qwen21_nodes.qwen21_core.checkpoints import formats as quantization
+from qwen21_nodes.qwen21_core.checkpoints.files import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointMismatchError,
+    WrongModelError,
+)
+from qwen21_nodes.qwen21_core.checkpoints.formats import UnsupportedQuantizationError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -415,7 +420,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from torch import nn
-    from qwen21_nodes.qwen21_core import checkpoint as ck
+    from qwen21_nodes.qwen21_core.checkpoints import files as ck
 
     path, layers, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

@@ -6,9 +6,9 @@ import torch
 from dit_reference import CHANNELS, CONTEXT, our_dit, prompt_mask, reference_dit
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
-from qwen21_nodes.qwen21_core.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 from qwen21_nodes.qwen21_core.sampler import Sampler
-from qwen21_nodes.qwen21_core.sequence import build_layout
 
 pytest.importorskip("diffusers")
 

@@ -21,9 +21,9 @@ from qwen21_nodes.qwen21_core.encoding import (  # noqa: E402
     PrefixMemoryError,
     encode_conditioning,
 )
-from qwen21_nodes.qwen21_core.text_encoder import Qwen21TextEncoder  # noqa: E402
-from qwen21_nodes.qwen21_core.tiny_text_encoder import build_tiny_processor, build_tiny_text_encoder  # noqa: E402
-from qwen21_nodes.qwen21_core.vae import QwenImage21VAE  # noqa: E402
+from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder  # noqa: E402
+from qwen21_nodes.qwen21_core.text.tiny import build_tiny_processor, build_tiny_text_encoder  # noqa: E402
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE  # noqa: E402
 
 Z_DIM = 16
 

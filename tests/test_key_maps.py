@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import key_maps
-from qwen21_nodes.qwen21_core.checkpoint import Layout
+from qwen21_nodes.qwen21_core.checkpoints import key_maps
+from qwen21_nodes.qwen21_core.checkpoints.files import Layout
 from qwen21_nodes.qwen21_core.config import VAEConfig
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE, tiny_transformer_state_dict, tiny_vae_state_dict
-from qwen21_nodes.qwen21_core.vae import QwenImage21VAE
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
 
 
 def _apply(convert, state_dict):
@@ -146,7 +146,7 @@ def test_text_encoder_key_pairs(internal, transformers_name):
 
 
 def test_text_encoder_round_trip_over_a_real_model():
-    from qwen21_nodes.qwen21_core.tiny_text_encoder import build_tiny_text_encoder
+    from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder
 
     model, _ = build_tiny_text_encoder()
     names = list(model.state_dict())

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import loading
-from qwen21_nodes.qwen21_core.checkpoint import CheckpointMismatchError, WrongModelError
+from qwen21_nodes.qwen21_core.checkpoints import loading
+from qwen21_nodes.qwen21_core.checkpoints.files import CheckpointMismatchError, WrongModelError
 from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
 from qwen21_nodes.qwen21_core.tiny import TURBO_SIGMAS, make_tiny
 from safetensors.torch import load_file, save_file
@@ -59,7 +59,7 @@ def test_weights_match_the_diffusers_loader(tiny):
 
 
 def test_text_encoder_matches_the_transformers_loader(tiny):
-    from qwen21_nodes.qwen21_core.text_encoder import Qwen21TextEncoder
+    from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder
 
     ours, info = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32)
     reference = Qwen21TextEncoder.from_folder(tiny["diffusers"], device="cpu", dtype=torch.float32)
@@ -95,7 +95,7 @@ def test_released_rotary_split_is_derived_for_128_wide_heads():
 
 
 def test_released_vae_config_is_derived_from_its_shapes():
-    from qwen21_nodes.qwen21_core.vae import QwenImage21VAE
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
 
     with torch.device("meta"):
         model = QwenImage21VAE(VAEConfig())
@@ -231,7 +231,7 @@ def test_text_encoder_of_another_size_needs_its_config(tiny, tmp_path):
 
 
 def test_text_encoder_and_transformer_must_fit(tiny, tmp_path):
-    from qwen21_nodes.qwen21_core.tiny_text_encoder import save_tiny_text_encoder
+    from qwen21_nodes.qwen21_core.text.tiny import save_tiny_text_encoder
 
     save_tiny_text_encoder(tmp_path / "wide", hidden_size=96)
     wide = {"text_encoder": tmp_path / "wide" / "text_encoder", "tokenizer": tmp_path / "wide" / "processor"}
@@ -250,7 +250,7 @@ def test_shape_mismatch_names_key_and_shapes(tiny, tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_load_matches_cpu_load(tiny, monkeypatch):
-    from qwen21_nodes.qwen21_core import checkpoint
+    from qwen21_nodes.qwen21_core.checkpoints import files as checkpoint
 
     monkeypatch.setattr(checkpoint, "_CHUNK_BYTES", 4096)  # many chunks per tensor: both pinned buffers in turn
     cpu = loading.load_components(_single(tiny), "cpu", torch.bfloat16)

@@ -11,12 +11,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers import QwenImage21Pipeline  # noqa: E402
 from PIL import Image  # noqa: E402
-from qwen21_nodes.qwen21_core.text_encoder import (  # noqa: E402
+from qwen21_nodes.qwen21_core.text.encoder import (  # noqa: E402
     QWEN3_VL_8B_CONFIG,
     Qwen21TextEncoder,
     build_prompt_text,
 )
-from qwen21_nodes.qwen21_core.tiny_text_encoder import (  # noqa: E402
+from qwen21_nodes.qwen21_core.text.tiny import (  # noqa: E402
     build_tiny_text_encoder,
     load_tiny_text_encoder,
     save_tiny_text_encoder,

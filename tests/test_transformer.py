@@ -4,8 +4,8 @@ import pytest
 import torch
 from dit_reference import CHANNELS, CONTEXT, TINY_DIT, our_dit, prompt_mask, reference_dit, reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
-from qwen21_nodes.qwen21_core.sequence import build_layout
-from qwen21_nodes.qwen21_core.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 
 pytest.importorskip("diffusers")
 
@@ -191,7 +191,7 @@ def test_decode_before_prefill_is_an_error(models):
 @pytest.mark.gpu
 def test_shared_prefix_attention_matches_joint_attention_on_cuda():
     """The LSE merge (cuDNN or flash with log-sum-exp) equals one SDPA over [prefix | target] per row."""
-    from qwen21_nodes.qwen21_core.attention import decode_attention, shared_prefix_decode_attention
+    from qwen21_nodes.qwen21_core.dit.attention import decode_attention, shared_prefix_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, n, p, h, d = 3, 256, 77, 4, 128

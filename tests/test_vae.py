@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import vae as vae_module
 from qwen21_nodes.qwen21_core.config import VAEConfig
-from qwen21_nodes.qwen21_core.vae import QwenImage21VAE
-from qwen21_nodes.qwen21_core.vae_tiling import live_tensor_peak
+from qwen21_nodes.qwen21_core.vae import model as vae_module
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+from qwen21_nodes.qwen21_core.vae.tiling import live_tensor_peak
 from vae_reference import TINY_VAE, our_vae, psnr, vae_pair
 
 pytest.importorskip("diffusers")
@@ -117,7 +117,7 @@ def test_padded_buffers_take_the_layout_of_f_pad():
     # be the one F.pad would have produced, for every dense stride order (and torch's size-1 tie-breaks).
     import itertools
 
-    from qwen21_nodes.qwen21_core.vae import zero_bordered_empty
+    from qwen21_nodes.qwen21_core.vae.model import zero_bordered_empty
 
     for shape in ((2, 5, 4, 3), (1, 5, 1, 1), (2, 1, 4, 1), (1, 3, 1, 4)):
         base = torch.randn(shape)
@@ -300,7 +300,7 @@ def test_fast_folds_only_structurally_matching_upsamplers(pair):
 
 
 def test_folded_upsample_conv_equals_upsample_then_conv():
-    from qwen21_nodes.qwen21_core.vae_fast import fold_upsample_conv_weight
+    from qwen21_nodes.qwen21_core.vae.fast import fold_upsample_conv_weight
 
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 5, 7, 6, generator=gen, dtype=torch.float64)
@@ -343,7 +343,7 @@ def test_fast_decode_on_the_gpu_is_close_to_exact():
 
 
 def test_fast_session_touches_only_the_cudnn_benchmark_flag():
-    from qwen21_nodes.qwen21_core.vae_fast import _cudnn_benchmark
+    from qwen21_nodes.qwen21_core.vae.fast import _cudnn_benchmark
 
     cudnn = torch.backends.cudnn
     saved = (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)

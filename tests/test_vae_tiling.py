@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import vae_tiling
-from qwen21_nodes.qwen21_core.vae_tiling import TilingConfig, VAEOutOfMemoryError, tile_starts
+from qwen21_nodes.qwen21_core.vae import tiling as vae_tiling
+from qwen21_nodes.qwen21_core.vae.tiling import TilingConfig, VAEOutOfMemoryError, tile_starts
 from vae_reference import TINY_VAE, our_vae, psnr
 
 

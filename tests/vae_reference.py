@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from qwen21_nodes.qwen21_core.config import VAEConfig
-from qwen21_nodes.qwen21_core.vae import QwenImage21VAE
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
 
 # 5 stages (16x, like the released model), temporal flags as released, 2 resnets per encoder stage,
 # decoder wider than the encoder, different channel counts per stage (so every shortcut kind is exercised:

@@ -20,12 +20,12 @@ tests/test_vae.py; fp32 and bf16 on the GPU in its GPU tests and benchmarks/benc
   fp32 round trip, at a quarter of the traffic);
 * the parameter-free "DupUp" shortcut of the up blocks is added through strided views (no 4x gather).
 
-All arithmetic goes through an ops object, `ExactOps` here and `vae_fast.FastOps` for quality="fast", so the
+All arithmetic goes through an ops object, `ExactOps` here and `fast.FastOps` for quality="fast", so the
 modules below are written once. Weights are cast to the activation dtype on use, which makes the decode and
 encode precision (fp32 / bf16 / fp16) independent of the dtype the weights are stored in. In fp16 every conv
 output and residual sum is clamped to the finite fp16 range, so large activations cannot turn into inf/NaN.
 
-Tiling, memory planning and OOM retry live in vae_tiling.py; the fast paths in vae_fast.py.
+Tiling, memory planning and OOM retry live in tiling.py; the fast paths in fast.py.
 """
 
 from __future__ import annotations
@@ -38,16 +38,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import bias_residual
-from ..kernels import rmsnorm_silu as norm_kernel
-from . import vae_tiling
-from .config import VAEConfig
+from ...kernels import bias_residual
+from ...kernels import rmsnorm_silu as norm_kernel
+from ..config import VAEConfig
+from . import tiling as vae_tiling
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TILING_MODES = ("auto", "on", "off")
 QUALITIES = ("exact", "fast")
+# quality -> ops factory for the non-exact paths; vae/fast.py registers "fast" (it builds on this module, so
+# this module cannot import it)
+_QUALITY_OPS: dict[str, Callable] = {}
+
+
+def register_quality(name: str, factory: Callable) -> None:
+    """Make `ops_for(name)` return `factory(vae)`; used by the fast paths' module."""
+    if name not in QUALITIES or name == "exact":
+        raise ValueError(f"unknown VAE quality {name!r}")
+    _QUALITY_OPS[name] = factory
+
 
 _NORM_EPS = 1e-12  # F.normalize's default, which the reference uses
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -596,11 +607,10 @@ class QwenImage21VAE(nn.Module):
         """The arithmetic for quality "exact" or "fast" (the fast paths install on first use)."""
         if quality == "exact":
             return self._exact_ops
-        if quality == "fast":
-            from . import vae_fast  # imported late: vae_fast builds on this module
-
-            return vae_fast.fast_ops(self)
-        raise ValueError(f"quality must be one of {list(QUALITIES)}, got {quality!r}")
+        factory = _QUALITY_OPS.get(quality)
+        if factory is None:
+            raise ValueError(f"quality must be one of {list(QUALITIES)}, got {quality!r}")
+        return factory(self)
 
     @torch.no_grad()
     def decode_pixels(self, latents: torch.Tensor, ops: ExactOps | None = None) -> torch.Tensor:
@@ -630,7 +640,7 @@ class QwenImage21VAE(nn.Module):
                    "auto" the largest tile that fits.
         precision: None (the weights' dtype), "fp32", "bf16" or "fp16".
         quality:   "exact" (the reference's numerics) or "fast" (fused kernels, channels-last, folded
-                   upsampling; not bit-identical, see vae_fast).
+                   upsampling; not bit-identical, see vae/fast.py).
         callback:  callback(done, total) after every tile (once when untiled); it may raise to interrupt.
         """
         if not isinstance(latents, torch.Tensor) or latents.dim() != 4 or latents.shape[1] != self.config.z_dim:

@@ -10,7 +10,7 @@ Three steps, in the order the loader uses them:
    (Qwen-Image 1.x, Wan, Flux, SD, an LLM, a LoRA, ...).
 3. `build_empty(...)` constructs a module without allocating its weights, then `load_into(slots, ...)`
    copies each checkpoint tensor, renamed by a key map (key_maps.py) and dequantised if it is fp8
-   (quantization.py), into the tensor the module names for it. Tensors are read one at a time with plain
+   (formats.py), into the tensor the module names for it. Tensors are read one at a time with plain
    file reads (no mmap: mapped pages would count against the process's memory as a second copy of the
    file); on CUDA they travel through two small pinned buffers so that disk reads overlap the copies.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import quantization
+from . import formats
 
 log = logging.getLogger(__name__)
 
@@ -514,7 +514,7 @@ def module_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def converted_shapes(
-    ckpt: Checkpoint, convert: Converter, quant: quantization.QuantScheme
+    ckpt: Checkpoint, convert: Converter, quant: formats.QuantScheme
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Converted (diffusers) name -> (checkpoint key it comes from, shape), without reading any data.
 
@@ -538,7 +538,7 @@ def plan_load(
     slots: Mapping[str, torch.Tensor | None],
     ckpt: Checkpoint,
     convert: Converter,
-    quant: quantization.QuantScheme,
+    quant: formats.QuantScheme,
     what: str,
 ) -> list[str]:
     """Check that the checkpoint fits the slots without reading any data; return the keys to read.
@@ -580,7 +580,7 @@ def load_into(
     convert: Converter,
     *,
     what: str,
-    quant: quantization.QuantScheme | None = None,
+    quant: formats.QuantScheme | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its slot, converting dtype (and dequantising fp8) on the slot's device.
 
@@ -588,7 +588,7 @@ def load_into(
     tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA).
     """
     if quant is None:
-        quant = quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+        quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
     keys = plan_load(slots, ckpt, convert, quant, what)
     devices = {slot.device for slot in slots.values() if slot is not None}
     if len(devices) != 1:
@@ -610,8 +610,8 @@ def _copy_one(key, slots, stager, convert, quant) -> None:
     scale_key = quant.scales.get(key)
     scale = stager.ckpt.read(scale_key) if scale_key else None  # tiny; read before the weight reuses the buffer
     raw = stager.fetch(key)
-    if raw.dtype in quantization.FP8_DTYPES:
-        raw = quantization.dequantize(raw, scale)
+    if raw.dtype in formats.FP8_DTYPES:
+        raw = formats.dequantize(raw, scale)
     for name, tensor in convert(key, raw):
         slot = slots[name]
         if slot is not None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .checkpoint import Converter, Layout
+from .files import Converter, Layout
 
 COMFY_DIT_PREFIX = "model.diffusion_model."
 

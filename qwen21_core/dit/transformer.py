@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.qk_norm_rope import qk_norm_rope
+from ...kernels.qk_norm_rope import qk_norm_rope
+from ..config import TransformerConfig
 from .attention import (
     backend_context,
     decode_attention,
@@ -32,7 +33,6 @@ from .attention import (
     prefix_masks,
     shared_prefix_decode_attention,
 )
-from .config import TransformerConfig
 from .kv_cache import PrefixKVCache
 from .sequence import SequenceLayout, rotary_cos_sin
 

@@ -25,8 +25,12 @@ from pathlib import Path
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLProcessor
 
-from . import key_maps, quantization
-from .checkpoint import (
+from ..config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
+from ..dit.transformer import QwenImage21Transformer
+from ..text.encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder
+from ..vae.model import QwenImage21VAE
+from . import formats, key_maps
+from .files import (
     Checkpoint,
     CheckpointMismatchError,
     Layout,
@@ -37,10 +41,6 @@ from .checkpoint import (
     load_into,
     module_slots,
 )
-from .config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
-from .text_encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder
-from .transformer import QwenImage21Transformer
-from .vae import QwenImage21VAE
 
 log = logging.getLogger(__name__)
 
@@ -181,16 +181,16 @@ def _resolve_device(device) -> torch.device:
 
 
 def _check_dtype(dtype, what: str) -> torch.dtype:
-    if dtype not in quantization.FLOAT_DTYPES:
-        raise TypeError(f"{what} must be one of {quantization.FLOAT_DTYPES}, got {dtype!r}")
+    if dtype not in formats.FLOAT_DTYPES:
+        raise TypeError(f"{what} must be one of {formats.FLOAT_DTYPES}, got {dtype!r}")
     return dtype
 
 
-def _open(path: Path, component: str) -> tuple[Checkpoint, Layout, quantization.QuantScheme]:
+def _open(path: Path, component: str) -> tuple[Checkpoint, Layout, formats.QuantScheme]:
     ckpt = Checkpoint.open(path)
     try:
         layout = identify(ckpt, component)
-        quant = quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+        quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
     except BaseException:
         ckpt.close()
         raise

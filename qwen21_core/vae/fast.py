@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import rmsnorm_silu as norm_kernel
-from .vae import (
+from ...kernels import rmsnorm_silu as norm_kernel
+from .model import (
     _NORM_EPS,
     AttentionBlock,
     ChannelRMSNorm,
@@ -46,6 +46,7 @@ from .vae import (
     cast_param,
     conv_bias_residual,
     fp16_guard_,
+    register_quality,
 )
 
 log = logging.getLogger(__name__)
@@ -178,3 +179,6 @@ def fast_ops(vae: QwenImage21VAE) -> FastOps:
         log.warning("VAE fast path: %d of %d upsamplers have an unexpected structure; they run exact",
                     upsamplers - len(foldable), upsamplers)  # fmt: skip
     return FastOps(foldable)
+
+
+register_quality("fast", fast_ops)

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel, Qwen3VLProcessor
 
-from .conditioning import PromptEmbedding
+from ..conditioning import PromptEmbedding
 
 log = logging.getLogger(__name__)
 

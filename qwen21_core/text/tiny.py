@@ -3,7 +3,7 @@
 Nothing here downloads anything. The tokenizer is a byte-level BPE trained in-process on a few
 sentences, with Qwen's special tokens, so any prompt can be encoded (unknown words fall back to
 bytes). Token ids and the length of the system turn therefore differ from the real Qwen vocabulary;
-the code that drops the system turn must not depend on them (text_encoder.py finds the second
+the code that drops the system turn must not depend on them (text/encoder.py finds the second
 `<|im_start|>` instead).
 
 The image processor is the real `Qwen2VLImageProcessor` with Qwen3-VL's patch geometry (16-pixel
@@ -166,6 +166,6 @@ def save_tiny_text_encoder(root: str | Path, hidden_size: int = TINY_HIDDEN_SIZE
 
 def load_tiny_text_encoder(root: str | Path, device="cpu", dtype=torch.float32):
     """Read a folder written by save_tiny_text_encoder through the normal loader path."""
-    from .text_encoder import Qwen21TextEncoder
+    from .encoder import Qwen21TextEncoder
 
     return Qwen21TextEncoder.from_folder(root, device=device, dtype=dtype)

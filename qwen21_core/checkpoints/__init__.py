@@ -1,0 +1,1 @@
+"""Checkpoint files: reading safetensors, identifying layouts and formats, key maps, loading components."""
