@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+from ..qwen21_core.options import SampleOptions
 from . import host
 from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
@@ -217,9 +218,9 @@ class Qwen21Sampler:
             start_latents=start if denoise < 1.0 else None,
             denoise=denoise,
             callback=on_step,
-            prefix_cache=prefix_cache,
-            decode_graphs=decode_graphs,
-            compile_blocks=compile_blocks,
+            options=SampleOptions(
+                prefix_cache=prefix_cache, decode_graphs=decode_graphs, compile_blocks=compile_blocks
+            ),
         )
         stats = dict(model.pipe.last_sample_stats or {})
         return {

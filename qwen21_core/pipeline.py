@@ -22,6 +22,7 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning
+from .options import SampleOptions
 from .sampler import Sampler, SampleStats
 
 log = logging.getLogger(__name__)
@@ -195,37 +196,31 @@ class Qwen21Pipeline:
         schedule: str = "default",
         start_latents: torch.Tensor | None = None,
         denoise: float = 1.0,
-        prefix_cache: bool = True,
-        decode_graphs: bool = True,
-        compile_blocks: bool = False,
-        attention_backend: str = "auto",
+        options: SampleOptions | None = None,
     ) -> torch.Tensor:
         """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
 
         cond:      one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
         height/width: pixels (multiples of 32); None = the size the conditioning derived.
         callback(step, total, x0_raw_latents): after each step; raise in it to interrupt.
-        prefix_cache: False recomputes the text/condition prefix every step (for checking; slower).
-        decode_graphs: replay decode steps from CUDA graphs (CUDA only; bit-identical to eager).
-        compile_blocks: regional torch.compile of the block math for decode steps (opt-in: ~8% faster steps
-            at 1024^2 on an H200, a few seconds of compile per new size, not bit-identical: ~52 dB vs eager).
+        options:   how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
         """
+        options = options or SampleOptions()
         conds = [cond] if isinstance(cond, Conditioning) else list(cond)
         if not conds:
             raise ValueError("sample needs at least one conditioning")
         height = height or conds[0].height
         width = width or conds[0].width
         base_sigmas = self._base_sigmas(schedule, sigmas)
-        self.transformer.compile_blocks(compile_blocks)
+        self.transformer.compile_blocks(options.compile_blocks)
         vae_config = self.vae.config
-        runner = self.decode_graphs if decode_graphs and self.device.type == "cuda" else None
+        runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
         sampler = Sampler(
             self.transformer,
             self.scheduler_config,
             torch.tensor(vae_config.latents_mean),
             torch.tensor(vae_config.latents_std),
-            prefix_cache=prefix_cache,
-            attention_backend=attention_backend,
+            options=options,
             decode_runner=runner,
         )
         try:
@@ -247,7 +242,7 @@ class Qwen21Pipeline:
             stats: SampleStats = sampler.stats
             if runner is not None:
                 stats.decode_graph = self.decode_graphs.describe()
-            elif not decode_graphs:
+            elif not options.decode_graphs:
                 stats.decode_graph = "off: disabled"
             else:
                 stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"

@@ -20,6 +20,7 @@ from .config import SchedulerConfig
 from .dit.sequence import build_layout
 from .dit.transformer import Branch, QwenImage21Transformer
 from .images import check_output_size
+from .options import SampleOptions
 from .scheduler import euler_step, partial_schedule
 
 log = logging.getLogger(__name__)
@@ -84,16 +85,16 @@ class Sampler:
         latents_mean: torch.Tensor,
         latents_std: torch.Tensor,
         *,
-        prefix_cache: bool = True,
-        attention_backend: str = "auto",
+        options: SampleOptions | None = None,
         decode_runner=None,
     ):
         self.transformer = transformer
         self.scheduler_config = scheduler_config
         self.mean = latents_mean.to(torch.float32).reshape(1, -1, 1, 1)
         self.std = latents_std.to(torch.float32).reshape(1, -1, 1, 1)
-        self.prefix_cache = prefix_cache
-        self.attention_backend = attention_backend
+        self.options = options or SampleOptions()
+        self.prefix_cache = self.options.prefix_cache
+        self.attention_backend = self.options.attention_backend
         self.decode_runner = decode_runner  # e.g. the CUDA-graph manager; None = eager decode
         self.stats = SampleStats()
 
