@@ -23,6 +23,7 @@ from .dit.decode_graphs import DecodeGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning
 from .options import SampleOptions
+from .quant.plan import WeightFormats
 from .sampler import Sampler, SampleStats
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,13 @@ class Qwen21Pipeline:
         vae_dtype: torch.dtype | None = None,
         text_encoder_offload: bool = True,
         load_text_encoder: bool = True,
+        weight_formats: WeightFormats | None = None,
     ) -> Qwen21Pipeline:
-        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components)."""
+        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
+
+        dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
+        default keeps each file's own format).
+        """
         from .checkpoints.loading import load_components
 
         device = torch.device(device) if device is not None else default_device()
@@ -86,6 +92,7 @@ class Qwen21Pipeline:
             text_encoder_dtype=text_encoder_dtype,
             vae_dtype=vae_dtype,
             load_text_encoder=load_text_encoder,
+            weight_formats=weight_formats,
         )
         return cls(
             parts.transformer,

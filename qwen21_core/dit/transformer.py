@@ -18,6 +18,7 @@ Shapes: D = heads * head_dim (4096), M = D * mlp_ratio (12288), tokens are rows,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ import torch.nn.functional as F
 
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
+from ..quant.linear import QuantLinear
+from ..quant.slots import QuantSlot
+from ..quant.weights import QuantFormat
+from . import quant_math
 from .attention import (
     backend_context,
     decode_attention,
@@ -139,6 +144,10 @@ def attention_out_and_mlp(x, attn, gate1, scale2, gate2, w_out, w_gate_up, w_dow
     return x
 
 
+# The block's Linears that may be quantised, by their path inside a block.
+QUANTIZABLE = ("attn.to_qkv", "attn.to_out", "img_mlp.gate_up", "img_mlp.out")
+
+
 class Block(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -146,12 +155,27 @@ class Block(nn.Module):
         self.attn = Attention(config.inner_dim, config.num_attention_heads, config.attention_head_dim)
         self.img_mlp = SwiGLU(config.inner_dim, config.mlp_dim)
 
+    def linears(self) -> dict[str, nn.Module]:
+        return {name: self.get_submodule(name) for name in QUANTIZABLE}
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(layer, QuantLinear) for layer in self.linears().values())
+
     def _qkv(self, x, scale1, fns):
         """[B, S, D] -> [B, S, 3, H, head_dim] (a view of one GEMM)."""
-        qkv = fns.qkv(x, scale1, self.attn.to_qkv.weight, self.eps)
+        if self.quantized:
+            qkv = quant_math.modulated_qkv(x, scale1, self.attn.to_qkv, self.eps)
+        else:
+            qkv = fns.qkv(x, scale1, self.attn.to_qkv.weight, self.eps)
         return qkv.unflatten(-1, (3, self.attn.heads, self.attn.head_dim))
 
     def _finish(self, x, attn, mod: Modulation, fns):
+        if self.quantized:  # the fused quantised math (compile_blocks does not apply to it)
+            return quant_math.attention_out_and_mlp(
+                x, attn.flatten(2), mod.gate1, mod.scale2, mod.gate2, self.attn.to_out, self.img_mlp.gate_up,
+                self.img_mlp.out, self.eps,
+            )  # fmt: skip
         return fns.finish(
             x, attn.flatten(2), mod.gate1, mod.scale2, mod.gate2, self.attn.to_out.weight,
             self.img_mlp.gate_up.weight, self.img_mlp.out.weight, self.eps,
@@ -224,6 +248,22 @@ class Branch:
         self.cache.release()
 
 
+def _rows(layer: nn.Module, start: int = 0, stop: int | None = None):
+    """The checkpoint slot for rows [start, stop) of a block Linear's weight (a QuantSlot when quantised)."""
+    if isinstance(layer, QuantLinear):
+        return QuantSlot(layer, start, stop)
+    return layer.weight[start:stop]
+
+
+def uniform_plan(fmt: QuantFormat, num_layers: int, keep: Iterable[str] = ()) -> dict[tuple[int, str], QuantFormat]:
+    """Every block Linear in `fmt`, except the paths in `keep` (kept in the model's dtype)."""
+    keep = set(keep)
+    unknown = keep - set(QUANTIZABLE)
+    if unknown:
+        raise ValueError(f"layers to keep must be among {QUANTIZABLE}, got {sorted(unknown)}")
+    return {(i, path): fmt for i in range(num_layers) for path in QUANTIZABLE if path not in keep}
+
+
 class QwenImage21Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -255,6 +295,39 @@ class QwenImage21Transformer(nn.Module):
             torch.compile(attention_out_and_mlp, dynamic=False, mode=mode),
         )
 
+    # ---- quantisation ------------------------------------------------------------------------------
+
+    def quantize_linears(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
+        """Replace block Linears by QuantLinears: plan maps (block index, path in QUANTIZABLE) -> format.
+
+        On a model built on the meta device (before loading) this only changes the layers' types; on real
+        weights each layer is quantised in place of its bf16 weight, one at a time (bounded extra memory).
+        """
+        for (index, path), fmt in plan.items():
+            block = self.transformer_blocks[index]
+            parent_name, _, name = path.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            linear = getattr(parent, name)
+            if isinstance(linear, QuantLinear):
+                continue
+            if linear.weight.device.type == "meta":
+                layer = QuantLinear(linear.in_features, linear.out_features, fmt, compute_dtype=linear.weight.dtype)
+            else:
+                layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
+            setattr(parent, name, layer)
+            del linear
+        return self
+
+    @property
+    def quantization(self) -> str:
+        """A few words for logs and the UI: "bf16", or e.g. "fp8 (128/128 block linears)"."""
+        layers = [layer for block in self.transformer_blocks for layer in block.linears().values()]
+        formats = sorted({layer.fmt.name for layer in layers if isinstance(layer, QuantLinear)})
+        if not formats:
+            return str(self.dtype).removeprefix("torch.")
+        count = sum(isinstance(layer, QuantLinear) for layer in layers)
+        return f"{'/'.join(formats)} ({count}/{len(layers)} block linears)"
+
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def checkpoint_slots(self) -> dict[str, torch.Tensor]:
@@ -270,16 +343,16 @@ class QwenImage21Transformer(nn.Module):
         inner, hidden = self.config.inner_dim, self.config.mlp_dim
         for i, block in enumerate(self.transformer_blocks):
             p = f"transformer_blocks.{i}."
-            qkv = block.attn.to_qkv.weight
-            slots[p + "attn.to_q.weight"] = qkv[:inner]
-            slots[p + "attn.to_k.weight"] = qkv[inner : 2 * inner]
-            slots[p + "attn.to_v.weight"] = qkv[2 * inner :]
-            slots[p + "attn.to_out.0.weight"] = block.attn.to_out.weight
+            qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
+            slots[p + "attn.to_q.weight"] = _rows(qkv, 0, inner)
+            slots[p + "attn.to_k.weight"] = _rows(qkv, inner, 2 * inner)
+            slots[p + "attn.to_v.weight"] = _rows(qkv, 2 * inner, 3 * inner)
+            slots[p + "attn.to_out.0.weight"] = _rows(block.attn.to_out)
             slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
             slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
-            slots[p + "img_mlp.gate_layer.weight"] = block.img_mlp.gate_up.weight[:hidden]
-            slots[p + "img_mlp.proj.weight"] = block.img_mlp.gate_up.weight[hidden:]
-            slots[p + "img_mlp.out.weight"] = block.img_mlp.out.weight
+            slots[p + "img_mlp.gate_layer.weight"] = _rows(gate_up, 0, hidden)
+            slots[p + "img_mlp.proj.weight"] = _rows(gate_up, hidden, 2 * hidden)
+            slots[p + "img_mlp.out.weight"] = _rows(block.img_mlp.out)
         return slots
 
     @torch.no_grad()
@@ -297,10 +370,13 @@ class QwenImage21Transformer(nn.Module):
             slot = slots.get(key)
             if slot is None:
                 continue
-            if slot.shape != value.shape:
+            if tuple(slot.shape) != tuple(value.shape):
                 raise ValueError(f"transformer key {key}: checkpoint shape {tuple(value.shape)}, "
                                  f"model shape {tuple(slot.shape)}")  # fmt: skip
-            slot.copy_(value)
+            if isinstance(slot, QuantSlot):
+                slot.fill(value)
+            else:
+                slot.copy_(value)
 
     # ---- generation ------------------------------------------------------------------------------
 
