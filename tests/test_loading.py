@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 from qwen21_nodes.qwen21_core.checkpoints import loading
-from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
-from qwen21_nodes.qwen21_core.quant.slots import QuantSlot
 from qwen21_nodes.qwen21_core.checkpoints.files import CheckpointMismatchError, WrongModelError
 from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
+from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
+from qwen21_nodes.qwen21_core.quant.slots import QuantSlot
 from qwen21_nodes.qwen21_core.tiny import TURBO_SIGMAS, make_tiny
 from safetensors.torch import load_file, save_file
 

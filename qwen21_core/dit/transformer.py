@@ -318,6 +318,26 @@ class QwenImage21Transformer(nn.Module):
             del linear
         return self
 
+    def quantized_copy(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
+        """A new transformer that shares this one's tensors, with the planned block Linears quantised from its
+        weights (for benchmarks and tests: quantised and bf16 models side by side for a fraction of the memory)."""
+        with torch.device("meta"):
+            twin = QwenImage21Transformer(self.config)
+        for (name, module), (_, source) in zip(twin.named_modules(), self.named_modules(), strict=True):
+            module._parameters = dict(source._parameters)
+            module._buffers = dict(source._buffers)
+            if hasattr(source, "_freqs"):
+                module._freqs = source._freqs
+        for index, (block, source) in enumerate(zip(twin.transformer_blocks, self.transformer_blocks, strict=True)):
+            for path, linear in source.linears().items():
+                parent_name, _, child = path.rpartition(".")
+                fmt = plan.get((index, path))
+                layer = linear if fmt is None or isinstance(linear, QuantLinear) else None
+                if layer is None:
+                    layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
+                setattr(block.get_submodule(parent_name), child, layer)
+        return twin.eval()
+
     @property
     def quantization(self) -> str:
         """A few words for logs and the UI: "bf16", or e.g. "fp8 (128/128 block linears)"."""
