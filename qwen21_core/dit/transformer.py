@@ -323,7 +323,7 @@ class QwenImage21Transformer(nn.Module):
         weights (for benchmarks and tests: quantised and bf16 models side by side for a fraction of the memory)."""
         with torch.device("meta"):
             twin = QwenImage21Transformer(self.config)
-        for (name, module), (_, source) in zip(twin.named_modules(), self.named_modules(), strict=True):
+        for module, source in zip(twin.modules(), self.modules(), strict=True):
             module._parameters = dict(source._parameters)
             module._buffers = dict(source._buffers)
             if hasattr(source, "_freqs"):
