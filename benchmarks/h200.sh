@@ -38,11 +38,11 @@ for part in "$@"; do
     demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
     dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;
-    quant) run bench_quant 150 python3 benchmarks/bench_quant.py ;;
-    tests-quant) run tests_quant 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+    quant) run bench_quant 100 python3 benchmarks/bench_quant.py ;;
+    tests-quant) run tests_quant 150 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
       tests/test_kernel_quantize.py tests/test_quant.py ;;
     dit-quant-1024)  # quantised formats at 1024^2 t2i, with the per-Linear errors, profile, 40-step quality, sensitivity
-      run bench_dit_quant 420 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
+      run bench_dit_quant 320 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
         --linear-errors --profile --quality --sensitivity fp8 --no-fp32 --bf16-only ;;
     dit-quant)  # every size the issue names, each format beside bf16 and diffusers, with and without bf16 MLPs
       run bench_dit_quant 540 python3 benchmarks/bench_dit.py --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \
