@@ -76,15 +76,26 @@ def gemms(m, shapes, device):
             row = dict(what="gemm", shape=name, kind=fmt_name, backend=backend, ms=round(ms, 4),
                        tflops=round(flops / ms / 1e9, 1), rel_error=round(rel_error(out, exact), 5))  # fmt: skip
             if backend == "scaled_mm":
-                fast = bench(lambda: torch._scaled_mm(q, layer.qweight.t(), scale_a=s[:, None],
-                                                      scale_b=layer.weight_scale[None, :], out_dtype=torch.bfloat16,
-                                                      use_fast_accum=True), device)  # fmt: skip
-                row["fast_accum_ms"] = round(fast, 4)
-            if backend == "int_mm":
+
+                def fast_accum():
+                    return torch._scaled_mm(q, layer.qweight.t(), scale_a=s[:, None], out_dtype=torch.bfloat16,
+                                            scale_b=layer.weight_scale[None, :], use_fast_accum=True)  # fmt: skip
+
+                row["fast_accum_ms"] = round(bench(fast_accum, device), 4)
+                row["fast_accum_rel_error"] = round(rel_error(fast_accum(), exact), 5)
+            if backend == "triton_int8":
+                from qwen21_nodes.kernels.int8_gemm import chosen_config
+
+                row["triton_config"] = chosen_config(m, n, k, False)
+                row["int_mm_with_dequant_ms"] = round(bench(lambda: layer.project(q, s, "int_mm").dense(torch.bfloat16),
+                                                            device), 4)  # fmt: skip
+                row["int_mm_ms"] = round(bench(lambda: torch._int_mm(q, layer.qweight.t()), device), 4)
                 row_major = layer.qweight.t().contiguous()
-                row["row_major_b_ms"] = round(bench(lambda: torch._int_mm(q, row_major), device), 4)
-                row["with_dequant_ms"] = round(bench(lambda: layer.project(q, s, backend).dense(torch.bfloat16),
-                                                     device), 4)  # fmt: skip
+                row["int_mm_row_major_b_ms"] = round(bench(lambda: torch._int_mm(q, row_major), device), 4)
+                same = torch.equal(
+                    layer.project(q, s, "triton_int8").data, layer.project(q, s, "int_mm").dense(torch.bfloat16)
+                )
+                row["triton_equals_int_mm_dequant"] = same
             full = bench(lambda: layer(x), device)
             row["unfused_linear_ms"] = round(full, 4)  # quantise x + GEMM + dequant, as a plain Linear call
             kitchen = kitchen_int8_linear(layer, fmt)

@@ -87,14 +87,20 @@ def _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dt
         return f"an integer y ({y.dtype}) needs row_scale and col_scale"
     if out_dtype not in _OUT_DTYPES:
         return f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}"
+    return residual_problem(residual, gate, m, n, rows_per_batch, out_dtype)
+
+
+def residual_problem(residual, gate, m: int, n: int, rows_per_batch: int, out_dtype) -> str | None:
+    """Why (residual [M, N], gate [B, N]) cannot be an epilogue's gated residual, or None (shared with int8_gemm)."""
     if (residual is None) != (gate is None):
         return "residual and gate go together"
-    if residual is not None:
-        if residual.shape != y.shape or residual.stride(1) != 1 or residual.dtype != out_dtype:
-            got = f"{residual.dtype} {tuple(residual.shape)}"
-            return f"residual must be [M, N] {out_dtype} with contiguous rows, got {got}"
-        if gate.dim() != 2 or gate.shape[1] != n or gate.stride(1) != 1 or gate.shape[0] * rows_per_batch < m:
-            return f"gate must be [B, {n}] covering {m} rows at {rows_per_batch} per batch, got {tuple(gate.shape)}"
+    if residual is None:
+        return None
+    if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype:
+        got = f"{residual.dtype} {tuple(residual.shape)}"
+        return f"residual must be [M, N] {out_dtype} with contiguous rows, got {got}"
+    if gate.dim() != 2 or gate.shape[1] != n or gate.stride(1) != 1 or gate.shape[0] * rows_per_batch < m:
+        return f"gate must be [B, {n}] covering {m} rows at {rows_per_batch} per batch, got {tuple(gate.shape)}"
     return None
 
 

@@ -37,10 +37,16 @@ ROTATION_GROUP = 256  # the only ConvRot group size in use (ComfyUI's default); 
 MIN_SCALE = 1e-30  # a zero row quantises to zeros with this scale (no division by zero)
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch shape: rows per program and columns per chunk (the rotation needs one 256-wide group per chunk).
-BLOCK_M = 8
-BLOCK_K = 256
-NUM_WARPS = 4
+# Launch shape. Rows up to WHOLE_ROW_LIMIT wide are quantised in one pass, one row per program, the whole row in
+# registers (one read of the input); wider rows in chunks of CHUNK_K, with the activation recomputed per pass.
+WHOLE_ROW_LIMIT = 16384
+CHUNK_M = 8
+CHUNK_K = 256
+
+
+def _whole_row_warps(block_k: int) -> int:
+    return 4 if block_k <= 4096 else 8 if block_k <= 8192 else 16
+
 
 _PRE_NONE, _PRE_LAYER_NORM, _PRE_SWIGLU = 0, 1, 2
 
@@ -126,39 +132,66 @@ def quantize_rows_reference(
 
 
 @jit
-def _load_activation(
-    x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, mod_ptr, mod_stride, batch, mean, rstd,
-    PRE: tl.constexpr, DEQUANT: tl.constexpr, ACT_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """The activation at [rows, cols] (fp32, rounded to the activation dtype); 0 where masked."""
+def _load_raw(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, DEQUANT: tl.constexpr,
+              UP: tl.constexpr):  # fmt: skip
+    """Input values at [rows, cols] (the up half of the row with UP), dequantised, fp32; 0 where masked."""
     col_mask = cols < K
+    offset = K if UP else 0
     mask = row_mask[:, None] & col_mask[None, :]
-    base = x_ptr + rows[:, None] * x_stride
-    v = tl.load(base + cols[None, :], mask=mask, other=0).to(tl.float32)
+    v = tl.load(x_ptr + rows[:, None] * x_stride + offset + cols[None, :], mask=mask, other=0).to(tl.float32)
     if DEQUANT:
-        v = v * row_scale[:, None] * tl.load(col_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    if PRE == 2:  # SwiGLU: the up half follows the gate half in the row
-        up = tl.load(base + K + cols[None, :], mask=mask, other=0).to(tl.float32)
-        if DEQUANT:
-            up = up * row_scale[:, None] * tl.load(col_scale_ptr + K + cols, mask=col_mask, other=0.0)[None, :]
+        v = v * row_scale[:, None] * tl.load(col_scale_ptr + offset + cols, mask=col_mask, other=0.0)[None, :]
+    return v
+
+
+@jit
+def _pre_op(v, up, rows, row_mask, cols, K, mod_ptr, mod_stride, batch, mean, rstd, PRE: tl.constexpr,
+            ACT_DTYPE: tl.constexpr):  # fmt: skip
+    """The activation from the input values (SwiGLU, or modulated LayerNorm), rounded to the activation dtype."""
+    if PRE == 2:
         v = v / (1 + tl.exp(-v)) * up
-    if PRE == 1:  # modulated LayerNorm
+    if PRE == 1:
+        mask = row_mask[:, None] & (cols < K)[None, :]
         mod = tl.load(mod_ptr + batch[:, None] * mod_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = (v - mean[:, None]) * rstd[:, None] * mod
     return v.to(ACT_DTYPE).to(tl.float32)
 
 
 @jit
-def _rotate_tiles(y, h16, BLOCK_M: tl.constexpr):
-    """y [BLOCK_M, 256] -> y @ H256 per row, as H16 . Y . H16 on each row's 16x16 tile (H16 symmetric).
+def _activation_chunk(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, mod_ptr, mod_stride, batch,
+                mean, rstd, PRE: tl.constexpr, DEQUANT: tl.constexpr, ACT_DTYPE: tl.constexpr):  # fmt: skip
+    v = _load_raw(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, DEQUANT, False)
+    up = v
+    if PRE == 2:
+        up = _load_raw(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, DEQUANT, True)
+    return _pre_op(v, up, rows, row_mask, cols, K, mod_ptr, mod_stride, batch, mean, rstd, PRE, ACT_DTYPE)
 
-    fp32 dots (tf32 on the GPU): y holds bf16-representable values, which tf32 keeps exactly; the second
-    dot rounds the intermediate to tf32 (about 1e-3 relative, far below the int8/fp8 step).
+
+@jit
+def _rotate_tiles(y, h16, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y [BLOCK_M, BLOCK_K] -> each 256-group of each row times H256, as H16 . Y . H16 on its 16x16 tile.
+
+    fp32 dots: the first takes bf16-representable values (exact in tf32); the second, on the fp32 intermediate,
+    runs in 3xTF32 (about fp32 accuracy), so the rotation errs far below a quantisation step.
     """
-    t = tl.dot(tl.reshape(y, (BLOCK_M * 16, 16)), h16, input_precision="tf32")  # Y H on each tile
-    t = tl.reshape(tl.permute(tl.reshape(t, (BLOCK_M, 16, 16)), (0, 2, 1)), (BLOCK_M * 16, 16))
-    u = tl.dot(t, h16, input_precision="tf32")  # (Y H)^T H = (H Y H)^T
-    return tl.reshape(tl.permute(tl.reshape(u, (BLOCK_M, 16, 16)), (0, 2, 1)), (BLOCK_M, 256))
+    t = tl.dot(tl.reshape(y, (BLOCK_M * BLOCK_K // 16, 16)), h16, input_precision="tf32")  # Y H on each tile
+    t = tl.reshape(
+        tl.permute(tl.reshape(t, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M * BLOCK_K // 16, 16)
+    )
+    u = tl.dot(t, h16, input_precision="tf32x3")  # (Y H)^T H = (H Y H)^T
+    return tl.reshape(tl.permute(tl.reshape(u, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+
+
+@jit
+def _store_quantized(q_ptr, q_stride, rows, row_mask, cols, K, y, scale, OUT_INT8: tl.constexpr, QMAX: tl.constexpr):
+    values = tl.math.div_rn(y, scale[:, None])  # IEEE division, as torch's: the same values round the same way
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    destination = q_ptr + rows[:, None] * q_stride + cols[None, :]
+    if OUT_INT8:
+        rounded = _round_half_even(values)
+        tl.store(destination, tl.minimum(tl.maximum(rounded, -128.0), 127.0).to(tl.int8), mask=mask)
+    else:
+        tl.store(destination, tl.minimum(tl.maximum(values, -QMAX), QMAX).to(tl.float8e4nv), mask=mask)
 
 
 @jit
@@ -167,10 +200,11 @@ def _quantize_rows_kernel(
     q_ptr, q_stride, scale_ptr, M, K, inv_k, eps,
     PRE: tl.constexpr, DEQUANT: tl.constexpr, ROTATE: tl.constexpr, OUT_INT8: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ACT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):  # fmt: skip
-    # One program quantises BLOCK_M rows: statistics (LayerNorm only), absmax, then quantise; each pass walks the
-    # row in BLOCK_K chunks and recomputes the activation (re-reads hit the L1/L2; nothing goes back to memory).
+    # One program quantises BLOCK_M rows. WHOLE_ROW: the row is read once and everything (statistics, pre-op,
+    # rotation, absmax, quantisation) happens in registers. Otherwise each pass (statistics for the LayerNorm,
+    # absmax, quantise) walks the row in BLOCK_K chunks and recomputes the activation (re-reads hit the caches).
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
     chunk = tl.arange(0, BLOCK_K)
@@ -178,47 +212,52 @@ def _quantize_rows_kernel(
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if DEQUANT:
         row_scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
-    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PRE == 1:
-        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            cols = start + chunk
-            mask = row_mask[:, None] & (cols < K)[None, :]
-            v = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0).to(tl.float32)
-            total += tl.sum(v, axis=1)
-            squares += tl.sum(v * v, axis=1)
-        mean = total * inv_k
-        rstd = tl.math.rsqrt(tl.maximum(squares * inv_k - mean * mean, 0.0) + eps)
     h16 = tl.zeros((16, 16), dtype=tl.float32)
     if ROTATE:
         h16 = tl.load(h16_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
-    absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        y = _load_activation(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, mod_ptr,
-                             mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
+    if WHOLE_ROW:
+        v = _load_raw(x_ptr, x_stride, rows, row_mask, chunk, K, row_scale, col_scale_ptr, DEQUANT, False)
+        up = v
+        if PRE == 2:
+            up = _load_raw(x_ptr, x_stride, rows, row_mask, chunk, K, row_scale, col_scale_ptr, DEQUANT, True)
+        if PRE == 1:
+            mean = tl.sum(v, axis=1) * inv_k
+            rstd = tl.math.rsqrt(tl.maximum(tl.sum(v * v, axis=1) * inv_k - mean * mean, 0.0) + eps)
+        y = _pre_op(v, up, rows, row_mask, chunk, K, mod_ptr, mod_stride, batch, mean, rstd, PRE, ACT_DTYPE)
         if ROTATE:
-            y = _rotate_tiles(y, h16, BLOCK_M)
-        absmax = tl.maximum(absmax, tl.max(tl.abs(y), axis=1))
-    scale = tl.maximum(absmax, MIN_SCALE) / QMAX
-    tl.store(scale_ptr + rows, scale, mask=row_mask)
-
-    for start in range(0, K, BLOCK_K):
-        cols = start + chunk
-        y = _load_activation(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_scale_ptr, mod_ptr,
-                             mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
-        if ROTATE:
-            y = _rotate_tiles(y, h16, BLOCK_M)
-        values = y / scale[:, None]
-        mask = row_mask[:, None] & (cols < K)[None, :]
-        destination = q_ptr + rows[:, None] * q_stride + cols[None, :]
-        if OUT_INT8:
-            rounded = _round_half_even(values)
-            tl.store(destination, tl.minimum(tl.maximum(rounded, -128.0), 127.0).to(tl.int8), mask=mask)
-        else:
-            tl.store(destination, tl.minimum(tl.maximum(values, -QMAX), QMAX).to(tl.float8e4nv), mask=mask)
+            y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), MIN_SCALE) / QMAX
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+        _store_quantized(q_ptr, q_stride, rows, row_mask, chunk, K, y, scale, OUT_INT8, QMAX)
+    else:
+        if PRE == 1:
+            total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                v = _load_raw(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, DEQUANT,
+                              False)  # fmt: skip
+                total += tl.sum(v, axis=1)
+                squares += tl.sum(v * v, axis=1)
+            mean = total * inv_k
+            rstd = tl.math.rsqrt(tl.maximum(squares * inv_k - mean * mean, 0.0) + eps)
+        absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            y = _activation_chunk(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, mod_ptr,
+                            mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
+            if ROTATE:
+                y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(y), axis=1))
+        scale = tl.maximum(absmax, MIN_SCALE) / QMAX
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+        for start in range(0, K, BLOCK_K):
+            y = _activation_chunk(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, mod_ptr,
+                            mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
+            if ROTATE:
+                y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+            _store_quantized(q_ptr, q_stride, rows, row_mask, start + chunk, K, y, scale, OUT_INT8, QMAX)
 
 
 @jit
@@ -305,11 +344,15 @@ def quantize_rows(
         x, 1, 0.0)  # fmt: skip
     pre = _PRE_LAYER_NORM if layer_norm is not None else _PRE_SWIGLU if swiglu else _PRE_NONE
     h16 = hadamard(16, x.device) if rotation else scale
-    _quantize_rows_kernel[(triton.cdiv(m, BLOCK_M),)](
+    block_k = max(triton.next_power_of_2(k), 256 if rotation else 16)
+    whole_row = block_k <= WHOLE_ROW_LIMIT
+    block_m, block_k = (1, block_k) if whole_row else (CHUNK_M, CHUNK_K)
+    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](
         x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
         1.0 / k, float(eps),
         PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
-        MIN_SCALE=MIN_SCALE, ACT_DTYPE=_TL_DTYPES[act_dtype], BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        MIN_SCALE=MIN_SCALE, ACT_DTYPE=_TL_DTYPES[act_dtype], BLOCK_M=block_m, BLOCK_K=block_k, WHOLE_ROW=whole_row,
+        num_warps=_whole_row_warps(block_k) if whole_row else 4,
     )  # fmt: skip
     return q, scale
 

@@ -4,10 +4,9 @@ Same function as transformer.py's `modulated_qkv` / `attention_out_and_mlp`, but
 takes its input straight from a fused kernel (kernels/quantize_rows.py) and hands its output to one
 (kernels/linear_epilogue.py):
 
-    modulated LayerNorm + quantise -> QKV GEMM -> (int8: dequantise) -> [QK-norm + RoPE, attention]
-    quantise -> out GEMM -> dequantise + gated residual
-    modulated LayerNorm + quantise -> gate_up GEMM -> (dequantise) + SwiGLU + quantise -> down GEMM
-        -> dequantise + gated residual
+    modulated LayerNorm + quantise -> QKV GEMM (scales in its epilogue) -> [QK-norm + RoPE, attention]
+    quantise -> out GEMM + gated residual (int8: in the GEMM's epilogue; fp8: one epilogue pass)
+    modulated LayerNorm + quantise -> gate_up GEMM -> SwiGLU + quantise -> down GEMM + gated residual
 
 so no bf16 copy of an activation is written just to be quantised. A Linear that is not quantised (a layer kept
 in bf16), or a device without the W8A8 instruction (weight-only path), takes the plain torch ops instead, per
@@ -72,21 +71,19 @@ def attention_out_and_mlp(x, attn, gate1, scale2, gate2, to_out, gate_up, down, 
     attn2d = attn.reshape(rows, -1)
     backend = _w8a8(to_out, rows)
     if backend is None:
-        attn_out = Projected(_linear(to_out, attn2d))
+        x2d = _gated_residual(x2d, Projected(_linear(to_out, attn2d)), gate1, s)
     else:
-        attn_out = to_out.project(*to_out.quantize_input(attn2d.contiguous()), backend)
-    x2d = _gated_residual(x2d, attn_out, gate1, s)
+        x2d = to_out.project_residual(*to_out.quantize_input(attn2d.contiguous()), backend, x2d, gate1, s)
 
     hidden = _project_modulated_norm(x2d, scale2, s, eps, gate_up)
     backend = _w8a8(down, rows)
     if backend is None:
         gate, up = hidden.dense(x.dtype).chunk(2, dim=-1)
-        mlp_out = Projected(_linear(down, F.silu(gate) * up))
+        x2d = _gated_residual(x2d, Projected(_linear(down, F.silu(gate) * up)), gate2, s)
     else:
         dequant = None if hidden.row_scale is None else (hidden.row_scale, hidden.col_scale)
         q, scale = down.quantize_input(hidden.data, swiglu=True, dequant=dequant, act_dtype=x.dtype)
-        mlp_out = down.project(q, scale, backend)
-    x2d = _gated_residual(x2d, mlp_out, gate2, s)
+        x2d = down.project_residual(q, scale, backend, x2d, gate2, s)
     if x2d.dtype == torch.float16:
         x2d = x2d.clip(-65504, 65504)
     return x2d.view(b, s, d)

@@ -3,7 +3,9 @@
 How it multiplies, per device (`gemm_backend`):
 - "scaled_mm": FP8 W8A8 on GPUs with FP8 tensor cores (SM 8.9+): activations quantised per row
   (kernels/quantize_rows.py), `torch._scaled_mm` with row-wise scales, bf16 out;
-- "int_mm": INT8 W8A8 (SM 7.5+): activations int8 per row, `torch._int_mm` against the column-major view of
+- "triton_int8": INT8 W8A8 (SM 7.5+) through kernels/int8_gemm.py: activations int8 per row, both operands
+  K-major, scales (and the block's gated residual) applied in the GEMM's epilogue, bf16 out;
+- "int_mm": INT8 W8A8 where the Triton kernel cannot run: `torch._int_mm` against the column-major view of
   the row-major [N, K] weight (the fast layout: a row-major second operand ran at 125 TOP/s on the H200),
   int32 out, scales applied by the consumer's kernel (kernels/linear_epilogue.py) or `Projected.dense`;
 - "weight_only": everywhere else (CPU, older GPUs, tiny M): the weight is dequantised just in time, for this
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.int8_gemm import int8_linear
 from ...kernels.linear_epilogue import linear_epilogue
 from ...kernels.quantize_rows import quantize_rows, rotate
 from .weights import QuantFormat, dequantize_weight, quantize_weight
@@ -104,6 +107,8 @@ class QuantLinear(nn.Module):
 
     def project(self, q: torch.Tensor, scale: torch.Tensor, backend: str) -> Projected:
         """The GEMM on quantised activations (q [M, K], scale [M]) with a W8A8 backend."""
+        if backend == "triton_int8":
+            return Projected(int8_linear(q, scale, self.qweight, self.weight_scale, out_dtype=self.compute_dtype))
         if backend == "scaled_mm":
             out = torch._scaled_mm(q, self.qweight.t(), scale_a=scale[:, None], scale_b=self.weight_scale[None, :],
                                    out_dtype=self.compute_dtype)  # fmt: skip
@@ -114,6 +119,15 @@ class QuantLinear(nn.Module):
             weight = self.qweight.float() * self.weight_scale[:, None]
             return Projected((q.float() * scale[:, None]) @ weight.t())
         raise ValueError(f"project needs a W8A8 backend, got {backend!r}")
+
+    def project_residual(self, q, scale, backend: str, residual, gate, rows_per_batch: int) -> torch.Tensor:
+        """residual + gate[row's batch] * (the GEMM), with the residual fused into the GEMM where it can be."""
+        if backend == "triton_int8":
+            return int8_linear(q, scale, self.qweight, self.weight_scale, residual=residual, gate=gate,
+                               rows_per_batch=rows_per_batch)  # fmt: skip
+        out = self.project(q, scale, backend)
+        return linear_epilogue(out.data, row_scale=out.row_scale, col_scale=out.col_scale, residual=residual, gate=gate,
+                               rows_per_batch=rows_per_batch)  # fmt: skip
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The stored (rotated, for ConvRot) weight in `dtype`: for the weight-only path."""
@@ -158,21 +172,25 @@ def gemm_backend(device: torch.device, kind: str) -> str:
 
 
 def _probe(device: torch.device, kind: str) -> str:
+    """The first backend that runs a small GEMM right: int8 prefers our Triton kernel (faster than cuBLAS's on the
+    H200, see kernels/int8_gemm.py) over torch._int_mm."""
     major, minor = torch.cuda.get_device_capability(device)
-    wanted, needs = ("scaled_mm", (8, 9)) if kind == "fp8" else ("int_mm", (7, 5))
+    candidates, needs = (["scaled_mm"], (8, 9)) if kind == "fp8" else (["triton_int8", "int_mm"], (7, 5))
     if (major, minor) < needs:
         log.info("%s weights on %s (SM %d.%d): no %s tensor cores; dequantising per layer", kind, device, major,
                  minor, kind)  # fmt: skip
         return "weight_only"
-    try:  # a tiny GEMM: some builds lack the row-wise FP8 kernels, or _int_mm on this architecture
-        layer = QuantLinear.from_weight(torch.randn(32, 64, device=device, dtype=torch.bfloat16), QuantFormat(kind))
-        x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
-        q, scale = layer.quantize_input(x)
-        got = layer.project(q, scale, wanted).dense(torch.float32)
-        want = F.linear(x.float(), layer.float_weight(torch.float32))
-        if not torch.isfinite(got).all() or (got - want).norm() > 0.1 * want.norm():
-            raise RuntimeError(f"wrong result (relative error {((got - want).norm() / want.norm()).item():.3f})")
-    except Exception as error:  # noqa: BLE001 - any failure means: use the weight-only path, and say why
-        log.warning("%s W8A8 GEMM unavailable on %s (%s); dequantising per layer instead", kind, device, error)
-        return "weight_only"
-    return wanted
+    layer = QuantLinear.from_weight(torch.randn(64, 256, device=device, dtype=torch.bfloat16), QuantFormat(kind))
+    x = torch.randn(32, 256, device=device, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.float_weight(torch.float32))
+    for backend in candidates:
+        try:  # some builds lack the row-wise FP8 kernels, or Triton / _int_mm on this architecture
+            q, scale = layer.quantize_input(x)
+            got = layer.project(q, scale, backend).dense(torch.float32)
+            if not torch.isfinite(got).all() or (got - want).norm() > 0.1 * want.norm():
+                raise RuntimeError(f"wrong result (relative error {((got - want).norm() / want.norm()).item():.3f})")
+            return backend
+        except Exception as error:  # noqa: BLE001 - any failure: try the next backend, and say why
+            log.warning("%s W8A8 GEMM %s unavailable on %s (%s)", kind, backend, device, error)
+    log.warning("no %s W8A8 GEMM runs on %s; dequantising per layer instead", kind, device)
+    return "weight_only"
