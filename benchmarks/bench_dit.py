@@ -413,9 +413,20 @@ def profile_step(ours, args, device, dtype, formats):
     t = torch.full((1,), 0.5, device=device, dtype=dtype)
     layout = build_layout(mask, shapes, target)
     for fmt_name in ["bf16", *formats]:
-        model = (
-            ours if fmt_name == "bf16" else ours.quantized_copy(uniform_plan(FORMATS[fmt_name], ours.config.num_layers))
-        )
+        plan = uniform_plan(FORMATS[fmt_name], ours.config.num_layers) if fmt_name != "bf16" else None
+        model = ours if plan is None else ours.quantized_copy(plan)
+        if fmt_name == "fp8":
+            with torch.inference_mode():  # the same step with fast-accumulation FP8 GEMMs, in the same process
+                branch = model.new_branch(layout, 1)
+                model.prefill(branch, embeds, cond)
+                for fast in (False, True):
+                    os.environ["QWEN21_FP8_FAST_ACCUM"] = "1" if fast else "0"
+                    ms = timed(lambda b=branch: model.decode(b, x, t), device, args.iters)
+                    v = model.decode(branch, x, t).float()
+                    emit(what="dit_fp8_accumulation", fast_accum=fast, decode_eager_ms=round(ms, 2),
+                         velocity_rms=round(v.pow(2).mean().sqrt().item(), 5))  # fmt: skip
+                os.environ.pop("QWEN21_FP8_FAST_ACCUM")
+                branch.release()
         with torch.inference_mode():
             branch = model.new_branch(layout, 1)
             model.prefill(branch, embeds, cond)

@@ -44,6 +44,9 @@ for part in "$@"; do
     dit-quant-1024)  # quantised formats at 1024^2 t2i, with the per-Linear errors, profile, 40-step quality, sensitivity
       run bench_dit_quant 320 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
         --linear-errors --profile --quality --sensitivity fp8 --no-fp32 --bf16-only ;;
+    dit-quant-profile)  # the 1024^2 t2i step per format and its profile only
+      run bench_dit_quant 240 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
+        --profile --no-fp32 --bf16-only --no-reference ;;
     dit-quant)  # every size the issue names, each format beside bf16 and diffusers, with and without bf16 MLPs
       run bench_dit_quant 540 python3 benchmarks/bench_dit.py --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \
         --formats fp8,int8,int8_convrot --keep-mlp --no-fp32 --bf16-only ;;

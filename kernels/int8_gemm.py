@@ -35,7 +35,7 @@ INTERPRETER_CONFIG = (16, 32, 32, 1, 4)
 
 @jit
 def _int8_gemm_kernel(
-    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, residual_ptr, gate_ptr, out_ptr, M, N, K,
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, residual_ptr, gate_ptr, out_ptr, M, N, K, M_BUCKET,
     a_stride, b_stride, residual_stride, gate_stride, rows_per_batch, out_stride,
     RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -93,8 +93,13 @@ def _autotuned():
             triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for m, n, k, s, w in CONFIGS
         ]
-        _tuned = triton.autotune(configs=configs, key=["M", "N", "K", "RESIDUAL"])(_int8_gemm_kernel)
+        # keyed by a power-of-two bucket of M, so prompts of every length do not each trigger a new tuning
+        _tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "RESIDUAL"])(_int8_gemm_kernel)
     return _tuned
+
+
+def _bucket(m: int) -> int:
+    return min(triton.next_power_of_2(m), 16384)
 
 
 def chosen_config(m: int, n: int, k: int, residual: bool) -> str | None:
@@ -102,7 +107,7 @@ def chosen_config(m: int, n: int, k: int, residual: bool) -> str | None:
     if _tuned is None:
         return None
     for key, config in _tuned.cache.items():
-        if tuple(key[:4]) == (m, n, k, residual):
+        if tuple(key[:4]) == (_bucket(m), n, k, residual):
             return str(config)
     return None
 
@@ -150,7 +155,7 @@ def int8_linear(
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     args = (q, weight, scale, weight_scale, out if residual is None else residual, out if gate is None else gate, out,
-            m, n, k, q.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            m, n, k, _bucket(m), q.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
             0 if gate is None else gate.stride(0), rows_per_batch, out.stride(0))  # fmt: skip
     if INTERPRETER_ACTIVE:
         bm, bn, bk, _stages, warps = INTERPRETER_CONFIG
