@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import jit, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, jit, tl, triton, triton_runs_on
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -37,15 +37,32 @@ ROTATION_GROUP = 256  # the only ConvRot group size in use (ComfyUI's default); 
 MIN_SCALE = 1e-30  # a zero row quantises to zeros with this scale (no division by zero)
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Launch shape. Rows up to WHOLE_ROW_LIMIT wide are quantised in one pass, one row per program, the whole row in
-# registers (one read of the input); wider rows in chunks of CHUNK_K, with the activation recomputed per pass.
+# Launch shape. Rows up to WHOLE_ROW_LIMIT wide are quantised in one pass, whole rows in registers (one read of
+# the input); the rows per program and warps are tuned on first use per row width and mode (WHOLE_ROW_SHAPES).
+# Wider rows go in chunks of CHUNK_K, with the activation recomputed per pass.
 WHOLE_ROW_LIMIT = 16384
 CHUNK_M = 8
 CHUNK_K = 256
+INTERPRETER_SHAPE = (1, 4)  # (rows per program, warps) under the interpreter, where tuning means nothing
+WHOLE_ROW_SHAPES = [(m, w) for m in (1, 2, 4) for w in (1, 2, 4, 8, 16)]
 
 
-def _whole_row_warps(block_k: int) -> int:
-    return 4 if block_k <= 4096 else 8 if block_k <= 8192 else 16
+def _fits(block_m: int, warps: int, block_k: int) -> bool:
+    """Between 8 and 128 fp32 values per thread: fewer wastes threads, more spills registers."""
+    return 8 <= block_m * block_k // (32 * warps) <= 128
+
+
+_tuned = {}
+
+
+def _whole_row_kernel(block_k: int):
+    """_quantize_rows_kernel behind triton.autotune over the launch shapes that suit this row width."""
+    if block_k not in _tuned:
+        shapes = [(m, w) for m, w in WHOLE_ROW_SHAPES if _fits(m, w, block_k)] or [(1, 16)]
+        configs = [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in shapes]
+        key = ["K", "M_BUCKET", "PRE", "DEQUANT", "ROTATE", "OUT_INT8"]
+        _tuned[block_k] = triton.autotune(configs=configs, key=key)(_quantize_rows_kernel)
+    return _tuned[block_k]
 
 
 _PRE_NONE, _PRE_LAYER_NORM, _PRE_SWIGLU = 0, 1, 2
@@ -171,14 +188,15 @@ def _activation_chunk(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_s
 def _rotate_tiles(y, h16, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """y [BLOCK_M, BLOCK_K] -> each 256-group of each row times H256, as H16 . Y . H16 on its 16x16 tile.
 
-    fp32 dots: the first takes bf16-representable values (exact in tf32); the second, on the fp32 intermediate,
-    runs in 3xTF32 (about fp32 accuracy), so the rotation errs far below a quantisation step.
+    tf32 dots: the first takes bf16-representable values (exact in tf32); the second rounds the fp32 intermediate
+    to tf32 (2^-11 relative), far below a quantisation step (bench_quant: the same per-Linear error as the exact
+    fp32 rotation), at a third of 3xTF32's cost.
     """
     t = tl.dot(tl.reshape(y, (BLOCK_M * BLOCK_K // 16, 16)), h16, input_precision="tf32")  # Y H on each tile
     t = tl.reshape(
         tl.permute(tl.reshape(t, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M * BLOCK_K // 16, 16)
     )
-    u = tl.dot(t, h16, input_precision="tf32x3")  # (Y H)^T H = (H Y H)^T
+    u = tl.dot(t, h16, input_precision="tf32")  # (Y H)^T H = (H Y H)^T
     return tl.reshape(tl.permute(tl.reshape(u, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
 
 
@@ -197,7 +215,7 @@ def _store_quantized(q_ptr, q_stride, rows, row_mask, cols, K, y, scale, OUT_INT
 @jit
 def _quantize_rows_kernel(
     x_ptr, x_stride, row_scale_ptr, col_scale_ptr, mod_ptr, mod_stride, rows_per_batch, h16_ptr,
-    q_ptr, q_stride, scale_ptr, M, K, inv_k, eps,
+    q_ptr, q_stride, scale_ptr, M, K, M_BUCKET, inv_k, eps,
     PRE: tl.constexpr, DEQUANT: tl.constexpr, ROTATE: tl.constexpr, OUT_INT8: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ACT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
@@ -346,14 +364,21 @@ def quantize_rows(
     h16 = hadamard(16, x.device) if rotation else scale
     block_k = max(triton.next_power_of_2(k), 256 if rotation else 16)
     whole_row = block_k <= WHOLE_ROW_LIMIT
-    block_m, block_k = (1, block_k) if whole_row else (CHUNK_M, CHUNK_K)
-    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](
-        x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
-        1.0 / k, float(eps),
-        PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
-        MIN_SCALE=MIN_SCALE, ACT_DTYPE=_TL_DTYPES[act_dtype], BLOCK_M=block_m, BLOCK_K=block_k, WHOLE_ROW=whole_row,
-        num_warps=_whole_row_warps(block_k) if whole_row else 4,
-    )  # fmt: skip
+    args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
+            min(triton.next_power_of_2(m), 16384), 1.0 / k, float(eps))  # fmt: skip
+    modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
+                 MIN_SCALE=MIN_SCALE, ACT_DTYPE=_TL_DTYPES[act_dtype])  # fmt: skip
+    if not whole_row:
+        _quantize_rows_kernel[(triton.cdiv(m, CHUNK_M),)](*args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=CHUNK_K,
+                                                         WHOLE_ROW=False, num_warps=4)  # fmt: skip
+    elif INTERPRETER_ACTIVE:
+        block_m, warps = INTERPRETER_SHAPE
+        _quantize_rows_kernel[(triton.cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,
+                                                         WHOLE_ROW=True, num_warps=warps)  # fmt: skip
+    else:
+        _whole_row_kernel(block_k)[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
+            *args, **modes, BLOCK_K=block_k, WHOLE_ROW=True
+        )
     return q, scale
 
 
