@@ -177,7 +177,7 @@ def test_callback_sees_x0_and_can_interrupt_leaving_nothing_behind(parts, monkey
     with pytest.raises(Stop):
         _sampler(ours, vae).sample([Conditioning(_prompt(9, 10))], height=64, width=64, steps=5, callback=callback)
     assert seen == [(1, 5, (1, Z, 4, 4)), (2, 5, (1, Z, 4, 4))]
-    assert branches and all(b.cache._joint is None and b.cache._target is None for b in branches)
+    assert branches and not any(b.cache.allocated for b in branches)
 
 
 def test_start_latents_with_denoise(parts):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
+from ..memory.streaming import LayerStreamer
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
@@ -38,7 +39,7 @@ from .attention import (
     prefix_masks,
     shared_prefix_decode_attention,
 )
-from .kv_cache import PrefixKVCache
+from .kv_cache import KVCacheSpec, PrefixKVCache
 from .sequence import SequenceLayout, rotary_cos_sin
 
 TIMESTEP_CHANNELS = 256
@@ -183,11 +184,12 @@ class Block(nn.Module):
 
     def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
         """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last)."""
-        k_out, v_out = branch.cache.prefix(layer)
+        k_out, v_out = branch.cache.prefill_targets(layer)
         q, k, v = qk_norm_rope(
             self._qkv(x, mod0.scale1, EAGER), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos,
             branch.prefix_sin, self.eps, k_out=k_out, v_out=v_out,
         )  # fmt: skip
+        branch.cache.store_prefix(layer)
         if last:  # later layers read only this layer's K/V
             return None
         attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
@@ -206,12 +208,14 @@ class Block(nn.Module):
             self._qkv(x, mod.scale1, fns), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos,
             branch.target_sin, self.eps, k_out=k_out, v_out=v_out, in_graph=in_graph,
         )  # fmt: skip
-        joint = branch.cache.joint(layer)
+        cache = branch.cache
+        joint = cache.joint(layer)
         if joint is not None:
             attn = decode_attention(q, joint[0], joint[1], branch.decode_key_mask)
         else:
-            kp, vp = branch.cache.prefix(layer)
+            kp, vp = cache.prefix(layer)
             attn = shared_prefix_decode_attention(q, kp, vp, k, v, branch.prefix_key_valid)
+            cache.done_with(layer)
         return self._finish(x, attn, mod, fns)
 
 
@@ -278,6 +282,42 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out.linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
+        self.streamer: LayerStreamer | None = None  # set by stream_blocks: some blocks stream from host RAM
+
+    # ---- block streaming ----------------------------------------------------------------------------
+
+    def stream_blocks(self, resident: int | None) -> None:
+        """Keep `resident` blocks on the model's device and stream the others from pinned host RAM (None: all
+        resident, streaming off). The non-block weights stay where they are."""
+        if resident is None or resident >= len(self.transformer_blocks):
+            if self.streamer is not None:
+                self.streamer.set_resident(len(self.transformer_blocks))
+            return
+        if self.streamer is None:
+            self.streamer = LayerStreamer(list(self.transformer_blocks), self.device)
+        self.streamer.set_resident(resident)
+
+    def unstream_to(self, device) -> None:
+        """Every block whole on `device` (streaming off): the way a model moves between devices."""
+        if self.streamer is not None:
+            self.streamer.move_all(device)
+            self.streamer = None
+
+    def streaming_signature(self) -> tuple:
+        """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""
+        return () if self.streamer is None else tuple(self.streamer.streamed)
+
+    def _blocks(self):
+        """(index, block) in order, with the streamer's hooks around each block when streaming."""
+        streamer = self.streamer
+        if streamer is None:
+            yield from enumerate(self.transformer_blocks)
+            return
+        streamer.begin()
+        for i, block in enumerate(self.transformer_blocks):
+            streamer.before(i)
+            yield i, block
+            streamer.after(i)
 
     def compile_blocks(self, enabled: bool = True, mode: str | None = None):
         """Regional torch.compile of the block math around attention, for decode steps (opt-in).
@@ -442,15 +482,19 @@ class QwenImage21Transformer(nn.Module):
             attention_backend=attention_backend,
         )
 
-    def new_branch(self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto") -> Branch:
-        """Allocate the K/V cache and the step-invariant tables for one branch of a generation."""
-        cfg = self.config
+    def new_branch(
+        self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto", kv: KVCacheSpec | None = None
+    ) -> Branch:
+        """Allocate the K/V cache (format, placement and layout from `kv`) and the step-invariant tables for one
+        branch of a generation."""
         branch = self.new_branch_tables(layout, attention_backend)
-        branch.cache = PrefixKVCache(
-            cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
-            cfg.attention_head_dim, self.dtype, self.device,
-        )  # fmt: skip
+        branch.cache = PrefixKVCache(*self.cache_shape(layout, batch), self.device, **vars(kv or KVCacheSpec()))
         return branch
+
+    def cache_shape(self, layout: SequenceLayout, batch: int) -> tuple:
+        cfg = self.config
+        return (cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
+                cfg.attention_head_dim, self.dtype)  # fmt: skip
 
     def _modulation(self, t: torch.Tensor):
         temb = self.time_text_embed.timestep_embedder(t.to(self.dtype))
@@ -475,10 +519,10 @@ class QwenImage21Transformer(nn.Module):
                                  f"{self.config.in_channels}] packed tokens, got {got}")  # fmt: skip
             x[0, layout.image_rows.to(device)] = self.img_in(condition_latents.to(device, dtype))
         _, mod0 = self._modulation(torch.zeros(1, device=device))
-        blocks = self.transformer_blocks
+        last = len(self.transformer_blocks) - 1
         with backend_context(branch.attention_backend):
-            for i, block in enumerate(blocks):
-                x = block.prefill(x, mod0, branch, i, last=i == len(blocks) - 1)
+            for i, block in self._blocks():
+                x = block.prefill(x, mod0, branch, i, last=i == last)
         branch.cache.filled = True
 
     @torch.no_grad()
@@ -491,9 +535,10 @@ class QwenImage21Transformer(nn.Module):
             raise RuntimeError("decode called before prefill: the branch's prefix K/V cache is empty")
         temb, mod = self._modulation(t)
         h = self.img_in(x.to(self.dtype))
+        branch.cache.begin_step()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
-            for i, block in enumerate(self.transformer_blocks):
+            for i, block in self._blocks():
                 h = block.decode(h, mod, branch, i, fns, in_graph)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
