@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..qwen21_core.errors import stable_name
+
 log = logging.getLogger(__name__)
 
 try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
@@ -34,6 +36,7 @@ MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers")
 WEIGHT_EXTENSIONS = (".safetensors", ".sft")
 
 
+@stable_name
 class Interrupted(Exception):
     """The user stopped the run (outside ComfyUI; inside, ComfyUI's own exception is raised)."""
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import stable_name
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED = (
@@ -44,6 +46,7 @@ _FOREIGN_SUFFIXES = {
 }
 
 
+@stable_name
 class UnsupportedQuantizationError(ValueError):
     """The checkpoint uses a quantisation format this pack cannot load."""
 
