@@ -417,3 +417,13 @@ def test_free_releases_models_and_the_next_run_loads_again(server):
     entry = server.wait(server.queue(tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=13")))
     assert entry["status"]["status_str"] == "success"
     assert loader in executed_nodes(entry), "the loader stayed cached"
+
+
+def test_templates_are_listed_with_their_thumbnails(server):
+    # ComfyUI lists custom_nodes/<pack>/workflows/*.json as templates; the browser shows <name>.jpg beside each.
+    listed = server.get("/workflow_templates").json()
+    assert sorted(listed.get(PACK_FOLDER, [])) == sorted(p.stem for p in UI_WORKFLOWS), listed
+    for name in listed[PACK_FOLDER]:
+        reply = server.get(f"/api/workflow_templates/{PACK_FOLDER}/{name}.jpg")
+        assert reply.status_code == 200, f"no thumbnail for the template {name}"
+        assert reply.headers["Content-Type"] == "image/jpeg" and reply.content[:3] == b"\xff\xd8\xff", name
