@@ -330,9 +330,9 @@ def test_a_17th_condition_image_is_an_error_not_dropped(server):
 
 
 def test_interrupt_stops_a_run_within_a_step_and_the_next_run_works(server):
-    # A seed no earlier run used, so ComfyUI cannot serve the sampler from its cache; 200 steps at 1024x1024
-    # take ~0.1 s each on the tiny model (more on a busy machine), so the run is still sampling when the
-    # interrupt arrives, which it is sent only after the sampler's first progress message.
+    # A seed no earlier run used, so ComfyUI cannot serve the sampler from its cache; a step at 1536x1536
+    # takes ~0.4 s on the tiny model (more on a busy machine), far longer than the interrupt's round trip,
+    # and 200 of them keep it sampling when the interrupt arrives, sent after the first progress message.
     seed = random.randrange(2**32)
     steps = 200
     slow = tiny_prompt(
@@ -340,7 +340,7 @@ def test_interrupt_stops_a_run_within_a_step_and_the_next_run_works(server):
         server.models,
         f"Qwen21Sampler.steps={steps}",
         f"Qwen21Sampler.seed={seed}",
-        "Qwen21Encode.output_resolution=1024",
+        "Qwen21Encode.output_resolution=1536",
     )
     sampler = find_node(slow, "Qwen21Sampler")
 
