@@ -337,8 +337,8 @@ def input_images() -> dict[str, Image.Image]:
 # --------------------------------------------------------------------------------------------------
 # Thumbnails: ComfyUI's template browser shows workflows/<name>.jpg beside workflows/<name>.json
 # (the frontend asks for /api/workflow_templates/<pack folder>/<name>.jpg). Each is a picture of the
-# workflow itself: its title over its graph as the canvas lays it out, with the input images in the
-# Load Image nodes, so it changes when the workflow does.
+# workflow itself: its title, a line saying what sets it apart, and its graph as a flow chart with the
+# input pictures in the Load Image nodes; a workflow added to workflows() gets one on the next build.
 
 THUMBNAIL_SIZE = 400
 THUMBNAIL_QUALITY = 90
@@ -371,22 +371,26 @@ def _checkerboard(size: tuple[int, int], cell: int = 6) -> Image.Image:
 def _summary(prompt: dict) -> str:
     """One line of what the workflow does differently: steps or schedule, references, batch, VAE path."""
     inputs = {node["class_type"]: node["inputs"] for node in prompt.values()}
-    sampler, encoder = inputs["Qwen21Sampler"], inputs["Qwen21Encode"]
-    images = sum(name.startswith("image_") for name in encoder)
-    parts = [f"{sampler['steps']} steps" + (" turbo" if sampler["schedule"] == "turbo" else "")]
-    parts.append(f"{images} reference{'s' * (images != 1)}" if images else "text only")
-    if any(name.startswith("mask_") for name in encoder):
-        parts.append("alpha in and out")
-    if sampler["batch_size"] > 1:
+    sampler, encoder = inputs.get("Qwen21Sampler", {}), inputs.get("Qwen21Encode", {})
+    parts = []
+    if sampler:
+        parts.append(f"{sampler['steps']} steps" + (" turbo" if sampler["schedule"] == "turbo" else ""))
+    if encoder:
+        images = sum(name.startswith("image_") for name in encoder)
+        parts.append(f"{images} reference{'s' * (images != 1)}" if images else "text only")
+        if any(name.startswith("mask_") for name in encoder):
+            parts.append("alpha in and out")
+    if sampler.get("batch_size", 1) > 1:
         parts.append(f"batch {sampler['batch_size']}")
-    parts.append(f"{inputs['Qwen21VAEDecode']['quality']} VAE")
+    if "Qwen21VAEDecode" in inputs:
+        parts.append(f"{inputs['Qwen21VAEDecode']['quality']} VAE")
     return " · ".join(parts)
 
 
 def _label(node: dict) -> str:
     short = {"Qwen21ModelLoader": "Load", "Qwen21DiffusersLoader": "Load", "Qwen21Sampler": "Sample"}
     short.update(Qwen21VAEDecode="Decode", SaveImage="Save", JoinImageWithAlpha="Join")
-    return short.get(node["type"], node["type"].removeprefix("Qwen21"))
+    return short.get(node["type"], node["type"].removeprefix("Qwen21").removesuffix("Loader") or "Load")
 
 
 def draw_thumbnail(name: str, ui: dict, prompt: dict, pictures: dict[str, Image.Image]) -> Image.Image:
