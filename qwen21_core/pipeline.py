@@ -342,6 +342,8 @@ class Qwen21Pipeline:
 
     def release(self):
         """Free what can be rebuilt (decode graphs, cached memory); weights stay."""
+        entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        log.info("Qwen21 released %d decode graph entries and cached memory (weights kept)", entries)

@@ -74,6 +74,9 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
     with pytest.raises(ValueError, match="mask_2 is connected but image_2 is not"):
         encode(model, image_1=image, mask_2=mask)
+    # ComfyUI hands a node every linked input, declared or not: a 17th image must not vanish.
+    with pytest.raises(ValueError, match="no input image_17: it takes at most 16 condition images"):
+        encode(model, image_1=image, image_17=image)
 
 
 def host_examples():

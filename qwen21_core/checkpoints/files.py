@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import stable_name
 from ..quant.slots import QuantSlot, StoredQuant
 from . import formats
 
@@ -60,14 +61,17 @@ _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 Converter = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 
+@stable_name
 class CheckpointError(ValueError):
     """A checkpoint file is unusable (not safetensors, truncated, inconsistent)."""
 
 
+@stable_name
 class WrongModelError(CheckpointError):
     """The file holds some other model than the Qwen-Image-2.1 component asked for."""
 
 
+@stable_name
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not fit the module (missing / unexpected keys, shape mismatches)."""
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import stable_name
 from ..quant.weights import QuantFormat, dequantize_weight
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -50,6 +51,7 @@ _FOREIGN_SUFFIXES = {
 }
 
 
+@stable_name
 class UnsupportedQuantizationError(ValueError):
     """The checkpoint uses a quantisation format this pack cannot load."""
 

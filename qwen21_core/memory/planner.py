@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import stable_name
+
 HEADROOM_BYTES = 512 * 2**20  # fragmentation and small allocations the estimates do not see
 
 
@@ -45,6 +47,7 @@ class SamplingPlan:
     reason: str
 
 
+@stable_name
 class DeviceMemoryError(MemoryError):
     """Even with every block streaming and the K/V cache in host RAM, one step does not fit the device."""
 
