@@ -22,6 +22,8 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning
+from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
+from .lora.reading import LoraFile, read_lora
 from .options import SampleOptions
 from .sampler import Sampler, SampleStats
 
@@ -60,6 +62,7 @@ class Qwen21Pipeline:
         # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
         self.execution_device = transformer.device
         self.decode_graphs = DecodeGraphs(transformer)
+        self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
 
@@ -249,6 +252,19 @@ class Qwen21Pipeline:
             self.last_sample_stats = stats.as_dict()
             self.decode_graphs.end_generation()
         return latents
+
+    # ---- LoRA -------------------------------------------------------------------------------------
+
+    def load_lora(self, path) -> LoraFile:
+        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet)."""
+        return read_lora(path, layer_shapes(self.transformer))
+
+    def set_loras(self, stack: Stack) -> None:
+        """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
+
+        Exact and reversible (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
+        """
+        self.loras.apply(stack)
 
     # ---- VAE --------------------------------------------------------------------------------------
 

@@ -238,6 +238,7 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out.linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
+        self.weights_id: tuple = ()  # what is merged into the weights (a LoRA stack, lora/merge.py); () = as loaded
 
     def compile_blocks(self, enabled: bool = True, mode: str | None = None):
         """Regional torch.compile of the block math around attention, for decode steps (opt-in).
