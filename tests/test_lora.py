@@ -391,3 +391,22 @@ def test_peft_alpha_pattern_and_rslora(tmp_path):
     config = {"transformer.lora_alpha": 8, "transformer.use_rslora": True}
     lora = _read(tmp_path, tensors, model, {"lora_adapter_metadata": json.dumps(config)})
     assert {layer.scale for layer in lora.layers} == {8 / RANK**0.5}
+
+
+def test_benchmark_smoke_run_on_cpu(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lora.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--device", "cpu", "--iters", "2", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    steps = [line for line in lines if line["what"] == "lora_decode_step"]
+    switches = {line["restore_from"]: line for line in lines if line["what"] == "lora_switch"}
+    assert steps and steps[0]["lora_changes_velocity"] and steps[0]["bit_identical_after_remove"]
+    assert set(switches) == {"file", "memory"} and all(s["bit_identical_after_remove"] for s in switches.values())
+    assert list(tmp_path.iterdir()) == []  # the random checkpoint and LoRAs were cleaned up
