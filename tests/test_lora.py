@@ -182,6 +182,24 @@ def test_merge_then_remove_is_bit_identical_and_keeps_addresses(dtype, restore_f
     assert originals.nbytes == 0  # nothing kept once the weights are original again
 
 
+@pytest.mark.parametrize("restore_from", ["memory", "file"])
+def test_merging_under_inference_mode_as_comfyui_runs_nodes(restore_from, tmp_path):
+    model = tiny_model(torch.bfloat16)
+    before = snapshot(model)
+    checkpoint = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in model.checkpoint_slots().items()}, checkpoint)
+    originals = FileOriginals(checkpoint) if restore_from == "file" else MemoryOriginals()
+    path = write(tmp_path / "a.safetensors", *lora_state_dict(random_factors(model), "comfyui"))
+    merger = LoraMerger(model, originals)
+    with torch.inference_mode():
+        lora = read_lora(path, layer_shapes(model))
+        merger.apply([(lora, 1.0)])
+        merger.apply([(lora, 0.3)])
+    merger.apply([(lora, 1.0)])  # and later outside it, with what was made inside
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_file_originals_read_a_comfyui_checkpoint_with_fused_gate_up(tmp_path):
     from qwen21_nodes.qwen21_core.checkpoints.key_maps import dit_to_comfyui
 
