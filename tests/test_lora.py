@@ -182,6 +182,24 @@ def test_merge_then_remove_is_bit_identical_and_keeps_addresses(dtype, restore_f
     assert originals.nbytes == 0  # nothing kept once the weights are original again
 
 
+@pytest.mark.gpu
+def test_deltas_are_full_fp32_on_cuda_even_with_tf32_switched_on(tmp_path):
+    cpu = tiny_model()
+    lora = read_lora(write(tmp_path / "a.safetensors", *lora_state_dict(random_factors(cpu), "comfyui")),
+                     layer_shapes(cpu))  # fmt: skip
+    LoraMerger(cpu, MemoryOriginals()).apply([(lora, 1.0)])
+    cuda = tiny_model().cuda()
+    matmul = torch.backends.cuda.matmul
+    saved, matmul.fp32_precision = matmul.fp32_precision, "tf32"  # as a host may set it
+    try:
+        LoraMerger(cuda, MemoryOriginals()).apply([(lora, 1.0)])
+        assert matmul.fp32_precision == "tf32"  # the host's setting is left as it was
+    finally:
+        matmul.fp32_precision = saved
+    for name, param in cuda.named_parameters():
+        torch.testing.assert_close(param.cpu(), cpu.get_parameter(name), rtol=1e-6, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("restore_from", ["memory", "file"])
 def test_merging_under_inference_mode_as_comfyui_runs_nodes(restore_from, tmp_path):
     model = tiny_model(torch.bfloat16)

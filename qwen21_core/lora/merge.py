@@ -23,6 +23,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,18 @@ def layer_shapes(transformer: QwenImage21Transformer) -> dict[str, tuple[int, ..
 def stack_identity(stack: Stack) -> tuple:
     """What a merged stack is, for caches keyed on the weights: file identities and strengths, in order."""
     return tuple((lora.identity, float(strength)) for lora, strength in stack if strength != 0)
+
+
+@contextmanager
+def full_fp32_matmul():
+    """fp32 products at full precision even where the host turned TF32 on (ComfyUI can): deltas are fp32."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = saved
 
 
 @torch.no_grad()
@@ -207,9 +220,10 @@ class LoraMerger:
             self._restore(changed & set(self.merged))
             to_merge = sorted(changed & set(wanted))
             self.originals.keep({name: params[name] for name in to_merge})
-            for name in to_merge:
-                merge_into_weight(params[name], [(rows, s, layer) for rows, s, layer, _ in plan[name]])
-                self.merged[name] = wanted[name]
+            with full_fp32_matmul():
+                for name in to_merge:
+                    merge_into_weight(params[name], [(rows, s, layer) for rows, s, layer, _ in plan[name]])
+                    self.merged[name] = wanted[name]
             self.originals.forget(set(params) - set(self.merged))
         except BaseException:
             self._restore(set(self.merged))  # never leave a half-merged model behind
