@@ -30,9 +30,13 @@ class Qwen21Model:
         self.pipe = pipe
         self.offload_text_encoder = offload_text_encoder
         self.device = device = pipe.device  # where everything runs; ComfyUI may park modules elsewhere between runs
-        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release)
-        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
+        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release,
+                                               streamable=pipe.transformer)  # fmt: skip
+        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device,
+                                                streamable=pipe.text_encoder)  # fmt: skip
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
+        # a memory manager (ComfyUI's, or the local one under a budget) places the DiT's blocks
+        pipe.manage_weights = not (host.IN_COMFYUI or host.LOCAL.budget is not None)
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
@@ -68,13 +72,26 @@ class Qwen21Model:
             if self.offload_text_encoder:
                 self.text_encoder.unload()
 
-    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, **kwargs):
-        needed = self.pipe.sampling_bytes(cond, height or cond.height, width or cond.width, batch_size, true_cfg_scale)
+    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
+        size = (height or cond.height, width or cond.width)
+        placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)
+        needed = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement=placement)
         self.transformer.load(needed)
         self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
         return self.pipe.sample(
-            cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, **kwargs
-        )
+            cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, options=options,
+            **kwargs,
+        )  # fmt: skip
+
+    def _kv_estimate(self, cond, size, batch_size, true_cfg_scale, options) -> str:
+        """The K/V placement to ask the memory manager's room for: "auto" counts the GPU when the whole DiT and a
+        GPU cache fit the device at all (the manager then evicts other models for it), else host RAM."""
+        placement = getattr(options, "kv_placement", "auto")
+        if placement != "auto":
+            return placement
+        gpu = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement="gpu")
+        capacity = host.device_capacity_bytes(self.device)
+        return "gpu" if self.transformer.full_bytes + gpu <= capacity else "cpu"
 
     def decode(self, latents: torch.Tensor, **kwargs):
         self.vae.load()

@@ -147,7 +147,8 @@ class Qwen21Pipeline:
         """Encode a prompt (+ negative prompt) with its condition images. Images: ComfyUI IMAGE, PIL or numpy."""
         if self.text_encoder is None:
             raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
-        self.text_encoder.to(self.execution_device)
+        if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
+            self.text_encoder.to(self.execution_device)
         try:
             return encode_conditioning(
                 self.text_encoder,
@@ -162,7 +163,7 @@ class Qwen21Pipeline:
                 memory_budget=self._prefix_budget(),
             )
         finally:
-            if self.text_encoder_offload and self.execution_device.type == "cuda":
+            if self.text_encoder_offload and self.manage_weights and self.execution_device.type == "cuda":
                 self.text_encoder.offload()
 
     # ---- sample -----------------------------------------------------------------------------------
@@ -206,15 +207,15 @@ class Qwen21Pipeline:
             return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
         streamer = tr.streamer
         blocks = len(tr.transformer_blocks)
-        block_bytes = sum(p.numel() * p.element_size() for p in tr.transformer_blocks[0].parameters())
-        resident = blocks if streamer is None else streamer.resident
+        block_bytes = tr.block_bytes
+        resident = tr.resident_blocks
         free = device_free_bytes(self.device, self.vram_budget)
         if not self.manage_weights:
             # the blocks' memory is not ours to plan: only the K/V placement, in what is free now
             plan = plan_sampling(free + blocks * block_bytes, caches, activations, block_bytes, blocks, 0,
                                  options.kv_placement)  # fmt: skip
             return SamplingPlan(plan.kv_placement, resident, plan.reason)
-        slot_bytes = 2 * block_bytes if streamer is None or not streamer.host else streamer.prefetcher.nbytes
+        slot_bytes = (streamer.slot_bytes if streamer is not None else 0) or 2 * block_bytes
         return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
                              options.kv_placement)  # fmt: skip
 

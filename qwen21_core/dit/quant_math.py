@@ -24,8 +24,9 @@ from ..quant.linear import Projected, QuantLinear
 
 
 def _w8a8(layer, rows: int) -> str | None:
-    """The layer's W8A8 backend for this many rows, or None for a plain torch Linear call."""
-    if isinstance(layer, QuantLinear):
+    """The layer's W8A8 backend for this many rows, or None for a plain Linear call (also where a LoRA side path
+    needs the layer's float input: those layers run unfused)."""
+    if isinstance(layer, QuantLinear) and not layer.side_paths:
         backend = layer.backend(rows)
         return None if backend == "weight_only" else backend
     return None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
-from ..memory.streaming import LayerStreamer
+from ..memory.streaming import LayerStreamer, place_with_streaming
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
@@ -289,20 +289,28 @@ class QwenImage21Transformer(nn.Module):
 
     def stream_blocks(self, resident: int | None) -> None:
         """Keep `resident` blocks on the model's device and stream the others from pinned host RAM (None: all
-        resident, streaming off). The non-block weights stay where they are."""
-        if resident is None or resident >= len(self.transformer_blocks):
-            if self.streamer is not None:
-                self.streamer.set_resident(len(self.transformer_blocks))
-            return
-        if self.streamer is None:
-            self.streamer = LayerStreamer(list(self.transformer_blocks), self.device)
-        self.streamer.set_resident(resident)
+        resident). The non-block weights stay where they are."""
+        self.place(self.device, resident)
 
-    def unstream_to(self, device) -> None:
-        """Every block whole on `device` (streaming off): the way a model moves between devices."""
-        if self.streamer is not None:
-            self.streamer.move_all(device)
-            self.streamer = None
+    def place(self, device, resident: int | None = None) -> None:
+        """All weights on `device`, or with only `resident` blocks there and the rest streaming (memory/streaming.py):
+        how a budget, or ComfyUI's partial load, maps onto this model."""
+        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident)
+
+    @property
+    def resident_blocks(self) -> int:
+        return len(self.transformer_blocks) if self.streamer is None else self.streamer.resident
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.transformer_blocks[0].parameters())
+
+    def device_weight_bytes(self) -> int:
+        """Weights on the device now: everything but the streamed blocks, plus the staging slots."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.streamer is None:
+            return total
+        return total - len(self.streamer.host) * self.block_bytes + self.streamer.slot_bytes
 
     def streaming_signature(self) -> tuple:
         """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""
@@ -451,7 +459,7 @@ class QwenImage21Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.img_in.weight.device
+        return self.img_in.weight.device  # never streamed: where the model runs
 
     def new_branch_tables(self, layout: SequenceLayout, attention_backend: str = "auto") -> Branch:
         """The step-invariant tables of a branch (rotary cos/sin, masks), without a K/V cache.

@@ -32,6 +32,8 @@ import torch
 from ..checkpoints import key_maps
 from ..checkpoints.files import Checkpoint, identify, load_into
 from ..dit.transformer import QwenImage21Transformer
+from ..quant.linear import QuantLinear
+from ..quant.slots import QuantSlot
 from .reading import LoraError, LoraFile, LoraLayer
 
 log = logging.getLogger(__name__)
@@ -52,19 +54,26 @@ def lora_layers(transformer: QwenImage21Transformer) -> dict[str, LayerSlot]:
     """Every layer a LoRA may name (checkpoint names without `.weight`, plus the fused to_qkv and gate_up)."""
     params = dict(transformer.named_parameters())
     owners = {param.untyped_storage().data_ptr(): name for name, param in params.items()}
+    modules = {id(module): name for name, module in transformer.named_modules()}
     layers = {}
     for key, slot in transformer.checkpoint_slots().items():
         if not key.endswith(".weight"):
+            continue
+        if isinstance(slot, QuantSlot):  # a quantised layer: LoRA runs beside it (see QuantLinear.set_side_paths)
+            name = f"{modules[id(slot.layer)]}.{QUANTIZED}"
+            layers[key.removesuffix(".weight")] = LayerSlot(name, slot.rows, tuple(slot.shape))
             continue
         name = owners[slot.untyped_storage().data_ptr()]
         row = params[name].shape[1] if params[name].dim() == 2 else 1
         start = (slot.storage_offset() - params[name].storage_offset()) // row
         layers[key.removesuffix(".weight")] = LayerSlot(name, slice(start, start + slot.shape[0]), tuple(slot.shape))
     for i, block in enumerate(transformer.transformer_blocks):
-        fused = {"attn.to_qkv": block.attn.to_qkv.weight, "img_mlp.gate_up": block.img_mlp.gate_up.weight}
-        for layer, weight in fused.items():
+        for layer in ("attn.to_qkv", "img_mlp.gate_up"):
+            linear = block.get_submodule(layer)
             name = f"transformer_blocks.{i}.{layer}"
-            layers[name] = LayerSlot(f"{name}.weight", slice(0, weight.shape[0]), tuple(weight.shape))
+            param = f"{name}.{QUANTIZED}" if isinstance(linear, QuantLinear) else f"{name}.weight"
+            shape = (linear.out_features, linear.in_features)
+            layers[name] = LayerSlot(param, slice(0, shape[0]), shape)
     return layers
 
 
@@ -109,6 +118,26 @@ def merge_into_weight(weight: torch.Tensor, pieces: Sequence[tuple[slice, float,
             f"(max {torch.finfo(weight.dtype).max:g}): lower the strength or check the LoRA file"
         )
     weight.copy_(merged)
+
+
+QUANTIZED = "side_paths"  # the LayerSlot "parameter" of a quantised layer: LoRA goes there, not into the weight
+
+
+def add_side_paths(layer: QuantLinear, pieces: Sequence[tuple[slice, float, LoraLayer]]) -> None:
+    """A quantised layer's LoRA: each piece as a low-rank side path (strength and alpha/rank folded into up).
+
+    The weight stays quantised and untouched, so removal is exact by construction; the cost is two small GEMMs per
+    piece per step, and the layer's activation quantisation runs unfused (bench_lora / bench_dit measure it)."""
+    paths = []
+    for rows, strength, lora_layer in pieces:
+        if lora_layer.diff is not None:
+            raise LoraError(
+                f"{lora_layer.layer}: a full-difference (.diff) patch cannot run beside a quantised weight; load "
+                "the model with weight_dtype bf16 to merge it"
+            )
+        up = lora_layer.up.to(layer.qweight.device, torch.float32) * (lora_layer.scale * strength)
+        paths.append((rows, lora_layer.down, up))
+    layer.set_side_paths(paths)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,10 +248,14 @@ class LoraMerger:
         try:
             self._restore(changed & set(self.merged))
             to_merge = sorted(changed & set(wanted))
-            self.originals.keep({name: params[name] for name in to_merge})
+            self.originals.keep({name: params[name] for name in to_merge if not name.endswith(QUANTIZED)})
             with full_fp32_matmul():
                 for name in to_merge:
-                    merge_into_weight(params[name], [(rows, s, layer) for rows, s, layer, _ in plan[name]])
+                    pieces = [(rows, s, layer) for rows, s, layer, _ in plan[name]]
+                    if name.endswith(QUANTIZED):
+                        add_side_paths(self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED}")), pieces)
+                    else:
+                        merge_into_weight(params[name], pieces)
                     self.merged[name] = wanted[name]
             self.originals.forget(set(params) - set(self.merged))
         except BaseException:
@@ -257,7 +290,10 @@ class LoraMerger:
         return plan
 
     def _restore(self, names: set[str]) -> None:
-        self.originals.restore(self.transformer, sorted(names))
+        quantized = {name for name in names if name.endswith(QUANTIZED)}
+        for name in quantized:  # nothing was merged there: drop the side paths
+            self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED}")).set_side_paths([])
+        self.originals.restore(self.transformer, sorted(names - quantized))
         for name in names:
             self.merged.pop(name, None)
 

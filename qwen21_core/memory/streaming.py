@@ -65,10 +65,13 @@ class LayerStreamer:
         return sorted(self.host)
 
     @property
+    def slot_bytes(self) -> int:
+        return self.prefetcher.nbytes if self.prefetcher is not None else 0
+
+    @property
     def device_bytes(self) -> int:
         """Device memory of the resident layers and the staging slots."""
-        slots = self.prefetcher.nbytes if self.prefetcher is not None else 0
-        return self.resident * self.layer_bytes + slots
+        return self.resident * self.layer_bytes + self.slot_bytes
 
     def set_resident(self, count: int) -> None:
         """Keep layers [0, count) on the device and stream the rest (count is clamped to [0, len(layers)])."""
@@ -77,6 +80,8 @@ class LayerStreamer:
             for index in range(count):
                 if index in self.host:
                     self._make_resident(index)
+                else:
+                    self.layers[index].to(self.device)  # from wherever it was (an offloaded model's CPU copy)
             for index in range(count, len(self.layers)):
                 if index not in self.host:
                     self._make_streamed(index)
@@ -145,3 +150,43 @@ class LayerStreamer:
             handles.append(layer.register_forward_pre_hook(lambda *_, i=index: self.before(i)))
             handles.append(layer.register_forward_hook(lambda *_, i=index: self.after(i)))
         return handles
+
+    def detach_hooks(self) -> None:
+        for handle in getattr(self, "hooks", []):
+            handle.remove()
+        self.hooks = []
+
+
+def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: LayerStreamer | None, device,
+                         resident: int | None, hooks_on: nn.Module | None = None) -> LayerStreamer | None:  # fmt: skip
+    """Put `module` on `device` with only `resident` of its `layers` there (the others streaming); resident None or
+    a non-CUDA device: everything whole on `device`. Returns the streamer now in use (None when not streaming).
+
+    hooks_on: for modules that run their layers through forward (the text encoder), the stack to attach the
+    streamer's hooks to; the DiT drives its streamer from its own loop.
+    """
+    device = torch.device(device)
+    if resident is None or resident >= len(layers) or device.type != "cuda":
+        if streamer is not None:
+            streamer.move_all(device)
+            streamer.detach_hooks()
+        module.to(device)
+        return None
+    layer_params = {id(p) for layer in layers for p in layer.parameters()}
+    with torch.no_grad(), torch.inference_mode(False):
+        for param in module.parameters():
+            if id(param) not in layer_params:
+                param.data = param.data.to(device)
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(device)
+    if streamer is None or streamer.device != device:
+        if streamer is not None:
+            streamer.move_all("cpu")
+            streamer.detach_hooks()
+        streamer = LayerStreamer(list(layers), device)
+        if hooks_on is not None:
+            streamer.hooks = streamer.attach_hooks(hooks_on)
+    streamer.set_resident(resident)
+    return streamer

@@ -70,6 +70,9 @@ class QuantLinear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
         # build_empty (checkpoints/files.py) keeps these dtypes instead of casting to the model's dtype
         self.param_dtypes = {"qweight": self.fmt.storage, "weight_scale": torch.float32}
+        # LoRA on a quantised weight: low-rank side paths (rows, down [r, K], up [rows, r]) added to the output
+        # instead of a merge, so the stored weight never changes (see set_side_paths)
+        self.side_paths: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, fmt: QuantFormat) -> QuantLinear:
@@ -147,6 +150,12 @@ class QuantLinear(nn.Module):
         """The weight in the original (unrotated) basis, for checks and for LoRA merges of dequantised copies."""
         return dequantize_weight(self.qweight, self.weight_scale, self.fmt.rotation, dtype)
 
+    def set_side_paths(self, paths: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> None:
+        """LoRA factors to add to the output: (rows of the output, down [r, K], up [rows, r]) with the strength and
+        alpha/rank folded into `up`; [] removes them. The quantised weight is never touched."""
+        self.side_paths = [(rows, down.to(self.qweight.device, self.compute_dtype),
+                            up.to(self.qweight.device, self.compute_dtype)) for rows, down, up in paths]  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         backend = self.backend(x2d.shape[0])
@@ -155,6 +164,8 @@ class QuantLinear(nn.Module):
         else:
             q, scale = self.quantize_input(x2d.contiguous())
             y = self.project(q, scale, backend).dense(x.dtype)
+        for rows, down, up in self.side_paths:  # one small GEMM pair each, added in place (addmm: no extra pass)
+            y[:, rows] = torch.addmm(y[:, rows], x2d @ down.t(), up.t())
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

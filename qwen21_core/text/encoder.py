@@ -28,6 +28,7 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel, Qwen3VLProcessor
 
 from ..conditioning import PromptEmbedding
+from ..memory.streaming import place_with_streaming
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,11 @@ class Qwen21TextEncoder:
         self.processor = processor
         self.offload_after_encode = offload_after_encode
         self.offload_device = torch.device(offload_device)
-        self._device = next(model.parameters()).device
+        self._device = getattr(model, "language_model", model).embed_tokens.weight.device
         self._text_model = getattr(model, "language_model", model)
         if not hasattr(self._text_model, "norm"):
             raise TypeError(f"{type(model).__name__} has no final norm at .language_model.norm; not a Qwen3-VL model?")
+        self.streamer = None  # set by place(): decoder layers streaming from host RAM
         self._im_start_id = self._special_token_id(IM_START)
         self._image_pad_id = self._special_token_id(IMAGE_PAD)
         self._identity: str | None = None
@@ -215,21 +217,46 @@ class Qwen21TextEncoder:
         return next(self.model.parameters()).dtype
 
     def to(self, device: str | torch.device) -> Qwen21TextEncoder:
-        self.model.to(device)
-        self._device = next(self.model.parameters()).device  # "cuda" -> "cuda:0", so later checks compare equal
+        self.place(device)
+        self._device = self._text_model.embed_tokens.weight.device  # "cuda" -> "cuda:0": later checks compare equal
         return self
+
+    def place(self, device, resident_layers: int | None = None) -> None:
+        """All weights on `device`, or with only `resident_layers` of the language model's decoder layers there and
+        the others streaming from pinned host RAM one layer ahead (memory/streaming.py): how a budget, or
+        ComfyUI's partial load, maps onto the encoder. The vision tower and the embeddings stay whole."""
+        self.streamer = place_with_streaming(self.model, self._text_model.layers, self.streamer, device,
+                                             resident_layers, hooks_on=self._text_model)  # fmt: skip
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._text_model.layers[0].parameters())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._text_model.layers)
+
+    @property
+    def resident_layers(self) -> int:
+        return self.num_layers if self.streamer is None else self.streamer.resident
+
+    def device_weight_bytes(self) -> int:
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.streamer is None:
+            return total
+        return total - len(self.streamer.host) * self.layer_bytes + self.streamer.slot_bytes
 
     def offload(self) -> None:
         """Move the weights to `offload_device` and give the freed CUDA memory back."""
-        if next(self.model.parameters()).device == self.offload_device:
+        if self._text_model.embed_tokens.weight.device == self.offload_device and self.streamer is None:
             return
-        self.model.to(self.offload_device)
+        self.place(self.offload_device)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def _weights_on_device(self) -> None:
-        if next(self.model.parameters()).device != self._device:
-            self.model.to(self._device)
+        if self._text_model.embed_tokens.weight.device != self._device:
+            self.place(self._device)
 
     @property
     def identity(self) -> str:
