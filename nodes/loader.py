@@ -9,13 +9,39 @@ import torch
 
 from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
 from ..qwen21_core.pipeline import Qwen21Pipeline
+from ..qwen21_core.quant.plan import WeightFormats
 from . import host
 from .model import MODEL_TYPE, Qwen21Model
 
 log = logging.getLogger(__name__)
 
 CATEGORY = "Qwen21/loaders"
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+# weight_dtype choice -> (compute dtype, weight format of the DiT and text encoder; quant/plan.py)
+PRECISIONS = {
+    "auto": (None, "auto"),
+    "bf16": (torch.bfloat16, "none"),
+    "fp8": (torch.bfloat16, "fp8"),
+    "int8": (torch.bfloat16, "int8"),
+    "int8_convrot": (torch.bfloat16, "int8_convrot"),
+    "fp32": (torch.float32, "none"),
+}
+TEXT_ENCODER_PRECISIONS = ("same", "auto", "bf16", "fp8", "int8", "int8_convrot")
+
+
+# Numbers from BENCHMARKS.md (bench_dit dit_quant lines, 1024^2 decode step on an H200, our bf16 path = 1.0).
+WEIGHT_DTYPE_TOOLTIP = (
+    "auto: each file's own format (an fp8 or int8_convrot file runs quantised, a bf16 file in bf16), bf16 compute "
+    "on a GPU, fp32 on CPU. bf16: everything dequantised to bf16: ~13.3 GiB DiT + ~16.4 GiB text encoder. fp8: "
+    "FP8 e4m3 weights and activations (GPUs with FP8 tensor cores, RTX 40xx / H100 and newer; elsewhere the "
+    "weights are dequantised per layer), ~6.8 GiB DiT. int8 / int8_convrot: INT8 weights and activations "
+    "(RTX 20xx and newer), ~6.8 GiB DiT; int8_convrot (native ComfyUI's int8 format) rotates first for less error "
+    "on real weights. Quantised files are read as they are; bf16 files are quantised while loading. fp32: twice "
+    "the memory of bf16; matches the diffusers fp32 reference to rounding."
+)
+TEXT_ENCODER_DTYPE_TOOLTIP = (
+    "same: follow weight_dtype. Otherwise the text encoder's own precision: its language model's Linears in "
+    "fp8/int8 take ~8.7 GiB instead of ~16.4 GiB (bf16); auto keeps its file's format."
+)
 
 
 def _device_choices() -> list[str]:
@@ -25,12 +51,17 @@ def _device_choices() -> list[str]:
 def _common_inputs() -> dict:
     return {
         "weight_dtype": (
-            list(DTYPES),
+            list(PRECISIONS),
             {
                 "default": "auto",
-                "tooltip": "auto: bf16 on a GPU, fp32 on CPU. bf16: the released precision, ~13.3 GiB DiT + "
-                "~16.4 GiB text encoder. fp32: twice the memory and ~2-3x slower; matches the diffusers "
-                "fp32 reference to rounding.",
+                "tooltip": WEIGHT_DTYPE_TOOLTIP,
+            },
+        ),
+        "text_encoder_dtype": (
+            list(TEXT_ENCODER_PRECISIONS),
+            {
+                "default": "same",
+                "tooltip": TEXT_ENCODER_DTYPE_TOOLTIP,
             },
         ),
         "device": (
@@ -54,18 +85,26 @@ def _common_inputs() -> dict:
     }
 
 
-def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool) -> Qwen21Model:
+def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool,
+          text_encoder_dtype: str = "same") -> Qwen21Model:  # fmt: skip
     target = host.torch_device() if device == "auto" else torch.device(device)
-    dtype = DTYPES[weight_dtype]
+    if weight_dtype not in PRECISIONS or text_encoder_dtype not in TEXT_ENCODER_PRECISIONS:
+        got = f"{weight_dtype!r} and {text_encoder_dtype!r}"
+        raise ValueError(f"weight_dtype must be one of {list(PRECISIONS)} and text_encoder_dtype one of "
+                         f"{list(TEXT_ENCODER_PRECISIONS)}, got {got}")  # fmt: skip
+    dtype, dit_format = PRECISIONS[weight_dtype]
     if dtype is None:
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
-    log.info("loading Qwen-Image-2.1 from %s (%s on %s)", source, dtype, target)
+    te_format = dit_format if text_encoder_dtype == "same" else PRECISIONS[text_encoder_dtype][1]
+    formats = WeightFormats(dit=dit_format, text_encoder=te_format)
+    log.info("loading Qwen-Image-2.1 from %s (%s on %s, weights %s)", source, dtype, target, formats)
     pipe = Qwen21Pipeline.from_pretrained(
         source,
         device=target,
         dtype=dtype,
         # Inside ComfyUI the memory manager places the text encoder; Qwen21Model offloads it on request.
         text_encoder_offload=offload_text_encoder and not host.IN_COMFYUI,
+        weight_formats=formats,
     )
     return Qwen21Model(pipe, offload_text_encoder=offload_text_encoder)
 
@@ -118,7 +157,8 @@ class Qwen21ModelLoader(_PipelineLoader):
             }
         }
 
-    def load(self, diffusion_model, text_encoder, vae, weight_dtype, device, offload_text_encoder):
+    def load(self, diffusion_model, text_encoder, vae, weight_dtype, device, offload_text_encoder,
+             text_encoder_dtype="same"):  # fmt: skip
         source = {
             "transformer": host.weight_file_path("diffusion_models", diffusion_model),
             "text_encoder": host.weight_file_path("text_encoders", text_encoder),
@@ -127,7 +167,7 @@ class Qwen21ModelLoader(_PipelineLoader):
         tokenizer = _comfyui_tokenizer(source["text_encoder"])
         if tokenizer is not None:
             source["tokenizer"] = tokenizer
-        return (_load(source, weight_dtype, device, offload_text_encoder),)
+        return (_load(source, weight_dtype, device, offload_text_encoder, text_encoder_dtype),)
 
 
 class Qwen21DiffusersLoader(_PipelineLoader):
@@ -147,5 +187,6 @@ class Qwen21DiffusersLoader(_PipelineLoader):
             }
         }
 
-    def load(self, folder, weight_dtype, device, offload_text_encoder):
-        return (_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder),)
+    def load(self, folder, weight_dtype, device, offload_text_encoder, text_encoder_dtype="same"):
+        return (_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder,
+                      text_encoder_dtype),)  # fmt: skip

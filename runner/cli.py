@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--output-dir", default="output", help="where SaveImage writes (default: ./output)")
     run.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                      help="override an input; NODE is a node id, title or class; VALUE is JSON or text")  # fmt: skip
+    run.add_argument("--vram-budget", type=float, metavar="GB",
+                     help="plan with at most this much GPU memory (GiB), as on a smaller card: components are moved "
+                          "off the GPU, and DiT blocks / text-encoder layers streamed, to stay inside it")  # fmt: skip
 
     demo = commands.add_parser("demo", help="run the text-to-image example (tiny checkpoint if none configured)")
     demo.add_argument("--models", help=f"models folder with the real checkpoint (default: ${MODELS_ENV})")
@@ -174,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     if args.command == "run":
+        if args.vram_budget is not None:
+            if args.vram_budget <= 0:
+                parser.error(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
+            host.set_vram_budget(int(args.vram_budget * 2**30))
         models = args.models or os.environ.get(MODELS_ENV) or "models"
         return _run_and_report(args.workflow, models, args.input_dir, args.output_dir, args.set)
     if args.command == "demo":
