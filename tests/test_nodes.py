@@ -145,3 +145,28 @@ def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
     assert decoded.shape == (2, 64, 48, 3) and alpha.shape == (2, 64, 48)
     with pytest.raises(ValueError, match="at least 16x16"):
         Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
+
+
+def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monkeypatch):
+    """cfg 1 never encodes the negative prompt; the first cfg > 1 run encodes it once, with the text encoder
+    placed again through the memory manager (it was offloaded after Qwen21Encode), later runs reuse it."""
+    calls, placed = [], []
+    original = model.pipe.text_encoder.encode_prompts
+    monkeypatch.setattr(
+        model.pipe.text_encoder,
+        "encode_prompts",
+        lambda prompts, images: calls.append(list(prompts)) or original(prompts, images),
+    )
+    monkeypatch.setattr(model.text_encoder, "load", lambda *args: placed.append("load"))
+    monkeypatch.setattr(model.text_encoder, "unload", lambda: placed.append("unload"))
+    image = torch.rand(1, 64, 64, 3)
+    cond, _, _ = Qwen21Encode().encode(model, "a red apple", "blurry", 64, image_1=image)
+    assert calls == [["a red apple"]] and placed == ["load", "unload"]
+    plain = sample(model, cond, true_cfg_scale=1.0)
+    assert len(calls) == 1 and cond.negative is None and plain["ui"]["qwen21_stats"][0]["prefills"] == 1
+    guided = sample(model, cond, true_cfg_scale=4.0)
+    assert calls[1:] == [["blurry"]] and placed[2:] == ["load", "unload"]
+    assert guided["ui"]["qwen21_stats"][0]["prefills"] == 2  # both branches ran
+    again = sample(model, cond, true_cfg_scale=4.0)
+    assert len(calls) == 2 and len(placed) == 4  # encoded once
+    assert torch.equal(again["result"][0]["samples"], guided["result"][0]["samples"])

@@ -231,3 +231,50 @@ def test_sampling_bytes_counts_what_the_caches_really_hold(parts):
     longest = max(b.layout.prefix_len for b in allocated)
     activations = ACTIVATION_FACTOR * max(longest, 2 * 16) * cfg.inner_dim * 4
     assert pipe.sampling_bytes(cond, 64, 64, 2, 2.0) == cache_bytes + activations
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from qwen21_nodes.runner.cli import ensure_tiny_models
+
+    return ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models") / "diffusers" / "qwen_image_2.1_tiny"
+
+
+def test_lazy_negative_prompt_with_true_cfg_matches_the_reference_pipeline(tiny_folder, monkeypatch):
+    """pipe.encode leaves the negative prompt pending; pipe.sample at cfg 4 encodes it once (with the condition
+    image) and the whole generation matches diffusers' QwenImage21Pipeline, which encodes both prompts itself."""
+    from diffusers import QwenImage21Pipeline
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 64, 4), dtype=np.uint8), "RGBA")
+    reference = QwenImage21Pipeline.from_pretrained(tiny_folder)
+    pipe = Qwen21Pipeline.from_pretrained(tiny_folder, device="cpu", dtype=torch.float32)
+    calls = []
+    original = pipe.text_encoder.encode_prompts
+    monkeypatch.setattr(
+        pipe.text_encoder,
+        "encode_prompts",
+        lambda prompts, images: calls.append(list(prompts)) or original(prompts, images),
+    )
+    cond = pipe.encode("make it red", images=[image], negative_prompt="blurry", output_resolution=64)
+    assert calls == [["make it red"]] and cond.negative is None
+    noise = make_noise(5, (1, 64, 4, 4))
+    got = pipe.sample(cond, steps=3, true_cfg_scale=4.0, noise=noise)
+    assert calls == [["make it red"], ["blurry"]] and pipe.last_sample_stats["prefills"] == 2
+    expected = reference(
+        prompt="make it red", negative_prompt="blurry", image=[image], true_cfg_scale=4.0, output_resolution=64,
+        num_inference_steps=3, latents=pack(noise), output_type="latent",
+    ).images  # fmt: skip
+    assert (got - _to_raw(expected, reference.vae, 4, 4)).abs().max().item() <= 1e-4
+    again = pipe.sample(cond, steps=3, true_cfg_scale=4.0, noise=noise)
+    assert len(calls) == 2 and torch.equal(again, got)  # encoded once
+
+
+def test_sampler_refuses_a_pending_negative_prompt_under_cfg(parts):
+    from qwen21_nodes.qwen21_core.conditioning import PendingPrompt
+
+    _, ours, vae = parts
+    cond = Conditioning(_prompt(9, 1), negative_pending=PendingPrompt("blurry", (), 6))
+    with pytest.raises(ValueError, match="negative prompt is not encoded yet"):
+        _sampler(ours, vae).sample([cond], height=64, width=64, steps=1, true_cfg_scale=4.0)
+    assert _sampler(ours, vae).sample([cond], height=64, width=64, steps=1).shape == (1, Z, 4, 4)  # cfg 1: unused
