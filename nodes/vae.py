@@ -108,6 +108,7 @@ class Qwen21VAEDecode:
             precision=PRECISIONS[precision],
             quality=quality,
             callback=on_tile,
+            check_interrupt=host.check_interrupted,  # Cancel also stops inside one untiled decode
         )
         rgba = rgba.to(host.intermediate_device(), torch.float32)
         stats = dict(model.pipe.last_decode_stats or {})

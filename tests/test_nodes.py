@@ -170,3 +170,51 @@ def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monk
     again = sample(model, cond, true_cfg_scale=4.0)
     assert len(calls) == 2 and len(placed) == 4  # encoded once
     assert torch.equal(again["result"][0]["samples"], guided["result"][0]["samples"])
+
+
+def test_cancel_stops_inside_one_untiled_decode_and_the_next_decode_works(model):
+    cond, _, _ = encode(model)
+    latent = sample(model, cond)["result"][0]
+    before = Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")["result"][0]
+    decoder = model.pipe.vae.decoder
+    last_ran = []
+    # The user presses Cancel while the first up block runs; the last block must then never run.
+    hooks = [
+        decoder.up_blocks[0].resnets[0].register_forward_hook(lambda *args: host.request_interrupt()),
+        decoder.up_blocks[-1].resnets[-1].register_forward_pre_hook(lambda *args: last_ran.append(True)),
+    ]
+    try:
+        with pytest.raises(host.Interrupted):
+            Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert last_ran == []  # stopped inside the one untiled pass
+    after = Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")["result"][0]
+    assert torch.equal(after, before)  # the next decode works and the interruption points change no value
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_vae_interruption_points_change_no_value(model, device):
+    """16 points per pass (after the mid block and every up-block residual block, as at the released size);
+    on CUDA each waits for the GPU's earlier work, so a raise there stops a decode that is still running."""
+    import copy
+
+    vae = copy.deepcopy(model.pipe.vae).to(device)
+    z = torch.randn(1, 64, 4, 6, generator=torch.Generator().manual_seed(0)).to(device)
+    plain = vae.decode(z, tiling="off")
+    points = []
+    assert torch.equal(vae.decode(z, tiling="off", check_interrupt=lambda: points.append(1)), plain)
+    assert len(points) == 1 + 3 * len(vae.decoder.up_blocks) == 16
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_third():
+        points.append(1)
+        if len(points) == 16 + 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        vae.decode(z, tiling="off", check_interrupt=stop_at_third)
+    assert torch.equal(vae.decode(z, tiling="off"), plain)
