@@ -218,3 +218,63 @@ def test_vae_interruption_points_change_no_value(model, device):
     with pytest.raises(Stop):
         vae.decode(z, tiling="off", check_interrupt=stop_at_third)
     assert torch.equal(vae.decode(z, tiling="off"), plain)
+
+
+def test_prefix_cache_toggle_reaches_the_sampler(model):
+    cond, _, _ = encode(model)
+    on = sample(model, cond, steps=3, prefix_cache=True)
+    off = sample(model, cond, steps=3, prefix_cache=False)
+    on_stats, off_stats = on["ui"]["qwen21_stats"][0], off["ui"]["qwen21_stats"][0]
+    assert on_stats["prefix_cache"] == "on" and on_stats["prefills"] == 1
+    assert off_stats["prefix_cache"] == "off" and off_stats["prefills"] == 3  # recomputed at every step
+    assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])  # fp32: identical
+
+
+def test_decode_graphs_toggle_reaches_the_pipeline(model, monkeypatch):
+    """Graphs run on CUDA only; here the pipeline takes its CUDA path with a CPU stand-in capture that has
+    CUDA-graph semantics (tests/fake_cuda_graph.py)."""
+    from fake_cuda_graph import RecordingCapture
+
+    cond, _, _ = encode(model)
+    capture = RecordingCapture()
+    monkeypatch.setattr(model.pipe.decode_graphs, "capture", capture)
+    monkeypatch.setattr(type(model.pipe), "device", property(lambda pipe: torch.device("cuda")))
+    try:
+        off = sample(model, cond, decode_graphs=False)
+        assert off["ui"]["qwen21_stats"][0]["decode_graph"] == "off: disabled" and capture.captures == 0
+        on = sample(model, cond, decode_graphs=True)
+        assert on["ui"]["qwen21_stats"][0]["decode_graph"] == "replay" and capture.captures == 1
+        assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])
+        rerun = sample(model, cond, decode_graphs=True, seed=9)["ui"]["qwen21_stats"][0]
+        assert rerun["prefix_cache"] == "reused" and rerun["prefills"] == 0  # the kept entry skips the prefill
+        assert capture.captures == 1
+    finally:
+        model.pipe.decode_graphs.clear()
+
+
+def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):
+    """torch.compile is replaced by a recording identity (real compilation is the GPU benchmark's business):
+    with the toggle on, the decode steps run through the compiled block functions; off, they do not."""
+    compiled_calls = []
+
+    def recording_compile(fn, **kwargs):
+        def compiled(*args, **kw):
+            compiled_calls.append(fn.__name__)
+            return fn(*args, **kw)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    cond, _, _ = encode(model)
+    transformer = model.pipe.transformer
+    try:
+        eager = sample(model, cond, steps=3)["result"][0]["samples"]
+        assert not transformer.compiled and compiled_calls == []
+        compiled = sample(model, cond, steps=3, compile_blocks=True)["result"][0]["samples"]
+        layers = transformer.config.num_layers
+        assert transformer.compiled and len(compiled_calls) == 3 * layers * 2  # qkv and finish, every decode step
+        assert torch.equal(compiled, eager)  # the identity "compiler" changes nothing
+        sample(model, cond, steps=3, compile_blocks=False)
+        assert not transformer.compiled and len(compiled_calls) == 3 * layers * 2
+    finally:
+        transformer.compile_blocks(False)
