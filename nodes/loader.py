@@ -28,9 +28,9 @@ def _common_inputs() -> dict:
             list(DTYPES),
             {
                 "default": "auto",
-                "tooltip": "auto: bf16 on a GPU, fp32 on CPU. bf16: the released precision, ~13.3 GiB DiT + "
-                "~16.4 GiB text encoder. fp32: twice the memory and ~2-3x slower; matches the diffusers "
-                "fp32 reference to rounding.",
+                "tooltip": "auto: bf16 on a GPU, fp32 on CPU. bf16: the released precision; the DiT's 7.115 B "
+                "parameters take 13.3 GiB, the text encoder peaks at 16.4 GiB (BENCHMARKS: DiT, Text encoder). "
+                "fp32: twice the memory (speed not benchmarked); matches the diffusers fp32 reference to rounding.",
             },
         ),
         "device": (
@@ -38,17 +38,18 @@ def _common_inputs() -> dict:
             {
                 "default": "auto",
                 "tooltip": "auto: ComfyUI's GPU (or the first CUDA GPU outside ComfyUI), else CPU. cpu: for "
-                "tests and tiny models only; a full-size 1024x1024 image takes hours on CPU.",
+                "tests and tiny models; the full-size model on a CPU is not benchmarked and far too slow to use.",
             },
         ),
         "offload_text_encoder": (
             "BOOLEAN",
             {
                 "default": True,
-                "tooltip": "On: move the text encoder (~16.4 GiB in bf16) to CPU RAM right after encoding, leaving "
-                "the VRAM to the DiT; a new prompt then costs ~1-3 s of transfer. Off: keep it on the GPU for "
-                "instant re-encoding (inside ComfyUI its memory manager still moves it off when another model "
-                "needs the room).",
+                "tooltip": "On: move the text encoder to CPU RAM right after encoding, leaving the VRAM to the "
+                "DiT. Each new prompt then moves it back and off again: 12.2 s for that round trip of the 8B "
+                "encoder on an H200 host (BENCHMARKS: Text encoder); a true_cfg_scale > 1 run pays it once more, "
+                "for the negative prompt, the first time. Off: keep it on the GPU for instant re-encoding "
+                "(inside ComfyUI its memory manager still moves it off when another model needs the room).",
             },
         ),
     }
