@@ -29,7 +29,8 @@ from dit_reference import reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
-from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, QwenImage21Transformer, uniform_plan
+from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
 TEXT_TOKENS = 128
 STEPS = 40
@@ -161,6 +162,7 @@ def run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype):
             sync(device)
             result["ours_decode_reserved_growth_bytes"] = torch.cuda.memory_reserved(device) - reserved
         ours_v = decode_all()[0].float()
+        result["_ours_v"] = ours_v
         for b in branches:
             b.release()
 
@@ -232,8 +234,217 @@ def run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype):
             del caches
         if device.type == "cuda":
             result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    emit(**result)
+    emit(**{k: v for k, v in result.items() if not k.startswith("_")})
     return result
+
+
+# ---- quantised weights (issue 13) -------------------------------------------------------------------------
+
+
+def weight_gib(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+
+
+def quant_case(name, res, nref, cfg, batch, ours, fmt_name, keep, bf16_result, args, device, dtype):
+    """Our decode with quantised block Linears against our bf16 path (same weights, same inputs, same process)."""
+    config = ours.config
+    branches_n = 2 if cfg > 1 else 1
+    mask, embeds, cond, x, shapes, target = case_inputs(res, nref, batch, config, device, dtype, seed=res + nref)
+    t = torch.full((batch,), 0.5, device=device, dtype=dtype)
+    layout = build_layout(mask, shapes, target)
+    plan = uniform_plan(FORMATS[fmt_name], config.num_layers, keep)
+    qmodel = ours.quantized_copy(plan)
+    row = dict(what="dit_quant", case=name, format=fmt_name, keep=list(keep), weights_gib=round(weight_gib(qmodel), 2),
+               bf16_weights_gib=round(weight_gib(ours), 2))  # fmt: skip
+    with torch.inference_mode():
+        branches = [qmodel.new_branch(layout, batch, args.attention) for _ in range(branches_n)]
+
+        def prefill_all():
+            for b in branches:
+                qmodel.prefill(b, embeds, cond)
+
+        row["prefill_ms"] = round(timed(prefill_all, device, max(1, args.iters // 4), warmup=1), 2)
+        row["decode_eager_ms"] = round(timed(lambda: [qmodel.decode(b, x, t) for b in branches], device, args.iters), 2)
+        eager_v = qmodel.decode(branches[0], x, t, in_graph=True).float()
+        for b in branches:
+            b.release()
+        row["velocity_psnr_vs_bf16_db"] = round(psnr(eager_v, bf16_result["_ours_v"]), 2)
+        row["velocity_rel_error_vs_bf16"] = round(((eager_v - bf16_result["_ours_v"]).norm()
+                                                   / bf16_result["_ours_v"].norm()).item(), 5)  # fmt: skip
+        decode_best = row["decode_eager_ms"]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            graphs = DecodeGraphs(qmodel)
+            gbranches = [
+                graphs.new_branch(layout, batch, args.attention, r) for r in ("positive", "negative")[:branches_n]
+            ]
+            for b in gbranches:
+                qmodel.prefill(b, embeds, cond)
+            graph_v = [graphs(b, x, t) for b in gbranches][0].float()
+            row["graph_status"] = graphs.describe()
+            row["decode_graph_ms"] = round(timed(lambda: [graphs(b, x, t) for b in gbranches], device, args.iters), 2)
+            row["graph_equals_eager"] = bool(torch.equal(graph_v, eager_v))
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            graphs.clear()
+            decode_best = row["decode_graph_ms"]
+    row["first_step_ms"] = round(row["prefill_ms"] + decode_best, 2)
+    row["40_steps_s"] = round((row["prefill_ms"] + STEPS * decode_best) / 1e3, 3)
+    bf16_best = bf16_result.get("ours_decode_graph_ms", bf16_result["ours_decode_eager_ms"])
+    row["decode_ratio_vs_our_bf16"] = round(decode_best / bf16_best, 3)
+    if "diffusers_decode_ms" in bf16_result:
+        row["decode_ratio_vs_diffusers"] = round(decode_best / bf16_result["diffusers_decode_ms"], 3)
+        row["total_ratio_vs_diffusers"] = round(row["40_steps_s"] / bf16_result["diffusers_40_steps_s"], 3)
+    row["total_ratio_vs_our_bf16"] = round(row["40_steps_s"] / bf16_result["ours_40_steps_s"], 3)
+    if args.linear_errors and name == "1024_ref0_cfg1_b1" and not keep:
+        row["linear_rel_error"] = linear_errors(ours, qmodel, layout, embeds, cond, x, t, args)
+    emit(**row)
+    return row
+
+
+def linear_errors(ours, qmodel, layout, embeds, cond, x, t, args, blocks=(0, 15, 31)):
+    """Relative error of each quantised Linear on the activations it really sees: each block's inputs are
+    recorded in a bf16 decode, the Linears' bf16 inputs recomputed from them, both layers applied."""
+    import torch.nn.functional as F
+
+    recorded = {}
+    originals = {}
+    for i in blocks:
+        block = ours.transformer_blocks[i]
+        originals[i] = block._finish
+
+        def record(xb, attn, mod, fns, i=i, block=block):
+            recorded[i] = (xb, attn.flatten(2), mod)
+            return originals[i](xb, attn, mod, fns)
+
+        block._finish = record
+    try:
+        branch = ours.new_branch(layout, x.shape[0])
+        ours.prefill(branch, embeds, cond)
+        ours.decode(branch, x, t)
+        branch.release()
+    finally:
+        for i in blocks:
+            del ours.transformer_blocks[i]._finish
+    errors = {}
+    for i, (xb, attn, mod) in recorded.items():
+        block, qblock = ours.transformer_blocks[i], qmodel.transformer_blocks[i]
+        d = xb.shape[-1]
+        norm = F.layer_norm(xb, (d,), eps=block.eps)
+        x_mid = xb + mod.gate1 * F.linear(attn, block.attn.to_out.weight)
+        h = F.layer_norm(x_mid, (d,), eps=block.eps) * mod.scale2
+        gate, up = F.linear(h, block.img_mlp.gate_up.weight).chunk(2, dim=-1)
+        inputs = {"attn.to_qkv": norm * mod.scale1, "attn.to_out": attn, "img_mlp.gate_up": h,
+                  "img_mlp.out": F.silu(gate) * up}  # fmt: skip
+        for path, a in inputs.items():
+            want = F.linear(a.float(), block.get_submodule(path).weight.float())
+            got = qblock.get_submodule(path)(a).float()
+            errors.setdefault(path, []).append(round(((got - want).norm() / want.norm()).item(), 5))
+    return errors
+
+
+def sensitivity(ours, args, device, dtype, fmt_name):
+    """Velocity PSNR vs bf16 with only one layer type (all blocks) or one block (all types) quantised."""
+    res, nref = (64 if args.tiny else 1024), 0
+    mask, embeds, cond, x, shapes, target = case_inputs(res, nref, 1, ours.config, device, dtype, seed=res)
+    t = torch.full((1,), 0.5, device=device, dtype=dtype)
+    layout = build_layout(mask, shapes, target)
+    fmt = FORMATS[fmt_name]
+
+    def velocity(model):
+        branch = model.new_branch(layout, 1)
+        model.prefill(branch, embeds, cond)
+        v = model.decode(branch, x, t).float()
+        branch.release()
+        return v
+
+    with torch.inference_mode():
+        reference = velocity(ours)
+        groups = {f"type:{path}": {(i, path): fmt for i in range(ours.config.num_layers)} for path in QUANTIZABLE}
+        groups |= {f"block:{i}": {(i, path): fmt for path in QUANTIZABLE} for i in range(ours.config.num_layers)}
+        for label, plan in groups.items():
+            qmodel = ours.quantized_copy(plan)
+            v = velocity(qmodel)
+            emit(what="dit_quant_sensitivity", format=fmt_name, layers=label,
+                 velocity_psnr_vs_bf16_db=round(psnr(v, reference), 2),
+                 velocity_rel_error=round(((v - reference).norm() / reference.norm()).item(), 6))  # fmt: skip
+            del qmodel
+
+
+def latent_quality(ours, args, device, dtype, formats):
+    """40-step latents from one seed: each quantised model against bf16 (the sampler with graphs, 1024^2 t2i)."""
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+    from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+    from qwen21_nodes.qwen21_core.sampler import Sampler
+
+    res = 64 if args.tiny else 1024
+    mask, embeds, _, _, _, _ = case_inputs(res, 0, 1, ours.config, device, dtype, seed=7)
+    cond = Conditioning(PromptEmbedding(embeds, mask.to(device)), width=res, height=res)
+    zeros = torch.zeros(ours.config.in_channels)
+
+    def run(model):
+        graphs = DecodeGraphs(model) if device.type == "cuda" else None
+        start = time.perf_counter()
+        out = Sampler(model, QWEN21_SCHEDULER, zeros, zeros + 1, decode_runner=graphs).sample(
+            [cond], height=res, width=res, steps=STEPS, seed=3
+        )
+        sync(device)
+        seconds = time.perf_counter() - start
+        if graphs is not None:
+            graphs.clear()
+        return out.float(), seconds
+
+    with torch.inference_mode():
+        reference, bf16_s = run(ours)
+        emit(what="dit_quant_latents", format="bf16", seconds=round(bf16_s, 2))
+        for fmt_name in formats:
+            qmodel = ours.quantized_copy(uniform_plan(FORMATS[fmt_name], ours.config.num_layers))
+            latents, seconds = run(qmodel)
+            emit(what="dit_quant_latents", format=fmt_name, steps=STEPS, seconds=round(seconds, 2),
+                 latents_psnr_vs_bf16_db=round(psnr(latents, reference), 2),
+                 seconds_ratio_vs_bf16=round(seconds / bf16_s, 3))  # fmt: skip
+            del qmodel
+
+
+def profile_step(ours, args, device, dtype, formats):
+    """Where a 1024^2 decode step's time goes: the top CUDA kernels (eager, so each kernel is visible)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mask, embeds, cond, x, shapes, target = case_inputs(1024, 0, 1, ours.config, device, dtype, seed=1024)
+    t = torch.full((1,), 0.5, device=device, dtype=dtype)
+    layout = build_layout(mask, shapes, target)
+    for fmt_name in ["bf16", *formats]:
+        plan = uniform_plan(FORMATS[fmt_name], ours.config.num_layers) if fmt_name != "bf16" else None
+        model = ours if plan is None else ours.quantized_copy(plan)
+        if fmt_name == "fp8":
+            with torch.inference_mode():  # the same step with fast-accumulation FP8 GEMMs, in the same process
+                branch = model.new_branch(layout, 1)
+                model.prefill(branch, embeds, cond)
+                for fast in (False, True):
+                    os.environ["QWEN21_FP8_FAST_ACCUM"] = "1" if fast else "0"
+                    ms = timed(lambda b=branch: model.decode(b, x, t), device, args.iters)
+                    v = model.decode(branch, x, t).float()
+                    emit(what="dit_fp8_accumulation", fast_accum=fast, decode_eager_ms=round(ms, 2),
+                         velocity_rms=round(v.pow(2).mean().sqrt().item(), 5))  # fmt: skip
+                os.environ.pop("QWEN21_FP8_FAST_ACCUM")
+                branch.release()
+        with torch.inference_mode():
+            branch = model.new_branch(layout, 1)
+            model.prefill(branch, embeds, cond)
+            for _ in range(2):
+                model.decode(branch, x, t)
+            sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    model.decode(branch, x, t)
+                sync(device)
+            branch.release()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+        emit(what="dit_profile", format=fmt_name, step_kernel_ms=round(total / 3 / 1e3, 2),
+             top=[[e.key[:60], round(e.device_time_total / 3 / 1e3, 2), e.count // 3] for e in top])  # fmt: skip
+        if model is not ours:
+            del model
 
 
 def compile_cases(cases, ours, reference, args, device, dtype, eager_results):
@@ -327,13 +538,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny random model (smoke test)")
-    parser.add_argument("--cases", default="", help="run only cases whose name contains this")
+    parser.add_argument("--cases", default="", help="run only cases whose name contains one of these (a,b,...)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-backends", action="store_true")
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 copies used to judge agreement")
+    parser.add_argument("--formats", default="", help="quantised formats to compare, e.g. fp8,int8,int8_convrot")
+    parser.add_argument("--keep-mlp", action="store_true", help="also run each format with the MLP kept in bf16")
+    parser.add_argument("--linear-errors", action="store_true", help="per-Linear errors on recorded activations")
+    parser.add_argument("--quality", action="store_true", help="40-step latents of each format against bf16")
+    parser.add_argument("--sensitivity", default="", help="per-layer sensitivity table for this format")
+    parser.add_argument("--profile", action="store_true", help="top kernels of a 1024^2 decode step per format")
+    parser.add_argument("--bf16-only", action="store_true", help="skip the bf16 extras (backends, compile)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -354,14 +572,29 @@ def main():
     cases = []
     for res, nref, cfg, batch in TINY_CASES if args.tiny else FULL_CASES:
         name = f"{res}_ref{nref}_cfg{cfg:g}_b{batch}"
-        if args.cases in name:
+        if any(part in name for part in args.cases.split(",")):
             cases.append((name, res, nref, cfg, batch))
+    formats = [f for f in args.formats.split(",") if f]
     results = {}
     for name, res, nref, cfg, batch in cases:
         results[name] = run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype)
+        for fmt_name in formats:
+            for keep in [()] + ([("img_mlp.gate_up", "img_mlp.out")] if args.keep_mlp else []):
+                quant_case(name, res, nref, cfg, batch, ours, fmt_name, keep, results[name], args, device, dtype)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the quantised copy is gone; give its memory back before the next
+        results[name].pop("_ours_v")
     args.fp32_reference = args.fp32_ours = None  # free the fp32 copies before the compile runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if args.profile and device.type == "cuda":
+        profile_step(ours, args, device, dtype, formats)
+    if args.quality:
+        latent_quality(ours, args, device, dtype, formats)
+    if args.sensitivity:
+        sensitivity(ours, args, device, dtype, args.sensitivity)
+    if args.bf16_only:
+        return
     if not args.no_backends:
         attention_backends(ours, args, device, dtype)
     if not args.no_compile:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
-#   tests tests-vae demo dit dit-quick vae vae-mem vae-placeholders vae-profile qk te load
+#   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 quant vae vae-mem vae-placeholders
+#   vae-profile qk te load
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 ln -sfn "$PWD" /tmp/pkg/qwen21_nodes
-# comfy-kitchen (the fused op ComfyUI uses), carried in .ck/ for the QK-norm+RoPE comparison only
+# comfy-kitchen (the fused ops ComfyUI uses), carried in .ck/ for the comparisons (QK-norm+RoPE, int8_linear)
 if ls .ck/*.tar.xz >/dev/null 2>&1; then tar xJf .ck/*.tar.xz -C /tmp/pkg; fi
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -38,6 +39,18 @@ for part in "$@"; do
     demo) run demo 120 python3 -m qwen21_nodes demo --tiny-dir /tmp/tiny --output-dir "$OUT/demo" ;;
     dit) run bench_dit 480 python3 benchmarks/bench_dit.py ;;
     dit-quick) run bench_dit 300 python3 benchmarks/bench_dit.py --cases 1024_ref0 --no-backends ;;
+    quant) run bench_quant 100 python3 benchmarks/bench_quant.py ;;
+    tests-quant) run tests_quant 150 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+      tests/test_kernel_quantize.py tests/test_quant.py ;;
+    dit-quant-1024)  # quantised formats at 1024^2 t2i, with the per-Linear errors, profile, 40-step quality, sensitivity
+      run bench_dit_quant 320 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
+        --linear-errors --profile --quality --sensitivity fp8 --no-fp32 --bf16-only ;;
+    dit-quant-profile)  # the 1024^2 t2i step per format and its profile only
+      run bench_dit_quant 240 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --formats fp8,int8,int8_convrot \
+        --profile --no-fp32 --bf16-only --no-reference ;;
+    dit-quant)  # every size the issue names, each format beside bf16 and diffusers, with and without bf16 MLPs
+      run bench_dit_quant 540 python3 benchmarks/bench_dit.py --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \
+        --formats fp8,int8,int8_convrot --keep-mlp --no-fp32 --bf16-only ;;
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
     vae-profile) run bench_vae_profile 150 python3 benchmarks/bench_vae.py --profile --sizes 1024 ;;
     vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;

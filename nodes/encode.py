@@ -33,6 +33,13 @@ def _image_inputs() -> dict:
 
 def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The connected image_i in order (gaps closed; a batch counts as that many images) and their masks."""
+    # ComfyUI passes linked inputs the node does not declare (an API client's image_17) instead of dropping them.
+    unknown = sorted(set(kwargs) - set(_image_inputs()))
+    if unknown:
+        raise ValueError(
+            f"Qwen21Encode has no input {', '.join(unknown)}: it takes at most {MAX_IMAGES} condition images, "
+            f"image_1..image_{MAX_IMAGES} with mask_1..mask_{MAX_IMAGES}"
+        )
     images, masks = [], []
     for i in range(1, MAX_IMAGES + 1):
         image, mask = kwargs.get(f"image_{i}"), kwargs.get(f"mask_{i}")

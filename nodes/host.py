@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..qwen21_core.errors import stable_name
+
 log = logging.getLogger(__name__)
 
 try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
@@ -34,6 +36,7 @@ MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers")
 WEIGHT_EXTENSIONS = (".safetensors", ".sft")
 
 
+@stable_name
 class Interrupted(Exception):
     """The user stopped the run (outside ComfyUI; inside, ComfyUI's own exception is raised)."""
 
@@ -238,7 +241,7 @@ class ManagedModules:
         if on_unload is not None:
             on_detach = getattr(getattr(comfy_patcher, "CallbacksMP", None), "ON_DETACH", None)
             if on_detach is not None:  # older ComfyUI has no callbacks; caches then live until /free
-                self.patcher.add_callback(on_detach, lambda *_args: on_unload())
+                self.patcher.add_callback(on_detach, _on_real_unload(on_unload))
 
     def load(self, memory_required: int = 0) -> None:
         """Put the modules on their device, evicting other models if needed. Always a full load:
@@ -256,3 +259,18 @@ class ManagedModules:
                 comfy_mm.current_loaded_models.pop(index).model_unload()
                 comfy_mm.soft_empty_cache()
                 return
+
+
+def _on_real_unload(on_unload: Callable[[], None]) -> Callable:
+    """A ModelPatcher ON_DETACH callback that calls `on_unload` only when the weights really leave.
+
+    ComfyUI also detaches a loaded model each time it is asked to load it again (load_models_gpu treats
+    a model as a clone of itself), with unpatch_all=False and the weights left in place; freeing our
+    decode graphs then would throw them away at every run.
+    """
+
+    def on_detach(_patcher, unpatch_all=True):
+        if unpatch_all:
+            on_unload()
+
+    return on_detach

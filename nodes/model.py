@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -33,6 +34,10 @@ class Qwen21Model:
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
         self._preview_projection = None
+        # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
+        # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
+        where = pipe.sources.get("transformer", {}).get("path", "?")
+        weakref.finalize(pipe.transformer, log.info, "Qwen21 model freed (%s)", where).atexit = False
 
     def __repr__(self) -> str:
         return f"Qwen21Model({self.pipe.sources}, {self.pipe.dtype}, {self.pipe.device})"

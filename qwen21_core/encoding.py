@@ -23,6 +23,7 @@ import torch
 
 from .conditioning import Conditioning, PendingPrompt
 from .config import TransformerConfig
+from .errors import stable_name
 from .images import (
     ConditionImage,
     condition_images_to_rgba,
@@ -36,6 +37,7 @@ MAX_CONDITION_IMAGES = 16
 _HASH_VERSION = b"qwen21-conditioning-v1"
 
 
+@stable_name
 class PrefixMemoryError(MemoryError):
     """The text + condition-image prefix K/V would not fit in the memory the caller has free."""
 

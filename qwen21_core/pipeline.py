@@ -21,9 +21,12 @@ import torch
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
+from .dit.kv_cache import CacheShape
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
+from .memory.planner import SamplingPlan, device_free_bytes, plan_sampling
 from .options import SampleOptions
+from .quant.plan import WeightFormats
 from .sampler import Sampler, SampleStats
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,10 @@ class Qwen21Pipeline:
         # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
         self.execution_device = transformer.device
         self.decode_graphs = DecodeGraphs(transformer)
+        # Memory: an explicit device budget (bytes; None = what the device has), and whether this pipeline places
+        # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
+        self.vram_budget: int | None = None
+        self.manage_weights = True
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
 
@@ -75,8 +82,13 @@ class Qwen21Pipeline:
         vae_dtype: torch.dtype | None = None,
         text_encoder_offload: bool = True,
         load_text_encoder: bool = True,
+        weight_formats: WeightFormats | None = None,
     ) -> Qwen21Pipeline:
-        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components)."""
+        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
+
+        dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
+        default keeps each file's own format).
+        """
         from .checkpoints.loading import load_components
 
         device = torch.device(device) if device is not None else default_device()
@@ -87,6 +99,7 @@ class Qwen21Pipeline:
             text_encoder_dtype=text_encoder_dtype,
             vae_dtype=vae_dtype,
             load_text_encoder=load_text_encoder,
+            weight_formats=weight_formats,
         )
         return cls(
             parts.transformer,
@@ -167,21 +180,56 @@ class Qwen21Pipeline:
 
     # ---- sample -----------------------------------------------------------------------------------
 
-    def sampling_bytes(self, cond: Conditioning, height: int, width: int, batch_size: int, true_cfg_scale: float):
-        """Device memory a `sample` call needs beyond the weights: each CFG branch's K/V cache (prefix once,
-        target per row) plus the larger of the prefill's and a decode step's activations."""
+    def sampling_bytes(self, cond: Conditioning, height: int, width: int, batch_size: int, true_cfg_scale: float,
+                       options: SampleOptions | None = None, kv_placement: str | None = None) -> int:  # fmt: skip
+        """Device memory a `sample` call needs beyond the weights: each CFG branch's K/V cache (kv_cache.py's
+        `CacheShape.device_bytes`: exactly what it allocates) plus the larger of the prefill's and a decode step's
+        activations. kv_placement None: the options' placement, "auto" counted as the GPU (the larger)."""
+        options = options or SampleOptions()
+        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
+        placement = kv_placement or (options.kv_placement if options.kv_placement != "auto" else "gpu")
+        return caches[placement] + activations
+
+    def _job_bytes(self, cond, height, width, batch_size, true_cfg_scale, options) -> tuple[dict[str, int], int]:
+        """(K/V cache device bytes by placement, activation bytes) of one sample call."""
         cfg = self.transformer.config
         element = torch.empty(0, dtype=self.dtype).element_size()
         target = (height // 16) * (width // 16)
         slots = sum(h * w for h, w in cond.image_shapes) // 4
         lengths = [cond.positive.length] + ([cond.negative_length] if true_cfg_scale > 1 and cond.has_negative else [])
-        caches = activations = 0
+        caches, activations = {"gpu": 0, "cpu": 0}, 0
         for length in lengths:  # branches run one after another: caches add up, activations do not
             prefix = length + 3 * slots  # every image slot becomes 4 latent tokens
-            caches += 2 * cfg.num_layers * (prefix + batch_size * target) * cfg.inner_dim * element
+            shape = CacheShape(cfg.num_layers, batch_size, prefix, target, cfg.num_attention_heads,
+                               cfg.attention_head_dim, self.dtype)  # fmt: skip
+            for placement in caches:
+                layout = options.kv_layout if placement == "gpu" else "split"
+                caches[placement] += shape.device_bytes(options.kv_cache, placement, layout)
             tokens = max(prefix, batch_size * target)
             activations = max(activations, ACTIVATION_FACTOR * tokens * cfg.inner_dim * element)
-        return caches + activations
+        return caches, activations
+
+    def plan_sampling(self, cond, height, width, batch_size, true_cfg_scale, options) -> SamplingPlan:
+        """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
+        (memory/planner.py). With `manage_weights` off (ComfyUI decides the weights' placement) only the K/V
+        placement is planned, around the blocks as they are."""
+        tr = self.transformer
+        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
+        if self.device.type != "cuda":
+            return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
+        streamer = tr.streamer
+        blocks = len(tr.transformer_blocks)
+        block_bytes = sum(p.numel() * p.element_size() for p in tr.transformer_blocks[0].parameters())
+        resident = blocks if streamer is None else streamer.resident
+        free = device_free_bytes(self.device, self.vram_budget)
+        if not self.manage_weights:
+            # the blocks' memory is not ours to plan: only the K/V placement, in what is free now
+            plan = plan_sampling(free + blocks * block_bytes, caches, activations, block_bytes, blocks, 0,
+                                 options.kv_placement)  # fmt: skip
+            return SamplingPlan(plan.kv_placement, resident, plan.reason)
+        slot_bytes = 2 * block_bytes if streamer is None or not streamer.host else streamer.prefetcher.nbytes
+        return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
+                             options.kv_placement)  # fmt: skip
 
     def _base_sigmas(self, schedule: str, sigmas):
         if sigmas is not None:
@@ -232,6 +280,10 @@ class Qwen21Pipeline:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
         self.transformer.compile_blocks(options.compile_blocks)
+        plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
+        if self.manage_weights:
+            self.transformer.stream_blocks(plan.resident_blocks)
+        log.info("sampling plan: %s", plan.reason)
         vae_config = self.vae.config
         runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
         sampler = Sampler(
@@ -240,6 +292,7 @@ class Qwen21Pipeline:
             torch.tensor(vae_config.latents_mean),
             torch.tensor(vae_config.latents_std),
             options=options,
+            kv_placement=plan.kv_placement,
             decode_runner=runner,
         )
         try:
@@ -265,7 +318,7 @@ class Qwen21Pipeline:
                 stats.decode_graph = "off: disabled"
             else:
                 stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
-            self.last_sample_stats = stats.as_dict()
+            self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
             self.decode_graphs.end_generation()
         return latents
 
@@ -308,6 +361,8 @@ class Qwen21Pipeline:
 
     def release(self):
         """Free what can be rebuilt (decode graphs, cached memory); weights stay."""
+        entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        log.info("Qwen21 released %d decode graph entries and cached memory (weights kept)", entries)

@@ -54,6 +54,8 @@ class SampleStats:
     prefix_tokens: int = 0
     prefix_cache: str = "off"  # "on" | "off" | "reused"
     cache_bytes: int = 0
+    cache_host_bytes: int = 0
+    kv_cache: str = ""
     decode_graph: str = "off"
     peak_vram_bytes: int = 0
 
@@ -70,6 +72,8 @@ class SampleStats:
             "prefix_tokens": self.prefix_tokens,
             "prefix_cache": self.prefix_cache,
             "prefix_cache_mib": round(self.cache_bytes / 2**20, 1),
+            "prefix_cache_host_mib": round(self.cache_host_bytes / 2**20, 1),
+            "kv_cache": self.kv_cache,
             "decode_graph": self.decode_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
         }
@@ -86,6 +90,7 @@ class Sampler:
         latents_std: torch.Tensor,
         *,
         options: SampleOptions | None = None,
+        kv_placement: str = "gpu",
         decode_runner=None,
     ):
         self.transformer = transformer
@@ -95,6 +100,7 @@ class Sampler:
         self.options = options or SampleOptions()
         self.prefix_cache = self.options.prefix_cache
         self.attention_backend = self.options.attention_backend
+        self.kv = self.options.kv_spec(kv_placement)  # the pipeline resolves "auto" placement from free memory
         self.decode_runner = decode_runner  # e.g. the CUDA-graph manager; None = eager decode
         self.stats = SampleStats()
 
@@ -190,9 +196,9 @@ class Sampler:
         for role, prompt in zip(("positive", "negative"), prompts, strict=False):
             layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
             if self.decode_runner is not None:
-                branch = self.decode_runner.new_branch(layout, batch, self.attention_backend, role)
+                branch = self.decode_runner.new_branch(layout, batch, self.attention_backend, role, self.kv)
             else:
-                branch = self.transformer.new_branch(layout, batch, self.attention_backend)
+                branch = self.transformer.new_branch(layout, batch, self.attention_backend, self.kv)
             branches.append((branch, prompt))
         return branches, cond_tokens
 
@@ -242,6 +248,8 @@ class Sampler:
             for role in ("positive", "negative")[: len(branches)]
         ]
         self.stats.cache_bytes += sum(b.cache.nbytes for b, _ in branches)
+        self.stats.cache_host_bytes += sum(b.cache.host_nbytes for b, _ in branches)
+        self.stats.kv_cache = f"{self.kv.fmt} on {self.kv.placement}"
         total = len(timesteps)
         try:
             for i in range(total):

@@ -14,12 +14,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..qwen21_core.errors import stable_name
+
 log = logging.getLogger(__name__)
 
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 HIDDEN_VALUES = ("UNIQUE_ID", "PROMPT", "EXTRA_PNGINFO", "DYNPROMPT")
 
 
+@stable_name
 class WorkflowError(ValueError):
     """The workflow cannot run; the message lists every problem found."""
 
@@ -28,6 +31,7 @@ class WorkflowError(ValueError):
         super().__init__("invalid workflow:\n  - " + "\n  - ".join(problems))
 
 
+@stable_name
 class NodeError(RuntimeError):
     """A node raised while running; the message names the node and keeps the cause."""
 

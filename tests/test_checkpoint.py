@@ -389,12 +389,15 @@ def _marker(fmt):
 @pytest.mark.parametrize(
     ("tensors", "metadata", "message"),
     [
-        ({"up.weight": torch.zeros(4, 4, dtype=torch.int8), "up.weight_scale": torch.tensor(1.0),
-          "up.comfy_quant": _marker("int8_tensorwise")},
-         None, r"ComfyUI quantisation format \['int8_tensorwise'\] on 1 layers"),
+        ({"up.weight": torch.zeros(4, 2, dtype=torch.int8), "up.weight_scale": torch.tensor(1.0),
+          "up.comfy_quant": _marker("asym_w4a8_int8")},
+         None, r"ComfyUI quantisation format \['asym_w4a8_int8'\] on 1 layers"),
+        ({"up.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "up.weight_scale": torch.ones(4, 1),
+          "up.comfy_quant": _marker("mxfp8")}, None, r"format \['mxfp8'\]"),
         ({"up.weight": torch.zeros(4, 2, dtype=torch.uint8)},
          {"_quantization_metadata": json.dumps({"layers": {"up": {"format": "nvfp4"}}})}, r"format \['nvfp4'\]"),
-        ({"up.weight": torch.zeros(4, 4, dtype=torch.int8)}, None, "torch.int8 weights .*integer-quantised"),
+        ({"up.weight": torch.zeros(4, 4, dtype=torch.int8)}, None, "int8 weights without a ComfyUI int8_tensorwise"),
+        ({"up.weight": torch.zeros(4, 4, dtype=torch.int16)}, None, "torch.int16 weights .*integer-quantised"),
         ({"up.qweight": torch.zeros(4, 4, dtype=torch.int32)}, None, "GPTQ/AWQ 4-bit quantisation"),
         ({"up.weight": torch.zeros(4, 4)}, {"comfy.gguf.orig_shape.up.weight": "4,4"}, "GGUF quantisation"),
     ],
@@ -402,7 +405,7 @@ def _marker(fmt):
 def test_unsupported_quantisation_is_named(tmp_path, tensors, metadata, message):
     save_file(tensors, tmp_path / "q.safetensors", metadata=metadata)
     with Checkpoint.open(tmp_path / "q.safetensors") as ckpt:
-        with pytest.raises(UnsupportedQuantizationError, match=message + r".*Supported: bf16, fp16 and fp32"):
+        with pytest.raises(UnsupportedQuantizationError, match=message + r".*Supported: bf16, fp16 and fp32.*instead"):
             quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
 
 

@@ -9,6 +9,7 @@ through POST /upload/image.
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from pathlib import Path
 import pytest
 
 requests = pytest.importorskip("requests", reason="the ComfyUI server tests need `requests` (pip install requests)")
+websocket = pytest.importorskip(
+    "websocket", reason="the ComfyUI server tests need `websocket-client` (pip install websocket-client)"
+)
 
 from qwen21_nodes.runner.cli import EXAMPLE_INPUTS, WORKFLOWS_DIR, tiny_overrides  # noqa: E402
 from qwen21_nodes.runner.graph import apply_overrides, find_node, load_prompt  # noqa: E402
@@ -29,7 +33,9 @@ COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 PACK_FOLDER = "qwen21-under-test"
 API_WORKFLOWS = sorted((WORKFLOWS_DIR / "api").glob("*.json"))
 UI_WORKFLOWS = sorted(WORKFLOWS_DIR.glob("*.json"))
+TEXT_TO_IMAGE = WORKFLOWS_DIR / "api" / "text_to_image.json"
 RUN_TIMEOUT_S = 300
+WRONG_DIT_FILE = "wrong_file_a_vae.safetensors"  # a VAE in diffusion_models/: the loader must say so
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -69,10 +75,21 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def queue(self, prompt: dict) -> str:
-        reply = self.post("/prompt", json={"prompt": prompt, "client_id": "qwen21-tests"})
+    def queue(self, prompt: dict, client_id: str = "qwen21-tests") -> str:
+        reply = self.post("/prompt", json={"prompt": prompt, "client_id": client_id})
         assert reply.status_code == 200, reply.text
         return reply.json()["prompt_id"]
+
+    def listen(self) -> "Events":
+        """The server's messages to one new client id (progress, executing, ...), as a client sees them."""
+        return Events(self.url, self.log)
+
+    def wait_for_log(self, text: str, after: int = 0, timeout: float = 30) -> None:
+        """Wait until `text` appears in the server log past character `after`."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log()[after:]:
+            assert time.monotonic() < deadline, f"no {text!r} in the server log in {timeout} s:\n" + self.log()[-4000:]
+            time.sleep(0.25)
 
     def wait(self, prompt_id: str) -> dict:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -85,6 +102,35 @@ class Server:
                     return entry
             time.sleep(0.25)
         raise AssertionError(f"prompt {prompt_id} did not finish in {RUN_TIMEOUT_S} s:\n" + self.log()[-4000:])
+
+
+class Events:
+    """A websocket client of the server: the JSON messages sent to its client id, in order."""
+
+    def __init__(self, url: str, log):
+        self.client_id = f"qwen21-tests-{uuid.uuid4().hex[:8]}"
+        self.log = log
+        self.socket = websocket.create_connection(
+            url.replace("http://", "ws://") + f"/ws?clientId={self.client_id}", timeout=RUN_TIMEOUT_S
+        )
+        self.seen: list[dict] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.socket.close()
+
+    def wait_for(self, matches, what: str) -> dict:
+        """Read messages until one matches (binary ones are preview images, skipped)."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            frame = self.socket.recv()
+            if isinstance(frame, str):
+                self.seen.append(json.loads(frame))
+                if matches(self.seen[-1]):
+                    return self.seen[-1]
+        raise AssertionError(f"no {what} in {RUN_TIMEOUT_S} s; messages: {self.seen[-20:]}\n" + self.log()[-4000:])
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +148,14 @@ def server(tmp_path_factory, tiny_models):
     for folder in ("custom_nodes", "input", "output", "temp", "user", "models"):
         (base / folder).mkdir()
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
-    for kind in ("diffusion_models", "text_encoders", "diffusers"):
+    for kind in ("text_encoders", "diffusers"):
         if (tiny_models / kind).exists():
             (base / "models" / kind).symlink_to(tiny_models / kind, target_is_directory=True)
+    (base / "models" / "diffusion_models").mkdir()
+    for dit in (tiny_models / "diffusion_models").iterdir():
+        (base / "models" / "diffusion_models" / dit.name).symlink_to(dit)
+    (vae_file,) = (tiny_models / "vae").glob("*.safetensors")
+    (base / "models" / "diffusion_models" / WRONG_DIT_FILE).symlink_to(vae_file)
     # The VAE only through extra_model_paths.yaml, to show that file is honoured.
     (base / "extra_model_paths.yaml").write_text(f"qwen21_tests:\n    vae: {tiny_models / 'vae'}\n")
     log_path = base / "server.log"
@@ -242,46 +293,137 @@ def test_bad_input_is_a_node_error_not_a_crash(server):
         "Qwen21Sampler.schedule=custom",
         "Qwen21Sampler.sigmas=not numbers",
     )
-    entry = server.wait(server.queue(prompt))
-    assert entry["status"]["status_str"] == "error"
-    failure = dict(entry["status"]["messages"])["execution_error"]
-    assert failure["node_type"] == "Qwen21Sampler" and failure["exception_type"].endswith("ValueError")
+    failure = run_to_error(server, prompt)
+    assert failure["node_type"] == "Qwen21Sampler" and failure["exception_type"] == "ValueError"
     assert "sigmas" in failure["exception_message"]
     assert server.get("/system_stats").status_code == 200
 
 
-def test_interrupt_stops_a_run_within_a_step_and_the_next_run_works(server):
-    # Same loader and prompt as the runs before (cached), so the time goes into 200 sampling steps.
-    slow = tiny_prompt(
-        WORKFLOWS_DIR / "api" / "text_to_image.json",
-        server.models,
-        "Qwen21Sampler.steps=200",
-        "Qwen21Encode.output_resolution=512",
-    )
-    prompt_id = server.queue(slow)
-    deadline = time.monotonic() + 60
-    while not any(item[1] == prompt_id for item in server.get("/queue").json()["queue_running"]):
-        assert time.monotonic() < deadline, "the prompt never started"
-        time.sleep(0.1)
-    time.sleep(3.0)
-    asked = time.monotonic()
-    assert server.post("/interrupt").status_code == 200
-    entry = server.wait(prompt_id)
-    stopped_after = time.monotonic() - asked
-    messages = dict(entry["status"]["messages"])
-    assert "execution_interrupted" in messages, list(messages)
-    assert messages["execution_interrupted"]["node_type"] == "Qwen21Sampler"
-    assert stopped_after < 10, f"took {stopped_after:.1f} s to stop"
+def run_to_error(server: Server, prompt: dict) -> dict:
+    """Queue a prompt that must fail while running; its execution_error message."""
+    entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "error", [event for event, _ in entry["status"]["messages"]]
+    return dict(entry["status"]["messages"])["execution_error"]
 
-    entry = server.wait(server.queue(tiny_prompt(WORKFLOWS_DIR / "api" / "text_to_image.json", server.models)))
+
+def test_our_errors_carry_the_package_name_not_the_pack_folder_path(server):
+    # ComfyUI names the pack's modules after its folder path; exception_type must not show that path.
+    prompt = tiny_prompt(
+        TEXT_TO_IMAGE,
+        server.models,
+        f"Qwen21ModelLoader.diffusion_model={WRONG_DIT_FILE}",
+    )
+    failure = run_to_error(server, prompt)
+    assert failure["node_type"] == "Qwen21ModelLoader"
+    assert failure["exception_type"] == "qwen21_nodes.qwen21_core.checkpoints.files.WrongModelError"
+    assert "load it as the vae" in failure["exception_message"]
+    assert server.get("/system_stats").status_code == 200
+
+
+def test_a_17th_condition_image_is_an_error_not_dropped(server):
+    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "edit_1_reference.json", server.models)
+    encoder = find_node(prompt, "Qwen21Encode")
+    prompt[encoder]["inputs"]["image_17"] = prompt[encoder]["inputs"]["image_1"]
+    failure = run_to_error(server, prompt)
+    assert failure["node_type"] == "Qwen21Encode" and failure["exception_type"] == "ValueError"
+    assert "image_17" in failure["exception_message"] and "at most 16" in failure["exception_message"]
+
+
+def test_interrupt_stops_a_run_within_a_step_and_the_next_run_works(server):
+    # A seed no earlier run used, so ComfyUI cannot serve the sampler from its cache; a step at 1536x1536
+    # takes ~0.4 s on the tiny model (more on a busy machine), far longer than the interrupt's round trip,
+    # and 200 of them keep it sampling when the interrupt arrives, sent after the first progress message.
+    seed = random.randrange(2**32)
+    steps = 200
+    slow = tiny_prompt(
+        TEXT_TO_IMAGE,
+        server.models,
+        f"Qwen21Sampler.steps={steps}",
+        f"Qwen21Sampler.seed={seed}",
+        "Qwen21Encode.output_resolution=1536",
+    )
+    sampler = find_node(slow, "Qwen21Sampler")
+
+    def sampler_progress(message):
+        data = message.get("data", {})
+        return message["type"] == "progress" and data.get("prompt_id") == prompt_id and data.get("node") == sampler
+
+    with server.listen() as events:
+        prompt_id = server.queue(slow, client_id=events.client_id)
+        first = events.wait_for(sampler_progress, "progress message from the sampler")
+        assert server.post("/interrupt", json={"prompt_id": prompt_id}).status_code == 200
+        asked = time.monotonic()
+        sent_before = len(events.seen)
+        events.wait_for(
+            lambda m: (
+                m["type"] in ("execution_interrupted", "execution_success", "execution_error")
+                and m["data"].get("prompt_id") == prompt_id
+            ),
+            "end of the interrupted prompt",
+        )
+        stopped_after = time.monotonic() - asked
+    entry = server.wait(prompt_id)
+    messages = dict(entry["status"]["messages"])
+    assert entry["status"]["status_str"] == "error" and "execution_interrupted" in messages, list(messages)
+    assert "execution_success" not in messages and "execution_error" not in messages
+    assert messages["execution_interrupted"]["node_id"] == sampler
+    assert messages["execution_interrupted"]["node_type"] == "Qwen21Sampler"
+    assert entry["outputs"] == {}, "an interrupted run saved outputs"
+    # At most the step in flight when the interrupt arrived reports progress after it.
+    later = [m["data"]["value"] for m in events.seen[sent_before:] if sampler_progress(m)]
+    last_step = max([first["data"]["value"], *later])
+    assert len(later) <= 1 and last_step < steps, (first["data"], later)
+    assert stopped_after < 10, f"took {stopped_after:.1f} s to stop after the interrupt"
+
+    prompt = tiny_prompt(TEXT_TO_IMAGE, server.models, f"Qwen21Sampler.seed={seed}")
+    entry = server.wait(server.queue(prompt))
     assert entry["status"]["status_str"] == "success"
+    assert sampler in executed_nodes(entry), "the next run's sampler did not run"
+
+
+def executed_nodes(entry: dict) -> set[str]:
+    """The node ids a finished prompt ran (every node of the prompt less the ones served from cache)."""
+    cached = {n for event, data in entry["status"]["messages"] if event == "execution_cached" for n in data["nodes"]}
+    return set(entry["prompt"][2]) - cached
 
 
 def test_free_releases_models_and_the_next_run_loads_again(server):
-    assert server.post("/free", json={"unload_models": True, "free_memory": True}).status_code == 200
-    time.sleep(1.0)
-    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "text_to_image.json", server.models, "Qwen21Sampler.seed=11")
-    entry = server.wait(server.queue(prompt))
+    prompt = tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=11")
+    loader, sampler = find_node(prompt, "Qwen21ModelLoader"), find_node(prompt, "Qwen21Sampler")
+    assert server.wait(server.queue(prompt))["status"]["status_str"] == "success"
+    # A run on the loaded model keeps its decode graphs (ComfyUI detaches a model it loads again, weights
+    # in place: that is no unload).
+    mark = len(server.log())
+    entry = server.wait(server.queue(tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=10")))
+    assert entry["status"]["status_str"] == "success" and sampler in executed_nodes(entry)
+    assert "Qwen21 released" not in server.log()[mark:], "an ordinary run released the decode graphs"
+
+    # "Unload models": ComfyUI unloads the weights; our hook frees the decode graphs and their prefix
+    # caches with them. The loader's output stays cached, and the next run loads the weights again.
+    mark = len(server.log())
+    assert server.post("/free", json={"unload_models": True}).status_code == 200
+    server.wait_for_log("Qwen21 released", after=mark)
+    assert "Qwen21 model freed" not in server.log()[mark:], "unloading the weights dropped the whole model"
+    mark = len(server.log())
+    entry = server.wait(server.queue(tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=12")))
     assert entry["status"]["status_str"] == "success"
-    cached = [data for event, data in entry["status"]["messages"] if event == "execution_cached"]
-    assert cached and find_node(prompt, "Qwen21ModelLoader") not in cached[0]["nodes"], "loader stayed cached"
+    assert loader not in executed_nodes(entry) and sampler in executed_nodes(entry)
+    assert "Requested to load Qwen21Weights" in server.log()[mark:], "the unloaded weights were not loaded again"
+
+    # "Free model and node cache": the model handle goes, and with it everything built on the weights.
+    mark = len(server.log())
+    assert server.post("/free", json={"unload_models": True, "free_memory": True}).status_code == 200
+    server.wait_for_log("Qwen21 model freed", after=mark)
+    entry = server.wait(server.queue(tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=13")))
+    assert entry["status"]["status_str"] == "success"
+    assert loader in executed_nodes(entry), "the loader stayed cached"
+
+
+def test_templates_are_listed_with_their_thumbnails(server):
+    # ComfyUI lists custom_nodes/<pack>/workflows/*.json as templates; the browser shows <name>.jpg beside each.
+    listed = server.get("/workflow_templates").json()
+    assert sorted(listed.get(PACK_FOLDER, [])) == sorted(p.stem for p in UI_WORKFLOWS), listed
+    for name in listed[PACK_FOLDER]:
+        reply = server.get(f"/api/workflow_templates/{PACK_FOLDER}/{name}.jpg")
+        assert reply.status_code == 200, f"no thumbnail for the template {name}"
+        assert reply.headers["Content-Type"] == "image/jpeg" and reply.content[:3] == b"\xff\xd8\xff", name

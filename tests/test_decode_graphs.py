@@ -73,7 +73,7 @@ def test_next_generation_adopts_the_idle_entry_without_recapture(model):
     graphs(first, x, t)
     cache = first.cache
     graphs.release(first)
-    assert cache._joint is not None  # the entry keeps its buffers
+    assert cache.allocated  # the entry keeps its buffers
     second = _prefilled(graphs, layout, seed=7)
     assert second is first and second.cache is cache
     fresh = model.new_branch(layout)
@@ -174,7 +174,7 @@ def test_lru_eviction_frees_the_old_entry_before_capturing(model):
     graphs(second, x, t)
     assert recorder.captures == 2
     assert len(graphs.entries) == 1
-    assert first.cache._joint is None  # evicted: its buffers were released
+    assert not first.cache.allocated  # evicted: its buffers were released
 
 
 def test_all_slots_busy_falls_back_to_eager(model):
@@ -201,7 +201,7 @@ def test_capture_failure_is_remembered_and_decodes_eagerly(model, error, words):
     graphs(branch, x, t)
     assert recorder.captures == 1  # not retried
     assert words in graphs.describe()
-    assert branch.cache._joint is not None  # the generation's own cache is intact
+    assert branch.cache.allocated  # the generation's own cache is intact
 
 
 def test_moved_weights_invalidate_all_entries(model, monkeypatch):

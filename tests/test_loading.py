@@ -9,6 +9,8 @@ import torch
 from qwen21_nodes.qwen21_core.checkpoints import loading
 from qwen21_nodes.qwen21_core.checkpoints.files import CheckpointMismatchError, WrongModelError
 from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
+from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
+from qwen21_nodes.qwen21_core.quant.slots import QuantSlot
 from qwen21_nodes.qwen21_core.tiny import TURBO_SIGMAS, make_tiny
 from safetensors.torch import load_file, save_file
 
@@ -137,11 +139,15 @@ def test_fp8_scaled_comfy_transformer_loads_within_fp8_error(tiny, tmp_path):
     save_file(quantized, tmp_path / "dit_fp8_scaled.safetensors")
 
     reference, _ = loading.load_transformer(tiny["transformer"], "cpu", torch.float32)
-    model, info = loading.load_transformer(tmp_path / "dit_fp8_scaled.safetensors", "cpu", torch.float32)
-    assert info["stored"] == "fp8 e4m3fn, per-tensor scales"
-    for name, expected in reference.checkpoint_slots().items():
-        got = model.checkpoint_slots()[name]
-        assert (got - expected).abs().max() <= expected.abs().max() / 16 + 1e-6, name
+    path = tmp_path / "dit_fp8_scaled.safetensors"
+    for weight_format in ("auto", "none"):  # kept in fp8 (the file's format), or dequantised to fp32
+        model, info = loading.load_transformer(path, "cpu", torch.float32, weight_formats=WeightFormats(weight_format))
+        assert info["stored"] == "fp8 e4m3fn, scaled"
+        assert info["weights"] == ("fp8 (8/8 block linears)" if weight_format == "auto" else "float32")
+        for name, expected in reference.checkpoint_slots().items():
+            got = model.checkpoint_slots()[name]
+            got = got.dequantized() if isinstance(got, QuantSlot) else got
+            assert (got - expected).abs().max() <= expected.abs().max() / 16 + 1e-6, name
 
 
 # ---- tokenizer lookup ---------------------------------------------------------------------------------

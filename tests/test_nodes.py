@@ -74,6 +74,9 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
     with pytest.raises(ValueError, match="mask_2 is connected but image_2 is not"):
         encode(model, image_1=image, mask_2=mask)
+    # ComfyUI hands a node every linked input, declared or not: a 17th image must not vanish.
+    with pytest.raises(ValueError, match="no input image_17: it takes at most 16 condition images"):
+        encode(model, image_1=image, image_17=image)
 
 
 def host_examples():
@@ -230,26 +233,35 @@ def test_prefix_cache_toggle_reaches_the_sampler(model):
     assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])  # fp32: identical
 
 
-def test_decode_graphs_toggle_reaches_the_pipeline(model, monkeypatch):
-    """Graphs run on CUDA only; here the pipeline takes its CUDA path with a CPU stand-in capture that has
-    CUDA-graph semantics (tests/fake_cuda_graph.py)."""
-    from fake_cuda_graph import RecordingCapture
-
+def test_decode_graphs_toggle_reaches_the_pipeline(model):
+    """On the CPU the pipeline takes the toggle and reports why it decodes eagerly; the GPU test below checks
+    capture, replay and the kept prefix through the node (tests/test_decode_graphs.py the bookkeeping, on
+    the CPU with a stand-in capture)."""
     cond, _, _ = encode(model)
-    capture = RecordingCapture()
-    monkeypatch.setattr(model.pipe.decode_graphs, "capture", capture)
-    monkeypatch.setattr(type(model.pipe), "device", property(lambda pipe: torch.device("cuda")))
-    try:
-        off = sample(model, cond, decode_graphs=False)
-        assert off["ui"]["qwen21_stats"][0]["decode_graph"] == "off: disabled" and capture.captures == 0
-        on = sample(model, cond, decode_graphs=True)
-        assert on["ui"]["qwen21_stats"][0]["decode_graph"] == "replay" and capture.captures == 1
-        assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])
-        rerun = sample(model, cond, decode_graphs=True, seed=9)["ui"]["qwen21_stats"][0]
-        assert rerun["prefix_cache"] == "reused" and rerun["prefills"] == 0  # the kept entry skips the prefill
-        assert capture.captures == 1
-    finally:
-        model.pipe.decode_graphs.clear()
+    off = sample(model, cond, decode_graphs=False)["ui"]["qwen21_stats"][0]
+    on = sample(model, cond, decode_graphs=True)["ui"]["qwen21_stats"][0]
+    assert off["decode_graph"] == "off: disabled"
+    assert on["decode_graph"] == "off: needs CUDA (model on cpu)"
+
+
+@pytest.mark.gpu
+def test_decode_graphs_toggle_captures_replays_and_keeps_the_prefix_on_cuda(model):
+    (cuda_model,) = Qwen21ModelLoader().load(
+        host.list_weight_files("diffusion_models")[0],
+        host.list_weight_files("text_encoders")[0],
+        host.list_weight_files("vae")[0],
+        weight_dtype="bf16",
+        device="cuda:0",
+        offload_text_encoder=True,
+    )
+    cond, _, _ = encode(cuda_model)
+    off = sample(cuda_model, cond, decode_graphs=False, steps=3)
+    on = sample(cuda_model, cond, decode_graphs=True, steps=3)
+    assert off["ui"]["qwen21_stats"][0]["decode_graph"] == "off: disabled"
+    assert on["ui"]["qwen21_stats"][0]["decode_graph"] == "replay"
+    assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])
+    rerun = sample(cuda_model, cond, decode_graphs=True, steps=3, seed=9)["ui"]["qwen21_stats"][0]
+    assert rerun["prefix_cache"] == "reused" and rerun["prefills"] == 0  # the kept entry skips the prefill
 
 
 def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):

@@ -81,3 +81,45 @@ def test_every_node_has_a_help_page_and_tooltips():
                 assert stem in text, f"{page.name} does not mention the input {input_name!r}"
         assert node_class.CATEGORY.split("/")[0] == "Qwen21"
         assert node_class.DESCRIPTION
+
+
+# ComfyUI's real module name for a pack folder: its whole path, dots replaced (nodes.py load_custom_node).
+# Every exception class in the pack is reported by ComfyUI as module + name (execution.full_type_name).
+ERROR_NAMES_UNDER_A_PATH_NAME = """
+import importlib, importlib.util, inspect, json, os, pkgutil, sys
+folder = sys.argv[1]
+name = folder.replace(".", "_x_")
+spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"))
+package = importlib.util.module_from_spec(spec)
+sys.modules[name] = package
+spec.loader.exec_module(package)
+names = set()
+for info in pkgutil.walk_packages(package.__path__, name + "."):
+    if info.name.endswith("__main__"):
+        continue
+    module = importlib.import_module(info.name)
+    for value in vars(module).values():
+        if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ != "builtins":
+            if value.__module__.startswith((name, "qwen21_nodes")):  # ours, not torch's or another library's
+                names.add(value.__module__ + "." + value.__qualname__)
+print(json.dumps(sorted(names)))
+"""
+
+
+def test_every_error_class_reports_the_package_name_not_the_folder_path(tmp_path):
+    copy = tmp_path / "custom_nodes" / "qwen21.nodes-main"
+    shutil.copytree(
+        REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "tests", "__pycache__", "*.egg-info", "output")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", ERROR_NAMES_UNDER_A_PATH_NAME, str(copy)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    names = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "qwen21_nodes.qwen21_core.checkpoints.files.WrongModelError" in names, names
+    leaked = [n for n in names if not n.startswith("qwen21_nodes.") or str(tmp_path) in n or "_x_" in n]
+    assert leaked == [], "decorate these with qwen21_core.errors.stable_name"

@@ -397,3 +397,36 @@ def test_run_from_the_page_shows_the_status_lines_and_updates_them(server, page)
     page.evaluate(JS_SET_WIDGETS, [[sampler_id, "prefix_cache", False]])
     queue_and_wait_for_status(page, {"Qwen21Sampler": "prefix cache off"})
     screenshot(page, "status_after_second_run")
+
+
+def test_template_browser_shows_a_thumbnail_for_every_template(server, page):
+    thumbnails = {}  # template name -> HTTP status of its thumbnail request
+    prefix = f"/api/workflow_templates/{PACK_FOLDER}/"
+
+    def record(response):
+        path = response.url.split("?")[0].split(server.url, 1)[-1]
+        if path.startswith(prefix) and path.endswith(".jpg"):
+            thumbnails[path[len(prefix) : -len(".jpg")]] = response.status
+
+    page.on("response", record)
+    try:
+        page.evaluate("() => app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+        page.get_by_text(PACK_FOLDER, exact=True).first.click()
+        expected = {p.stem for p in UI_WORKFLOWS}
+        for name in sorted(expected):  # cards load their image when scrolled into view
+            page.get_by_test_id(f"template-workflow-{name}").scroll_into_view_if_needed()
+        deadline = time.monotonic() + 30
+        while set(thumbnails) != expected and time.monotonic() < deadline:
+            page.wait_for_timeout(200)
+        screenshot(page, "template_browser")
+        assert thumbnails == dict.fromkeys(expected, 200)
+        broken = page.evaluate(
+            """(prefix) => [...document.querySelectorAll('img')]
+                .filter((img) => img.src.includes(prefix) && !(img.complete && img.naturalWidth > 0))
+                .map((img) => img.src)""",
+            prefix,
+        )
+        assert broken == [], "thumbnails the page could not show"
+    finally:
+        page.remove_listener("response", record)
+        page.keyboard.press("Escape")

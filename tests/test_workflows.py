@@ -46,6 +46,17 @@ def test_committed_files_match_the_build_description():
     for name, picture in build.input_images().items():
         with Image.open(EXAMPLE_INPUTS / name) as saved:
             assert saved.mode == picture.mode and saved.tobytes() == picture.tobytes(), name
+    for path, (_picture, fingerprint) in build.render_thumbnails(build.render_workflows()).items():
+        assert build.thumbnail_fingerprint(path) == fingerprint, f"{path.name} is stale: run python workflows/build.py"
+
+
+def test_every_template_has_a_thumbnail():
+    # ComfyUI's template browser shows workflows/<name>.jpg for workflows/<name>.json.
+    assert {p.stem for p in WORKFLOWS_DIR.glob("*.jpg")} == {p.stem for p in UI_WORKFLOWS}
+    for path in WORKFLOWS_DIR.glob("*.jpg"):
+        with Image.open(path) as thumbnail:
+            assert thumbnail.format == "JPEG" and thumbnail.size == (400, 400), path.name
+            assert len(set(thumbnail.convert("L").getdata())) > 32, f"{path.name} is (nearly) blank"
 
 
 @pytest.mark.parametrize("path", UI_WORKFLOWS, ids=[p.stem for p in UI_WORKFLOWS])

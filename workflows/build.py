@@ -1,5 +1,6 @@
 """Maintainer tool: writes the example workflows (UI format in workflows/, API format in
-workflows/api/) and their input images (workflows/input/) from the descriptions below.
+workflows/api/), their input images (workflows/input/) and their template-browser thumbnails
+(workflows/<name>.jpg) from the descriptions below.
 
     python workflows/build.py            # rewrite the files
     python workflows/build.py --check    # exit 1 if a committed file differs (tests do this too)
@@ -11,13 +12,14 @@ the node classes' INPUT_TYPES, so widget order, sockets and link types always ma
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import sys
 import uuid
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 HERE = Path(__file__).resolve().parent
 log = logging.getLogger("workflows.build")
@@ -334,6 +336,156 @@ def input_images() -> dict[str, Image.Image]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Thumbnails: ComfyUI's template browser shows workflows/<name>.jpg beside workflows/<name>.json
+# (the frontend asks for /api/workflow_templates/<pack folder>/<name>.jpg). Each is a picture of the
+# workflow itself: its title, a line saying what sets it apart, and its graph as a flow chart with the
+# input pictures in the Load Image nodes; a workflow added to workflows() gets one on the next build.
+
+THUMBNAIL_SIZE = 400
+THUMBNAIL_QUALITY = 90
+THUMBNAIL_STYLE = 1  # bump when draw_thumbnail changes, so that --check asks for new thumbnails
+LINK_COLORS = {
+    "QWEN21_MODEL": (178, 132, 240),
+    "QWEN21_CONDITIONING": (245, 176, 82),
+    "LATENT": (255, 128, 176),
+    "IMAGE": (100, 182, 245),
+    "MASK": (120, 214, 136),
+}
+TITLE_WORDS = {"rgba": "RGBA", "vae": "VAE", "lora": "LoRA"}
+
+
+def _title(name: str) -> str:
+    """text_to_image -> "Text to image", rgba_in_out -> "RGBA in out"."""
+    title = " ".join(TITLE_WORDS.get(word, word) for word in name.split("_"))
+    return title[0].upper() + title[1:]
+
+
+def _checkerboard(size: tuple[int, int], cell: int = 6) -> Image.Image:
+    board = Image.new("RGB", size, (205, 205, 205))
+    draw = ImageDraw.Draw(board)
+    for y in range(0, size[1], cell):
+        for x in range((y // cell) % 2 * cell, size[0], 2 * cell):
+            draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(150, 150, 150))
+    return board
+
+
+def _summary(prompt: dict) -> str:
+    """One line of what the workflow does differently: steps or schedule, references, batch, VAE path."""
+    inputs = {node["class_type"]: node["inputs"] for node in prompt.values()}
+    sampler, encoder = inputs.get("Qwen21Sampler", {}), inputs.get("Qwen21Encode", {})
+    parts = []
+    if sampler:
+        parts.append(f"{sampler['steps']} steps" + (" turbo" if sampler["schedule"] == "turbo" else ""))
+    if encoder:
+        images = sum(name.startswith("image_") for name in encoder)
+        parts.append(f"{images} reference{'s' * (images != 1)}" if images else "text only")
+        if any(name.startswith("mask_") for name in encoder):
+            parts.append("alpha in and out")
+    if sampler.get("batch_size", 1) > 1:
+        parts.append(f"batch {sampler['batch_size']}")
+    if "Qwen21VAEDecode" in inputs:
+        parts.append(f"{inputs['Qwen21VAEDecode']['quality']} VAE")
+    return " · ".join(parts)
+
+
+def _label(node: dict) -> str:
+    short = {"Qwen21ModelLoader": "Load", "Qwen21DiffusersLoader": "Load", "Qwen21Sampler": "Sample"}
+    short.update(Qwen21VAEDecode="Decode", SaveImage="Save", JoinImageWithAlpha="Join")
+    return short.get(node["type"], node["type"].removeprefix("Qwen21").removesuffix("Loader") or "Load")
+
+
+def draw_thumbnail(name: str, ui: dict, prompt: dict, pictures: dict[str, Image.Image]) -> Image.Image:
+    """The workflow as a flow chart: a column per graph depth (as the canvas lays it out), a box per node
+    (the Load Image nodes showing their picture), the links coloured by type."""
+    side, margin = THUMBNAIL_SIZE, 16
+    card = Image.new("RGB", (side, side), (30, 33, 40))
+    draw = ImageDraw.Draw(card)
+    draw.text((margin + 4, 16), "Qwen-Image-2.1", fill=(150, 160, 178), font=ImageFont.load_default(size=20))
+    draw.text((margin + 4, 40), _title(name), fill=(242, 242, 248), font=ImageFont.load_default(size=32))
+    draw.text((margin + 4, 82), _summary(prompt), fill=(196, 200, 214), font=ImageFont.load_default(size=16))
+
+    nodes = [node for node in ui["nodes"] if node["type"] != "MarkdownNote"]
+    xs = sorted({node["pos"][0] for node in nodes})
+    columns: dict[int, list[dict]] = {}
+    for node in sorted(nodes, key=lambda n: n["pos"][1]):
+        columns.setdefault(xs.index(node["pos"][0]), []).append(node)
+    gap = 18
+    box_w = (side - 2 * margin - gap * (len(xs) - 1)) / len(xs)
+    top, bottom = 122, side - margin
+    rows = max(len(column) for column in columns.values())
+    box_h = min(box_w * 0.9, (bottom - top - 8 * (rows - 1)) / rows)
+    chart_h = rows * box_h + 8 * (rows - 1)
+    boxes = {}
+    for column, members in columns.items():
+        x0 = margin + column * (box_w + gap)
+        y = top + (bottom - top - chart_h) / 2
+        for node in members:
+            boxes[node["id"]] = (x0, y, x0 + box_w, y + box_h)
+            y += box_h + 8
+
+    def edge(node_id: int, index: int, count: int, output: bool) -> tuple[float, float]:
+        x0, y0, x1, y1 = boxes[node_id]
+        return (x1 if output else x0), y0 + (y1 - y0) * (index + 1) / (count + 1)
+
+    for _link, source, slot, target, target_slot, kind in ui["links"]:
+        sources = [link[2] for link in ui["links"] if link[1] == source]
+        targets = sorted(link[4] for link in ui["links"] if link[3] == target)
+        ax, ay = edge(source, sorted(set(sources)).index(slot), len(set(sources)), True)
+        bx, by = edge(target, targets.index(target_slot), len(targets), False)
+        bend = (bx - ax) / 2
+        curve = []
+        for i in range(25):  # a cubic Bezier, as the canvas draws links
+            t, u = i / 24, 1 - i / 24
+            x = u**3 * ax + 3 * u * u * t * (ax + bend) + 3 * u * t * t * (bx - bend) + t**3 * bx
+            curve.append((x, u**3 * ay + 3 * u * u * t * ay + 3 * u * t * t * by + t**3 * by))
+        draw.line(curve, fill=LINK_COLORS.get(kind, (190, 190, 190)), width=2)
+
+    font = ImageFont.load_default(size=12)
+    for node in nodes:
+        x0, y0, x1, y1 = boxes[node["id"]]
+        bar = min(14.0, (y1 - y0) / 4)
+        ours = node["type"].startswith("Qwen21")
+        draw.rounded_rectangle([x0, y0, x1, y1], radius=4, fill=(56, 60, 72), outline=(18, 20, 24))
+        draw.rounded_rectangle([x0, y0, x1, y0 + bar], radius=4, fill=(112, 82, 176) if ours else (82, 88, 102))
+        picture = pictures.get(node["widgets_values"][0]) if node["type"] == "LoadImage" else None
+        if picture is None:
+            draw.text(((x0 + x1) / 2, (y0 + bar + y1) / 2), _label(node), fill=(232, 232, 240), font=font, anchor="mm")
+            continue
+        shown = picture.copy()
+        shown.thumbnail((int(x1 - x0) - 6, int(y1 - y0 - bar) - 6))
+        backdrop = _checkerboard(shown.size)
+        backdrop.paste(shown, mask=shown.getchannel("A") if shown.mode == "RGBA" else None)
+        card.paste(backdrop, (int((x0 + x1 - shown.width) / 2), int((y0 + bar + y1 - shown.height) / 2)))
+    return card
+
+
+def render_thumbnails(files: dict[Path, dict]) -> dict[Path, tuple[Image.Image, str]]:
+    """workflows/<name>.jpg for every UI workflow among `files` (what render_workflows returns):
+    the picture, and the fingerprint of what it was drawn from (stored in the JPEG's comment)."""
+    pictures = input_images()
+    drawn_from = [THUMBNAIL_STYLE] + [[name, hashlib.sha256(p.tobytes()).hexdigest()] for name, p in pictures.items()]
+    thumbnails = {}
+    for path, ui in files.items():
+        if path.parent == HERE:
+            prompt = files[HERE / "api" / path.name]
+            source = json.dumps([path.stem, ui, prompt, drawn_from], sort_keys=True).encode()
+            fingerprint = hashlib.sha256(source).hexdigest()
+            thumbnails[path.with_suffix(".jpg")] = (draw_thumbnail(path.stem, ui, prompt, pictures), fingerprint)
+    return thumbnails
+
+
+def thumbnail_fingerprint(path: Path) -> str | None:
+    """The fingerprint a saved thumbnail was drawn from; None if it is missing or no thumbnail of ours.
+    (JPEG encoders differ a little, so a fingerprint, not the pixels, says whether it is current.)"""
+    if not path.is_file():
+        return None
+    with Image.open(path) as saved:
+        if saved.format != "JPEG" or saved.size != (THUMBNAIL_SIZE, THUMBNAIL_SIZE):
+            return None
+        return saved.info.get("comment", b"").decode() or None
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def render_workflows() -> dict[Path, dict]:
@@ -362,12 +514,18 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     stale = []
-    for path, content in render_workflows().items():
+    files = render_workflows()
+    for path, content in files.items():
         if not (path.is_file() and json.loads(path.read_text()) == content):
             stale.append(path)
             if not args.check:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(content, indent=2) + "\n")
+    for path, (picture, fingerprint) in render_thumbnails(files).items():
+        if thumbnail_fingerprint(path) != fingerprint:
+            stale.append(path)
+            if not args.check:
+                picture.save(path, quality=THUMBNAIL_QUALITY, optimize=True, comment=fingerprint)
     for name, picture in input_images().items():
         path = HERE / "input" / name
         if not _same_pixels(path, picture):

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import stable_name
+from ..quant.slots import QuantSlot, StoredQuant
 from . import formats
 
 log = logging.getLogger(__name__)
@@ -59,14 +61,17 @@ _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 Converter = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 
+@stable_name
 class CheckpointError(ValueError):
     """A checkpoint file is unusable (not safetensors, truncated, inconsistent)."""
 
 
+@stable_name
 class WrongModelError(CheckpointError):
     """The file holds some other model than the Qwen-Image-2.1 component asked for."""
 
 
+@stable_name
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not fit the module (missing / unexpected keys, shape mismatches)."""
 
@@ -483,7 +488,8 @@ def _parameters_on_meta():
 def build_empty(factory: Callable[[], nn.Module], device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """`factory()` with uninitialised parameters of `dtype` on `device`, ready for `load_into`.
 
-    Floating-point parameters get `dtype`, others keep theirs; tied parameters stay tied; buffers keep the
+    Floating-point parameters get `dtype`, others keep theirs (and so do those a module lists in `param_dtypes`,
+    e.g. a quantised layer's fp8 weight and fp32 scale); tied parameters stay tied; buffers keep the
     values and dtypes __init__ gave them and move to `device`. The module is returned in eval mode without
     gradients.
     """
@@ -496,7 +502,9 @@ def build_empty(factory: Callable[[], nn.Module], device: torch.device | str, dt
             if param is None:
                 continue
             if id(param) not in new_params:
-                param_dtype = dtype if param.is_floating_point() else param.dtype
+                # quantised layers name the dtypes of their parameters (an fp8 weight, an fp32 scale)
+                kept = getattr(sub, "param_dtypes", {}).get(name)
+                param_dtype = kept or (dtype if param.is_floating_point() else param.dtype)
                 storage = torch.empty(param.shape, dtype=param_dtype, device=device)
                 new_params[id(param)] = nn.Parameter(storage, requires_grad=False)
             sub._parameters[name] = new_params[id(param)]
@@ -607,15 +615,36 @@ def load_into(
 
 def _copy_one(key, slots, stager, convert, quant) -> None:
     # A function of its own so the staged tensor is released before the next one is read.
-    scale_key = quant.scales.get(key)
-    scale = stager.ckpt.read(scale_key) if scale_key else None  # tiny; read before the weight reuses the buffer
+    stored = quant.layers.get(key)
+    scale = None
+    if stored is not None and stored.scale_key:  # tiny; read before the weight reuses the staging buffer
+        scale = stager.ckpt.read(stored.scale_key).to(stager.device, torch.float32)
     raw = stager.fetch(key)
-    if raw.dtype in formats.FP8_DTYPES:
-        raw = formats.dequantize(raw, scale)
-    for name, tensor in convert(key, raw):
+    parts = convert(key, raw)
+    # per-row scales follow their rows through the converter (the ComfyUI gate_up split, say)
+    scales = [s for _, s in convert(key, scale.reshape(-1))] if scale is not None and scale.numel() > 1 else None
+    for index, (name, tensor) in enumerate(parts):
         slot = slots[name]
-        if slot is not None:
+        if slot is None:
+            continue
+        part_scale = scales[index] if scales is not None else scale
+        if isinstance(slot, QuantSlot):
+            _fill_quantized(slot, tensor, part_scale, stored)
+        elif stored is not None:
+            slot.copy_(formats.dequantize(tensor, part_scale, stored.rotation))
+        else:
             slot.copy_(tensor)
+
+
+def _fill_quantized(slot: QuantSlot, tensor, scale, stored) -> None:
+    """Stored rows go in as they are (requantised if the formats differ); float rows are quantised."""
+    if stored is None:
+        slot.fill(tensor)
+    elif stored.fmt is None:  # fp8 e5m2: no GEMM takes it; through fp32 into the slot's format
+        slot.fill(formats.dequantize(tensor, scale))
+    else:
+        unit = torch.ones((), device=tensor.device)
+        slot.fill(tensor, StoredQuant(stored.fmt, unit if scale is None else scale))
 
 
 class _Stager:

@@ -1,18 +1,20 @@
-"""Weight quantisation formats found in checkpoints: what we accept, what we refuse, how to dequantise.
+"""Weight quantisation formats found in checkpoints: what we accept, what we refuse, how each weight is stored.
 
-Accepted: plain bf16 / fp16 / fp32 weights, and fp8 (float8_e4m3fn, float8_e5m2) weights with or without a
-per-tensor scale as ComfyUI's fp8 files store them. Everything is upcast when loaded (`dequantize`); running
-the matmuls in FP8 later only needs the (weight, scale) pairs this module already identifies.
-
-ComfyUI stores fp8 scales in two generations of files (comfy/utils.py `convert_old_quants`, comfy/quant_ops.py):
-  old "scaled fp8":  a marker tensor `scaled_fp8` (its dtype names the fp8 format), `<layer>.scale_weight`
-                     (fp32 scalar) and optional `<layer>.scale_input`;
-  new mixed ops:     `<layer>.comfy_quant` (uint8 bytes of a JSON dict {"format": ...}) or the same dicts in the
-                     safetensors metadata `_quantization_metadata` {"layers": {layer: {...}}}, with
-                     `<layer>.weight_scale` and optional `<layer>.input_scale`.
-Either way the real weight is `fp8_weight.float() * scale`. Input scales only matter for fp8 activations and
-are dropped. Other formats (int8 ConvRot, NVFP4, MXFP8, AWQ, GGUF, bitsandbytes, ...) raise
-`UnsupportedQuantizationError` naming the format.
+Accepted (per weight, so mixed files with some layers in bf16 work):
+- plain bf16 / fp16 / fp32 weights;
+- fp8 (float8_e4m3fn, float8_e5m2), unscaled or with ComfyUI scales ("fp8_scaled" files), both generations
+  (comfy/utils.py `convert_old_quants`, comfy/quant_ops.py):
+    old "scaled fp8":  a marker tensor `scaled_fp8`, `<layer>.scale_weight` (fp32) and optional `.scale_input`;
+    new mixed ops:     `<layer>.comfy_quant` (uint8 bytes of a JSON dict {"format": ...}) or the same dicts in the
+                       safetensors metadata `_quantization_metadata` {"layers": {layer: {...}}}, with
+                       `<layer>.weight_scale` and optional `<layer>.input_scale`;
+- int8, ComfyUI format "int8_tensorwise": `<layer>.weight` int8 [N, K], `<layer>.weight_scale` fp32 [N, 1] (per
+  row) or a scalar, and in the marker `"convrot": true, "convrot_groupsize": 256` (flat, or nested under
+  "params") when the stored weight is Hadamard-rotated (the int8_convrot files of Comfy-Org's Qwen-Image-2.1
+  release; see quant/weights.py).
+In every case weight = q.float() * scale (rotated back for ConvRot). Input scales (static fp8 activation scales)
+are dropped: activations are quantised per row at run time. Everything else (NVFP4, MXFP8, W4A4/W4A8, AWQ,
+GPTQ, GGUF, bitsandbytes, ...) raises `UnsupportedQuantizationError` naming the format and what to use instead.
 """
 
 from __future__ import annotations
@@ -23,15 +25,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import stable_name
+from ..quant.weights import QuantFormat, dequantize_weight
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED = (
-    "bf16, fp16 and fp32 weights; fp8 weights (float8_e4m3fn, float8_e5m2) with or without ComfyUI per-tensor "
-    "scales (fp8_scaled files)"
+    "bf16, fp16 and fp32 weights; fp8 weights (float8_e4m3fn, float8_e5m2) unscaled or with ComfyUI scales "
+    "(fp8_scaled files); int8 weights in ComfyUI's int8_tensorwise format, with or without ConvRot rotation "
+    "(int8_convrot files)"
 )
+INSTEAD = "Use the bf16, fp8_scaled or int8_convrot release of the file instead."
 
-# ComfyUI format names (comfy/quant_ops.py QUANT_ALGOS) we can dequantise.
-_FP8_FORMATS = {"float8_e4m3fn", "float8_e5m2"}
+_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_INT8_FORMAT = "int8_tensorwise"
 # Key suffixes of quantisation schemes we do not support, and what to call them.
 _FOREIGN_SUFFIXES = {
     ".qweight": "GPTQ/AWQ 4-bit",
@@ -44,28 +51,50 @@ _FOREIGN_SUFFIXES = {
 }
 
 
+@stable_name
 class UnsupportedQuantizationError(ValueError):
     """The checkpoint uses a quantisation format this pack cannot load."""
 
     def __init__(self, path: str, what: str):
-        super().__init__(
-            f"{path}: uses {what}, which qwen21-nodes cannot load. Supported: {SUPPORTED}. "
-            "Use the bf16 or fp8_scaled release of the file instead."
-        )
+        super().__init__(f"{path}: uses {what}, which qwen21-nodes cannot load. Supported: {SUPPORTED}. {INSTEAD}")
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """How one weight is stored: its dtype, scale tensor key (None = unscaled) and ConvRot group (0 = none)."""
+
+    dtype: torch.dtype
+    scale_key: str | None = None
+    rotation: int = 0
+
+    @property
+    def fmt(self) -> QuantFormat | None:
+        """The matching in-memory QuantFormat (None for fp8 e5m2, which the GEMMs do not take as it is)."""
+        if self.dtype == torch.int8:
+            return QuantFormat("int8", self.rotation)
+        return QuantFormat("fp8") if self.dtype == torch.float8_e4m3fn else None
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """How the weights of one checkpoint are stored.
 
-    scales:     weight key -> key of its dequantisation scale (fp8 scaled files only).
+    layers:     weight key -> StoredLayer, for every quantised (fp8/int8) weight.
     auxiliary:  keys that are not weights (scales, input scales, format markers); the loader skips them.
-    name:       short description for logs and the UI, e.g. "fp8 e4m3fn, ComfyUI per-tensor scales".
+    name:       short description for logs and the UI, e.g. "int8 ConvRot, per-row scales".
     """
 
-    scales: Mapping[str, str] = field(default_factory=dict)
+    layers: Mapping[str, StoredLayer] = field(default_factory=dict)
     auxiliary: frozenset[str] = frozenset()
     name: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.layers)
+
+    def formats(self) -> set[str]:
+        """In-memory format names of the quantised weights ("fp8", "int8", "int8_convrot"; e5m2 counts as fp8)."""
+        return {layer.fmt.name if layer.fmt else "fp8" for layer in self.layers.values()}
 
 
 def inspect(
@@ -82,55 +111,70 @@ def inspect(
     """
     keys = list(keys)
     key_set = set(keys)
-    # ComfyUI's own format names first: they say more than the raw dtypes (int8 ConvRot, NVFP4, ...).
-    layer_formats = _comfy_layer_formats(keys, metadata, read)
-    unsupported = sorted({fmt for fmt in layer_formats.values() if fmt not in _FP8_FORMATS})
+    # ComfyUI's own format names first: they say more than the raw dtypes (NVFP4, W4A8, ...).
+    markers = _comfy_layer_markers(keys, metadata, read)
+    unsupported = sorted({m.get("format", "?") for m in markers.values()} - set(_FP8_FORMATS) - {_INT8_FORMAT})
     if unsupported:
-        count = sum(fmt not in _FP8_FORMATS for fmt in layer_formats.values())
+        count = sum(m.get("format", "?") in unsupported for m in markers.values())
         raise UnsupportedQuantizationError(path, f"ComfyUI quantisation format {unsupported} on {count} layers")
     _reject_foreign(path, keys, dtype_of, metadata)
 
     auxiliary = {k for k in keys if k.endswith((".comfy_quant", ".input_scale", ".scale_input"))}
     auxiliary |= {k for k in keys if k == "scaled_fp8" or k.endswith(".scaled_fp8")}
-    scales = {}
+    layers = {}
     for key in keys:
         if not key.endswith(".weight"):
             continue
         layer = key[: -len(".weight")]
-        for scale_key in (f"{layer}.weight_scale", f"{layer}.scale_weight"):
-            if scale_key in key_set:
-                scales[key] = scale_key
-                auxiliary.add(scale_key)
+        dtype = dtype_of(key)
+        scale_key = next((s for s in (f"{layer}.weight_scale", f"{layer}.scale_weight") if s in key_set), None)
+        if scale_key is not None:
+            auxiliary.add(scale_key)
+        if dtype in FP8_DTYPES:
+            layers[key] = StoredLayer(dtype, scale_key)
+        elif dtype == torch.int8:
+            layers[key] = _int8_layer(path, key, scale_key, markers.get(layer))
+        elif scale_key is not None:
+            raise UnsupportedQuantizationError(path, f"a dequantisation scale on a {dtype} weight ({key})")
     stray = sorted(k for k in keys if k.endswith((".weight_scale", ".scale_weight")) and k not in auxiliary)
     if stray:
         raise UnsupportedQuantizationError(path, f"scale tensors without a matching weight (e.g. {stray[:3]})")
-
-    for weight_key in scales:
-        if dtype_of(weight_key) not in FP8_DTYPES:
-            raise UnsupportedQuantizationError(
-                path, f"a dequantisation scale on a {dtype_of(weight_key)} weight ({weight_key})"
-            )
     weights = [k for k in keys if k not in auxiliary]
-    return QuantScheme(scales=scales, auxiliary=frozenset(auxiliary), name=_describe(weights, dtype_of, scales))
+    return QuantScheme(layers=layers, auxiliary=frozenset(auxiliary), name=_describe(weights, dtype_of, layers))
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp8 weight (and its scale, if any) -> float32 weight, on the weight's device.
+def _int8_layer(path: str, key: str, scale_key: str | None, marker: dict | None) -> StoredLayer:
+    if marker is None or marker.get("format") != _INT8_FORMAT:
+        raise UnsupportedQuantizationError(
+            path, f"int8 weights without a ComfyUI int8_tensorwise marker (e.g. {key}), an unknown integer format"
+        )
+    if scale_key is None:
+        raise UnsupportedQuantizationError(path, f"int8 weight {key} without its weight_scale")
+    params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
+    convrot = marker.get("convrot", params.get("convrot", False))
+    group = int(marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if convrot else 0
+    if group not in (0, 256):
+        raise UnsupportedQuantizationError(path, f"ConvRot with group size {group} (only 256 is supported) on {key}")
+    return StoredLayer(torch.int8, scale_key, group)
 
-    The scale is a scalar (per tensor) or one value per output row, as ComfyUI and ModelOpt store them.
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, rotation: int = 0) -> torch.Tensor:
+    """A stored quantised weight (and its scale, if any) -> float32 weight, on the weight's device.
+
+    The scale is a scalar (per tensor) or one value per output row ([N] or [N, 1]), as ComfyUI and ModelOpt
+    store them; ConvRot weights are rotated back.
     """
-    out = weight.to(torch.float32)
     if scale is None:
-        return out
-    scale = scale.to(device=out.device, dtype=torch.float32)
-    if scale.numel() == 1:
-        return out.mul_(scale.reshape(()))
-    if scale.numel() == out.shape[0]:
-        return out.mul_(scale.reshape(-1, *([1] * (out.dim() - 1))))
-    raise ValueError(
-        f"fp8 weight scale of shape {tuple(scale.shape)} does not fit a weight of shape {tuple(weight.shape)}: "
-        "expected one value per tensor or one per output row (block-scaled formats such as MXFP8 are not supported)"
-    )
+        return weight.to(torch.float32)
+    scale = scale.to(device=weight.device, dtype=torch.float32)
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(
+            f"weight scale of shape {tuple(scale.shape)} does not fit a weight of shape {tuple(weight.shape)}: "
+            "expected one value per tensor or one per output row (block-scaled formats such as MXFP8 are not supported)"
+        )
+    if weight.dim() != 2:
+        return weight.to(torch.float32).mul_(scale.reshape(-1, *([1] * (weight.dim() - 1))))
+    return dequantize_weight(weight, scale, rotation, torch.float32)
 
 
 def _reject_foreign(path, keys, dtype_of, metadata) -> None:
@@ -146,28 +190,40 @@ def _reject_foreign(path, keys, dtype_of, metadata) -> None:
         dtype = dtype_of(key)
         if isinstance(dtype, str):
             raise UnsupportedQuantizationError(path, f"tensors of dtype {dtype} (e.g. {key}), a packed low-bit format")
+        if dtype == torch.int8 and key.endswith(".weight"):
+            continue  # judged per layer, by its marker
         if not (dtype.is_floating_point or dtype == torch.bool):
             raise UnsupportedQuantizationError(path, f"{dtype} weights (e.g. {key}), an integer-quantised format")
 
 
-def _comfy_layer_formats(keys, metadata, read) -> dict[str, str]:
-    """layer -> ComfyUI format name, from `.comfy_quant` markers and `_quantization_metadata`."""
-    formats = {}
+def _comfy_layer_markers(keys, metadata, read) -> dict[str, dict]:
+    """layer -> ComfyUI marker dict ({"format": ..., ...}), from `.comfy_quant` tensors and `_quantization_metadata`."""
+    markers = {}
     if "_quantization_metadata" in metadata:
         layers = json.loads(metadata["_quantization_metadata"]).get("layers", {})
         for layer, conf in layers.items():
-            formats[layer] = conf.get("format", "?") if isinstance(conf, dict) else str(conf)
+            markers[layer] = conf if isinstance(conf, dict) else {"format": str(conf)}
     for key in keys:
         if key.endswith(".comfy_quant"):
             conf = json.loads(bytes(read(key).tolist()).decode("utf-8"))
-            formats[key[: -len(".comfy_quant")]] = conf.get("format", "?")
-    return formats
+            markers[key[: -len(".comfy_quant")]] = conf if isinstance(conf, dict) else {"format": str(conf)}
+    return markers
 
 
-def _describe(keys, dtype_of, scales) -> str:
-    fp8 = sorted({str(dtype_of(k)).removeprefix("torch.") for k in keys if dtype_of(k) in FP8_DTYPES})
-    if not fp8:
+def _describe(keys, dtype_of, layers: Mapping[str, StoredLayer]) -> str:
+    if not layers:
         floats = sorted({str(dtype_of(k)).removeprefix("torch.") for k in keys})
         return "/".join(floats)
-    kind = "fp8 " + "/".join(name.removeprefix("float8_") for name in fp8)
-    return kind + (", per-tensor scales" if scales else ", unscaled")
+    parts = []
+    int8 = [layer for layer in layers.values() if layer.dtype == torch.int8]
+    if int8:
+        rotated = sum(layer.rotation > 0 for layer in int8)
+        kind = "int8 ConvRot" if rotated == len(int8) else "int8" if not rotated else "int8 (partly ConvRot)"
+        parts.append(kind)
+    fp8 = sorted(
+        {str(layer.dtype).removeprefix("torch.float8_") for layer in layers.values() if layer.dtype != torch.int8}
+    )
+    if fp8:
+        parts.append("fp8 " + "/".join(fp8))
+    scaled = any(layer.scale_key for layer in layers.values())
+    return ", ".join(parts) + (", scaled" if scaled else ", unscaled")

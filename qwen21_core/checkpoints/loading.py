@@ -23,10 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLProcessor
 
 from ..config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
-from ..dit.transformer import QwenImage21Transformer
+from ..dit.transformer import QUANTIZABLE, QwenImage21Transformer
+from ..quant.linear import QuantLinear
+from ..quant.plan import WeightFormats, choose, dit_stored_formats
+from ..quant.slots import quant_slots
+from ..quant.weights import QuantFormat
 from ..text.encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder
 from ..vae.model import QwenImage21VAE
 from . import formats, key_maps
@@ -83,11 +88,13 @@ def load_components(
     text_encoder_dtype: torch.dtype | None = None,
     vae_dtype: torch.dtype | None = None,
     load_text_encoder: bool = True,
+    weight_formats: WeightFormats | None = None,
 ) -> Components:
     """Load transformer, VAE and (optionally) text encoder; see the module docstring for `source`.
 
     device None picks CUDA when available. The VAE and the text encoder default to the transformer's
-    dtype and device.
+    dtype and device. weight_formats: which Linears are quantised, in what format (quant/plan.py); dtype is
+    the compute dtype.
     """
     device = _resolve_device(device)
     dtype = _check_dtype(dtype, "dtype")
@@ -100,7 +107,7 @@ def load_components(
     else:
         paths, scheduler_config, pipeline_config = _diffusers_folder(Path(source))
 
-    transformer, transformer_info = load_transformer(paths["transformer"], device, dtype)
+    transformer, transformer_info = load_transformer(paths["transformer"], device, dtype, None, weight_formats)
     vae, vae_info = load_vae(paths["vae"], device, vae_dtype)
     if vae.config.z_dim != transformer.config.in_channels:
         raise ValueError(
@@ -111,7 +118,7 @@ def load_components(
     text_encoder = None
     if load_text_encoder:
         text_encoder, te_info = load_qwen3vl(
-            paths["text_encoder"], te_device, te_dtype, tokenizer=paths.get("tokenizer")
+            paths["text_encoder"], te_device, te_dtype, tokenizer=paths.get("tokenizer"), weight_formats=weight_formats
         )
         if text_encoder.hidden_size != transformer.config.context_in_dim:
             raise ValueError(
@@ -230,8 +237,12 @@ def _info(ckpt: Checkpoint, layout: Layout, quant, dtype, device, config_from: s
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _load_model(path, device, dtype, config_path, component, config_cls, config_from_shapes, model_cls, what):
-    """Shared by the DiT and the VAE: open, detect the layout, find or derive the config, build, fill."""
+def _load_model(path, device, dtype, config_path, component, config_cls, config_from_shapes, build, what):
+    """Shared by the DiT and the VAE: open, detect the layout, find or derive the config, build, fill.
+
+    build(config, stored) -> the module (on meta); stored: diffusers name -> QuantFormat of the file's
+    quantised weights (the DiT uses it to choose its quantised layers).
+    """
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
     config_path = _config_file(Path(path), config_path)
     ckpt, layout, quant = _open(Path(path), component)
@@ -243,21 +254,48 @@ def _load_model(path, device, dtype, config_path, component, config_cls, config_
         else:
             config = config_from_shapes(_shapes(ckpt, convert, quant))
             config_from = "derived from tensor shapes"
-        model = build_empty(lambda: model_cls(config), device, dtype)
+        stored = _stored_formats(quant, convert)
+        model = build_empty(lambda: build(config, stored), device, dtype)
         load_into(module_slots(model), ckpt, convert, what=what, quant=quant)
         info = _info(ckpt, layout, quant, dtype, device, config_from)
     log.info("%s: %s", component, info)
     return model, info
 
 
+def _stored_formats(quant: formats.QuantScheme, convert) -> dict[str, QuantFormat]:
+    """Converted (diffusers) weight name -> in-memory format of each quantised checkpoint weight."""
+    out = {}
+    for key, layer in quant.layers.items():
+        fmt = layer.fmt or QuantFormat("fp8")  # e5m2 weights run as e4m3 (requantised at load)
+        for name, _ in convert(key, torch.empty(0, device="meta")):
+            out[name] = fmt
+    return out
+
+
 def load_transformer(
-    path: str | os.PathLike, device, dtype: torch.dtype, config_path: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    device,
+    dtype: torch.dtype,
+    config_path: str | os.PathLike | None = None,
+    weight_formats: WeightFormats | None = None,
 ) -> tuple[QwenImage21Transformer, dict[str, str]]:
-    """A diffusers transformer folder or a (ComfyUI or diffusers layout) single file -> our transformer."""
-    return _load_model(
-        path, device, dtype, config_path, "transformer", TransformerConfig, transformer_config_from_shapes,
-        QwenImage21Transformer, "Qwen-Image-2.1 transformer",
+    """A diffusers transformer folder or a (ComfyUI or diffusers layout) single file -> our transformer.
+
+    weight_formats.dit / .keep choose its quantised block Linears (quant/plan.py); dtype is the compute dtype.
+    """
+    weight_formats = weight_formats or WeightFormats()
+
+    def build(config, stored):
+        candidates = [(i, path) for i in range(config.num_layers) for path in QUANTIZABLE]
+        plan = choose(weight_formats.dit, candidates, dit_stored_formats(stored), weight_formats.keep)
+        return QwenImage21Transformer(config).quantize_linears(plan)
+
+    model, info = _load_model(
+        path, device, dtype, config_path, "transformer", TransformerConfig, transformer_config_from_shapes, build,
+        "Qwen-Image-2.1 transformer",
     )  # fmt: skip
+    info["weights"] = model.quantization
+    return model, info
 
 
 def load_vae(
@@ -265,8 +303,8 @@ def load_vae(
 ) -> tuple[QwenImage21VAE, dict[str, str]]:
     """A diffusers VAE folder or a (ComfyUI Wan 2.2 or diffusers layout) single file -> our VAE."""
     return _load_model(
-        path, device, dtype, config_path, "vae", VAEConfig, vae_config_from_shapes, QwenImage21VAE,
-        "Qwen-Image-2.1 VAE",
+        path, device, dtype, config_path, "vae", VAEConfig, vae_config_from_shapes,
+        lambda config, _stored: QwenImage21VAE(config), "Qwen-Image-2.1 VAE",
     )  # fmt: skip
 
 
@@ -348,6 +386,7 @@ def load_qwen3vl(
     *,
     tokenizer: str | os.PathLike | None = None,
     config_path: str | os.PathLike | None = None,
+    weight_formats: WeightFormats | None = None,
 ) -> tuple[Qwen21TextEncoder, dict[str, str]]:
     """Qwen3-VL weights (a diffusers text_encoder/ folder or a single file) + its processor -> Qwen21TextEncoder.
 
@@ -363,15 +402,43 @@ def load_qwen3vl(
         processor_dir = find_tokenizer(path, tokenizer)  # before the weights: a missing tokenizer fails fast
         config, config_from = _text_encoder_config(ckpt, path, config_path)
         config.dtype = dtype
-        model = build_empty(lambda: Qwen3VLModel(config), device, dtype)
-        # Our canonical names are the transformers Qwen3VLForConditionalGeneration ones.
-        slots = {f"model.{name}": tensor for name, tensor in module_slots(model).items()}
+        convert = key_maps.converter(layout, ckpt.keys())
+        stored = _stored_formats(quant, convert)
+        choice = (weight_formats or WeightFormats()).text_encoder
+
+        def build():
+            model = Qwen3VLModel(config)
+            # Our canonical names are the transformers Qwen3VLForConditionalGeneration ones ("model." + path).
+            stored_layers = {name[len("model.") : -len(".weight")]: fmt for name, fmt in stored.items()}
+            linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+            candidates = [name for name in linears if name.startswith("language_model.layers.")]
+            candidates += [name for name in linears if name in stored_layers and name not in candidates]
+            plan = choose(choice, candidates, stored_layers)
+            for name, fmt in plan.items():
+                parent, _, child = name.rpartition(".")
+                linear = linears[name]
+                layer = QuantLinear(linear.in_features, linear.out_features, fmt, compute_dtype=dtype)
+                setattr(model.get_submodule(parent), child, layer)
+            return model
+
+        model = build_empty(build, device, dtype)
+        slots = {f"model.{name}": tensor for name, tensor in quant_slots(model, module_slots(model)).items()}
         slots["lm_head.weight"] = None
-        load_into(slots, ckpt, key_maps.converter(layout, ckpt.keys()), what="Qwen3-VL text encoder", quant=quant)
+        load_into(slots, ckpt, convert, what="Qwen3-VL text encoder", quant=quant)
         info = _info(ckpt, layout, quant, dtype, device, config_from)
+        info["weights"] = _describe_linears(model)
     info["tokenizer"] = str(processor_dir)
     log.info("text encoder: %s", info)
     return Qwen21TextEncoder(model, load_processor(processor_dir)), info
+
+
+def _describe_linears(model: nn.Module) -> str:
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    quantized = [m for m in linears if isinstance(m, QuantLinear)]
+    if not quantized:
+        return "float"
+    names = "/".join(sorted({m.fmt.name for m in quantized}))
+    return f"{names} ({len(quantized)}/{len(linears)} linears)"
 
 
 def _text_encoder_config(ckpt: Checkpoint, path: Path, config_path) -> tuple[Qwen3VLConfig, str]:

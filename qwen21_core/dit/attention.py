@@ -7,8 +7,9 @@ memory stays O(L) with the flash/cuDNN/efficient kernels (at 1024^2 with 4 condi
 tokens, the largest mask is a text run x 20k bools).
 
 Decode (target only): target queries see the whole prefix and the whole target, i.e. plain full
-attention over the K/V cache. With a batch that shares one prefix, the prefix keys are kept once
-and the two parts are combined through their log-sum-exp (no B-fold copy of the prefix).
+attention over the K/V cache. The prefix part (kept once for the whole batch) and the step's target part
+are two attention calls combined through their log-sum-exps, so the target K/V never persist beside the
+prefix (the joint layout of kv_cache.py, one call over contiguous keys, remains for comparison).
 
 Tensors are [B, S, H, D] ("BSHD") like the K/V cache; SDPA gets transposed views.
 """
@@ -20,6 +21,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ...kernels import attention_merge
 from .sequence import Segment
 
 # SDPA backend names accepted by the `attention_backend` option.
@@ -96,9 +98,18 @@ def _cuda_lse_attention(q, k, v):
 
 
 def _sdpa_with_lse(q, k, v, key_mask=None):
-    """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD."""
+    """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD; key_mask [1,1,1,K] bool."""
     if q.is_cuda and key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
         return _cuda_lse_attention(q, k, v)
+    if q.is_cuda and key_mask is not None and k.shape[2] % 16 == 0:
+        # a padded prefix: the memory-efficient kernel takes an additive bias and returns the lse
+        bias = _additive(key_mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
+        return out, lse[..., : q.shape[2]]
+    if q.device.type == "cpu":  # torch's CPU flash kernel: fused, with the lse (the fp32 matmul path was 14x slower)
+        bias = None if key_mask is None else _additive(key_mask, q)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)[:2]
+        return out, lse
     scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if key_mask is not None:
@@ -108,12 +119,17 @@ def _sdpa_with_lse(q, k, v, key_mask=None):
     return out.to(q.dtype), lse
 
 
-def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, prefix_key_mask=None):
-    """Decode attention for B rows sharing one prefix, without repeating the prefix B times.
+def _additive(key_mask, q):
+    return torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~key_mask, float("-inf"))
 
-    q, k_target, v_target: [B, N, H, D]; k_prefix, v_prefix: [1, P, H, D]; prefix_key_mask: [P] bool.
-    The prefix part runs once with the batch rows as extra query tokens (a free view of BSHD q); the two
-    partial softmaxes are merged through their log-sum-exp: out = out_t + sigmoid(lse_p - lse_t) * (out_p - out_t).
+
+def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, prefix_key_mask=None):
+    """Decode attention over the cached prefix and the step's own target keys, as one softmax.
+
+    q, k_target, v_target: [B, N, H, D]; k_prefix, v_prefix: [1, P, H, D] (shared by the batch); prefix_key_mask:
+    [P] bool. The prefix part runs once with the batch rows as extra query tokens (a free view of BSHD q); the two
+    partial softmaxes are merged through their log-sum-exps in one pass (kernels/attention_merge.py):
+    out = out_t + sigmoid(lse_p - lse_t) * (out_p - out_t).
     """
     b, n, h, d = q.shape
     q_folded = q.reshape(1, b * n, h, d).transpose(1, 2)  # [1, H, B*N, D], no copy
@@ -121,8 +137,5 @@ def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, pr
     out_p, lse_p = _sdpa_with_lse(q_folded, k_prefix.transpose(1, 2), v_prefix.transpose(1, 2), mask)
     out_t, lse_t = _sdpa_with_lse(q.transpose(1, 2), k_target.transpose(1, 2), v_target.transpose(1, 2))
     out_p = out_p.transpose(1, 2).reshape(b, n, h, d)  # back to BSHD rows
-    out_t = out_t.transpose(1, 2)
     lse_p = lse_p.reshape(h, b, n).permute(1, 2, 0)  # [B, N, H]
-    lse_t = lse_t.permute(0, 2, 1)
-    weight_p = torch.sigmoid(lse_p - lse_t)[..., None]  # share of the prefix in each row's softmax, fp32
-    return (out_t + (out_p - out_t) * weight_p).to(q.dtype)  # [B, N, H, D]
+    return attention_merge.merge(out_p, lse_p, out_t.transpose(1, 2), lse_t.permute(0, 2, 1))  # [B, N, H, D]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kv_cache import KVCacheSpec
 from .transformer import Branch, QwenImage21Transformer
 
 log = logging.getLogger(__name__)
@@ -102,28 +103,30 @@ class DecodeGraphs:
             self.clear()
         self._weights = signature
 
-    def key_for(self, layout, batch: int, backend: str, role: str) -> tuple:
+    def key_for(self, layout, batch: int, backend: str, role: str, kv: KVCacheSpec | None = None) -> tuple:
         tr = self.transformer
         image_layout = tuple((s.start, s.end, s.is_text) for s in layout.segments)
         return (
             role, batch, layout.prefix_len, image_layout, layout.target_shape, tr.dtype, str(tr.device), backend,
             tr.compiled,  # compiled and eager block code are different graphs
+            kv or KVCacheSpec(), tr.streaming_signature(),  # the cache and the streamed blocks are in the graph
         )  # fmt: skip
 
-    def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive") -> Branch:
+    def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive",
+                   kv: KVCacheSpec | None = None) -> Branch:  # fmt: skip
         """A branch for this generation: an idle captured entry's (adopted) or a fresh one."""
         self._check_weights()
-        key = self.key_for(layout, batch, backend, role)
+        key = self.key_for(layout, batch, backend, role, kv)
         entry = self.entries.get(key)
         if isinstance(entry, _Entry) and not entry.in_use:
             self._adopt(entry, layout)
             self.entries.move_to_end(key)
             return entry.branch
         try:
-            branch = self.transformer.new_branch(layout, batch, backend)
+            branch = self.transformer.new_branch(layout, batch, backend, kv)
         except torch.OutOfMemoryError:
             self._evict_idle(keep=0)
-            branch = self.transformer.new_branch(layout, batch, backend)
+            branch = self.transformer.new_branch(layout, batch, backend, kv)
         branch.graph_key = key
         return branch
 

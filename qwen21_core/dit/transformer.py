@@ -18,6 +18,7 @@ Shapes: D = heads * head_dim (4096), M = D * mlp_ratio (12288), tokens are rows,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,11 @@ import torch.nn.functional as F
 
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
+from ..memory.streaming import LayerStreamer
+from ..quant.linear import QuantLinear
+from ..quant.slots import QuantSlot
+from ..quant.weights import QuantFormat
+from . import quant_math
 from .attention import (
     backend_context,
     decode_attention,
@@ -33,7 +39,7 @@ from .attention import (
     prefix_masks,
     shared_prefix_decode_attention,
 )
-from .kv_cache import PrefixKVCache
+from .kv_cache import KVCacheSpec, PrefixKVCache
 from .sequence import SequenceLayout, rotary_cos_sin
 
 TIMESTEP_CHANNELS = 256
@@ -139,6 +145,10 @@ def attention_out_and_mlp(x, attn, gate1, scale2, gate2, w_out, w_gate_up, w_dow
     return x
 
 
+# The block's Linears that may be quantised, by their path inside a block.
+QUANTIZABLE = ("attn.to_qkv", "attn.to_out", "img_mlp.gate_up", "img_mlp.out")
+
+
 class Block(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -146,12 +156,27 @@ class Block(nn.Module):
         self.attn = Attention(config.inner_dim, config.num_attention_heads, config.attention_head_dim)
         self.img_mlp = SwiGLU(config.inner_dim, config.mlp_dim)
 
+    def linears(self) -> dict[str, nn.Module]:
+        return {name: self.get_submodule(name) for name in QUANTIZABLE}
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(layer, QuantLinear) for layer in self.linears().values())
+
     def _qkv(self, x, scale1, fns):
         """[B, S, D] -> [B, S, 3, H, head_dim] (a view of one GEMM)."""
-        qkv = fns.qkv(x, scale1, self.attn.to_qkv.weight, self.eps)
+        if self.quantized:
+            qkv = quant_math.modulated_qkv(x, scale1, self.attn.to_qkv, self.eps)
+        else:
+            qkv = fns.qkv(x, scale1, self.attn.to_qkv.weight, self.eps)
         return qkv.unflatten(-1, (3, self.attn.heads, self.attn.head_dim))
 
     def _finish(self, x, attn, mod: Modulation, fns):
+        if self.quantized:  # the fused quantised math (compile_blocks does not apply to it)
+            return quant_math.attention_out_and_mlp(
+                x, attn.flatten(2), mod.gate1, mod.scale2, mod.gate2, self.attn.to_out, self.img_mlp.gate_up,
+                self.img_mlp.out, self.eps,
+            )  # fmt: skip
         return fns.finish(
             x, attn.flatten(2), mod.gate1, mod.scale2, mod.gate2, self.attn.to_out.weight,
             self.img_mlp.gate_up.weight, self.img_mlp.out.weight, self.eps,
@@ -159,11 +184,12 @@ class Block(nn.Module):
 
     def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
         """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last)."""
-        k_out, v_out = branch.cache.prefix(layer)
+        k_out, v_out = branch.cache.prefill_targets(layer)
         q, k, v = qk_norm_rope(
             self._qkv(x, mod0.scale1, EAGER), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos,
             branch.prefix_sin, self.eps, k_out=k_out, v_out=v_out,
         )  # fmt: skip
+        branch.cache.store_prefix(layer)
         if last:  # later layers read only this layer's K/V
             return None
         attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
@@ -182,12 +208,14 @@ class Block(nn.Module):
             self._qkv(x, mod.scale1, fns), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos,
             branch.target_sin, self.eps, k_out=k_out, v_out=v_out, in_graph=in_graph,
         )  # fmt: skip
-        joint = branch.cache.joint(layer)
+        cache = branch.cache
+        joint = cache.joint(layer)
         if joint is not None:
             attn = decode_attention(q, joint[0], joint[1], branch.decode_key_mask)
         else:
-            kp, vp = branch.cache.prefix(layer)
+            kp, vp = cache.prefix(layer)
             attn = shared_prefix_decode_attention(q, kp, vp, k, v, branch.prefix_key_valid)
+            cache.done_with(layer)
         return self._finish(x, attn, mod, fns)
 
 
@@ -224,6 +252,22 @@ class Branch:
         self.cache.release()
 
 
+def _rows(layer: nn.Module, start: int = 0, stop: int | None = None):
+    """The checkpoint slot for rows [start, stop) of a block Linear's weight (a QuantSlot when quantised)."""
+    if isinstance(layer, QuantLinear):
+        return QuantSlot(layer, start, stop)
+    return layer.weight[start:stop]
+
+
+def uniform_plan(fmt: QuantFormat, num_layers: int, keep: Iterable[str] = ()) -> dict[tuple[int, str], QuantFormat]:
+    """Every block Linear in `fmt`, except the paths in `keep` (kept in the model's dtype)."""
+    keep = set(keep)
+    unknown = keep - set(QUANTIZABLE)
+    if unknown:
+        raise ValueError(f"layers to keep must be among {QUANTIZABLE}, got {sorted(unknown)}")
+    return {(i, path): fmt for i in range(num_layers) for path in QUANTIZABLE if path not in keep}
+
+
 class QwenImage21Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -238,6 +282,42 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out.linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
+        self.streamer: LayerStreamer | None = None  # set by stream_blocks: some blocks stream from host RAM
+
+    # ---- block streaming ----------------------------------------------------------------------------
+
+    def stream_blocks(self, resident: int | None) -> None:
+        """Keep `resident` blocks on the model's device and stream the others from pinned host RAM (None: all
+        resident, streaming off). The non-block weights stay where they are."""
+        if resident is None or resident >= len(self.transformer_blocks):
+            if self.streamer is not None:
+                self.streamer.set_resident(len(self.transformer_blocks))
+            return
+        if self.streamer is None:
+            self.streamer = LayerStreamer(list(self.transformer_blocks), self.device)
+        self.streamer.set_resident(resident)
+
+    def unstream_to(self, device) -> None:
+        """Every block whole on `device` (streaming off): the way a model moves between devices."""
+        if self.streamer is not None:
+            self.streamer.move_all(device)
+            self.streamer = None
+
+    def streaming_signature(self) -> tuple:
+        """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""
+        return () if self.streamer is None else tuple(self.streamer.streamed)
+
+    def _blocks(self):
+        """(index, block) in order, with the streamer's hooks around each block when streaming."""
+        streamer = self.streamer
+        if streamer is None:
+            yield from enumerate(self.transformer_blocks)
+            return
+        streamer.begin()
+        for i, block in enumerate(self.transformer_blocks):
+            streamer.before(i)
+            yield i, block
+            streamer.after(i)
 
     def compile_blocks(self, enabled: bool = True, mode: str | None = None):
         """Regional torch.compile of the block math around attention, for decode steps (opt-in).
@@ -255,6 +335,59 @@ class QwenImage21Transformer(nn.Module):
             torch.compile(attention_out_and_mlp, dynamic=False, mode=mode),
         )
 
+    # ---- quantisation ------------------------------------------------------------------------------
+
+    def quantize_linears(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
+        """Replace block Linears by QuantLinears: plan maps (block index, path in QUANTIZABLE) -> format.
+
+        On a model built on the meta device (before loading) this only changes the layers' types; on real
+        weights each layer is quantised in place of its bf16 weight, one at a time (bounded extra memory).
+        """
+        for (index, path), fmt in plan.items():
+            block = self.transformer_blocks[index]
+            parent_name, _, name = path.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            linear = getattr(parent, name)
+            if isinstance(linear, QuantLinear):
+                continue
+            if linear.weight.device.type == "meta":
+                layer = QuantLinear(linear.in_features, linear.out_features, fmt, compute_dtype=linear.weight.dtype)
+            else:
+                layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
+            setattr(parent, name, layer)
+            del linear
+        return self
+
+    def quantized_copy(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
+        """A new transformer that shares this one's tensors, with the planned block Linears quantised from its
+        weights (for benchmarks and tests: quantised and bf16 models side by side for a fraction of the memory)."""
+        with torch.device("meta"):
+            twin = QwenImage21Transformer(self.config)
+        for module, source in zip(twin.modules(), self.modules(), strict=True):
+            module._parameters = dict(source._parameters)
+            module._buffers = dict(source._buffers)
+            if hasattr(source, "_freqs"):
+                module._freqs = source._freqs
+        for index, (block, source) in enumerate(zip(twin.transformer_blocks, self.transformer_blocks, strict=True)):
+            for path, linear in source.linears().items():
+                parent_name, _, child = path.rpartition(".")
+                fmt = plan.get((index, path))
+                layer = linear if fmt is None or isinstance(linear, QuantLinear) else None
+                if layer is None:
+                    layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
+                setattr(block.get_submodule(parent_name), child, layer)
+        return twin.eval()
+
+    @property
+    def quantization(self) -> str:
+        """A few words for logs and the UI: "bf16", or e.g. "fp8 (128/128 block linears)"."""
+        layers = [layer for block in self.transformer_blocks for layer in block.linears().values()]
+        formats = sorted({layer.fmt.name for layer in layers if isinstance(layer, QuantLinear)})
+        if not formats:
+            return str(self.dtype).removeprefix("torch.")
+        count = sum(isinstance(layer, QuantLinear) for layer in layers)
+        return f"{'/'.join(formats)} ({count}/{len(layers)} block linears)"
+
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def checkpoint_slots(self) -> dict[str, torch.Tensor]:
@@ -270,16 +403,16 @@ class QwenImage21Transformer(nn.Module):
         inner, hidden = self.config.inner_dim, self.config.mlp_dim
         for i, block in enumerate(self.transformer_blocks):
             p = f"transformer_blocks.{i}."
-            qkv = block.attn.to_qkv.weight
-            slots[p + "attn.to_q.weight"] = qkv[:inner]
-            slots[p + "attn.to_k.weight"] = qkv[inner : 2 * inner]
-            slots[p + "attn.to_v.weight"] = qkv[2 * inner :]
-            slots[p + "attn.to_out.0.weight"] = block.attn.to_out.weight
+            qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
+            slots[p + "attn.to_q.weight"] = _rows(qkv, 0, inner)
+            slots[p + "attn.to_k.weight"] = _rows(qkv, inner, 2 * inner)
+            slots[p + "attn.to_v.weight"] = _rows(qkv, 2 * inner, 3 * inner)
+            slots[p + "attn.to_out.0.weight"] = _rows(block.attn.to_out)
             slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
             slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
-            slots[p + "img_mlp.gate_layer.weight"] = block.img_mlp.gate_up.weight[:hidden]
-            slots[p + "img_mlp.proj.weight"] = block.img_mlp.gate_up.weight[hidden:]
-            slots[p + "img_mlp.out.weight"] = block.img_mlp.out.weight
+            slots[p + "img_mlp.gate_layer.weight"] = _rows(gate_up, 0, hidden)
+            slots[p + "img_mlp.proj.weight"] = _rows(gate_up, hidden, 2 * hidden)
+            slots[p + "img_mlp.out.weight"] = _rows(block.img_mlp.out)
         return slots
 
     @torch.no_grad()
@@ -297,10 +430,13 @@ class QwenImage21Transformer(nn.Module):
             slot = slots.get(key)
             if slot is None:
                 continue
-            if slot.shape != value.shape:
+            if tuple(slot.shape) != tuple(value.shape):
                 raise ValueError(f"transformer key {key}: checkpoint shape {tuple(value.shape)}, "
                                  f"model shape {tuple(slot.shape)}")  # fmt: skip
-            slot.copy_(value)
+            if isinstance(slot, QuantSlot):
+                slot.fill(value)
+            else:
+                slot.copy_(value)
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -346,15 +482,19 @@ class QwenImage21Transformer(nn.Module):
             attention_backend=attention_backend,
         )
 
-    def new_branch(self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto") -> Branch:
-        """Allocate the K/V cache and the step-invariant tables for one branch of a generation."""
-        cfg = self.config
+    def new_branch(
+        self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto", kv: KVCacheSpec | None = None
+    ) -> Branch:
+        """Allocate the K/V cache (format, placement and layout from `kv`) and the step-invariant tables for one
+        branch of a generation."""
         branch = self.new_branch_tables(layout, attention_backend)
-        branch.cache = PrefixKVCache(
-            cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
-            cfg.attention_head_dim, self.dtype, self.device,
-        )  # fmt: skip
+        branch.cache = PrefixKVCache(*self.cache_shape(layout, batch), self.device, **vars(kv or KVCacheSpec()))
         return branch
+
+    def cache_shape(self, layout: SequenceLayout, batch: int) -> tuple:
+        cfg = self.config
+        return (cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
+                cfg.attention_head_dim, self.dtype)  # fmt: skip
 
     def _modulation(self, t: torch.Tensor):
         temb = self.time_text_embed.timestep_embedder(t.to(self.dtype))
@@ -379,10 +519,10 @@ class QwenImage21Transformer(nn.Module):
                                  f"{self.config.in_channels}] packed tokens, got {got}")  # fmt: skip
             x[0, layout.image_rows.to(device)] = self.img_in(condition_latents.to(device, dtype))
         _, mod0 = self._modulation(torch.zeros(1, device=device))
-        blocks = self.transformer_blocks
+        last = len(self.transformer_blocks) - 1
         with backend_context(branch.attention_backend):
-            for i, block in enumerate(blocks):
-                x = block.prefill(x, mod0, branch, i, last=i == len(blocks) - 1)
+            for i, block in self._blocks():
+                x = block.prefill(x, mod0, branch, i, last=i == last)
         branch.cache.filled = True
 
     @torch.no_grad()
@@ -395,9 +535,10 @@ class QwenImage21Transformer(nn.Module):
             raise RuntimeError("decode called before prefill: the branch's prefix K/V cache is empty")
         temb, mod = self._modulation(t)
         h = self.img_in(x.to(self.dtype))
+        branch.cache.begin_step()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
-            for i, block in enumerate(self.transformer_blocks):
+            for i, block in self._blocks():
                 h = block.decode(h, mod, branch, i, fns, in_graph)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)

@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..errors import stable_name
+
 log = logging.getLogger(__name__)
 
 LATENT_SCALE = 16  # pixels per latent pixel along each axis
@@ -70,6 +72,7 @@ class TilingConfig:
             raise ValueError(f"TilingConfig.overlap must be in (0, 0.5], got {self.overlap}")
 
 
+@stable_name
 class VAEOutOfMemoryError(torch.OutOfMemoryError):
     """The VAE ran out of GPU memory in every configuration it was allowed to try."""
 

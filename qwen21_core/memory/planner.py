@@ -1,0 +1,81 @@
+"""How much device memory there is to plan with, and where the DiT's blocks and prefix K/V go within it.
+
+Free memory is the smallest of: what the device reports free, what a per-process cap leaves
+(`torch.cuda.set_per_process_memory_fraction`, the stand-in for a smaller card) and an explicit budget
+(`--vram-budget`, or ComfyUI's decision), minus what this process already reserved against either.
+
+`plan_sampling` decides, for one sample call, in this order (each step only when the previous does not fit):
+1. everything on the device: all DiT blocks resident, the prefix K/V on the GPU;
+2. the prefix K/V in pinned host RAM (prefetched a layer ahead; about free for text-to-image, whose prefix is
+   small, and PCIe-bound for big reference prefixes);
+3. fewer resident DiT blocks: the rest stream from pinned host RAM through two staging slots.
+Always needed: the non-block weights, the activations of a step and the K/V working buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import stable_name
+
+HEADROOM_BYTES = 512 * 2**20  # fragmentation and small allocations the estimates do not see
+
+
+def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
+    """Bytes this process can still allocate on `device` (see the module docstring); CPU: unlimited."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 2**62
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    free += reserved - torch.cuda.memory_allocated(device)  # cached blocks are ours to reuse
+    limits = [free]
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        limits.append(int(fraction * total) - torch.cuda.memory_allocated(device))
+    if budget is not None:
+        limits.append(budget - torch.cuda.memory_allocated(device))
+    return max(0, min(limits))
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    kv_placement: str  # "gpu" | "cpu"
+    resident_blocks: int  # DiT blocks kept on the device; the others stream
+    reason: str
+
+
+@stable_name
+class DeviceMemoryError(MemoryError):
+    """Even with every block streaming and the K/V cache in host RAM, one step does not fit the device."""
+
+
+def plan_sampling(budget: int, cache_bytes: dict, activation_bytes: int, block_bytes: int, num_blocks: int,
+                  slot_bytes: int, placement: str = "auto") -> SamplingPlan:  # fmt: skip
+    """Where the prefix K/V go and how many DiT blocks stay resident.
+
+    budget: device bytes for the DiT's blocks and this call's job (the free memory plus what the currently resident
+    blocks occupy); cache_bytes: K/V placement ("gpu"/"cpu") -> the branches' device bytes; block_bytes: one
+    block's weights; slot_bytes: the staging slots streaming needs; placement: "auto" or a forced "gpu"/"cpu".
+    """
+    usable = budget - HEADROOM_BYTES
+    choices = ["gpu", "cpu"] if placement == "auto" else [placement]
+    for kv in choices:
+        if num_blocks * block_bytes + cache_bytes[kv] + activation_bytes <= usable:
+            return SamplingPlan(kv, num_blocks, f"K/V cache on {kv}, all {num_blocks} blocks resident")
+    kv = choices[-1]
+    left = usable - cache_bytes[kv] - activation_bytes - slot_bytes
+    resident = min(num_blocks, left // max(1, block_bytes))
+    if resident < 0:
+        need = cache_bytes[kv] + activation_bytes + slot_bytes + HEADROOM_BYTES
+        raise DeviceMemoryError(
+            f"one step needs {need / 2**30:.2f} GiB of device memory even with every DiT block streamed "
+            f"(K/V cache on {kv}: {cache_bytes[kv] / 2**30:.2f} GiB, activations {activation_bytes / 2**30:.2f} GiB, "
+            f"staging {slot_bytes / 2**30:.2f} GiB) but only {budget / 2**30:.2f} GiB is available. Lower the output "
+            "size, the number of condition images or the batch, use an fp8/int8 K/V cache, or free GPU memory."
+        )
+    return SamplingPlan(
+        kv, int(resident), f"K/V cache on {kv}, {num_blocks - resident} of {num_blocks} blocks streamed"
+    )

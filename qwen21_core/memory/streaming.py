@@ -1,0 +1,147 @@
+"""Layer streaming: run a stack of same-shaped layers (DiT blocks, text-encoder decoder layers) on a device that
+cannot hold them all.
+
+`LayerStreamer(layers, device)` keeps the first `resident` layers on the device. Each other layer lives in one
+flat pinned host buffer; its parameters are views into one of two device staging slots (memory/prefetch.py),
+which are refilled on a side stream while the layer before computes. The model calls `begin()` before its layer
+loop and `before(i)` / `after(i)` around layer i (the DiT's loop does; `attach_hooks` does it for modules that
+run through `forward`). Slot addresses never change, so a CUDA graph captured with streaming replays the copies
+too; resident and streamed layers compute with the same kernels on the same values (bit-identical outputs).
+
+While streaming, a streamed layer's parameters point at whatever its slot holds: only the layer loop may read
+them. Anything else that reads or writes weights (LoRA merges, a move to another device) calls `set_resident`
+or `move_all` first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .prefetch import SlotPrefetcher
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256  # bytes: every tensor in a flat layer buffer starts on this boundary (vectorised loads, any dtype)
+
+
+def _layout(layer: nn.Module) -> tuple[list[tuple[str, int, torch.Size, torch.dtype]], int]:
+    """[(parameter name, byte offset, shape, dtype)] of a layer in its flat buffer, and the buffer size."""
+    entries, offset = [], 0
+    for name, param in layer.named_parameters():
+        entries.append((name, offset, param.shape, param.dtype))
+        nbytes = param.numel() * param.element_size()
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return entries, offset
+
+
+def _view(flat: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
+    count = int(torch.Size(shape).numel())
+    size = count * torch.empty((), dtype=dtype).element_size()
+    return flat[offset : offset + size].view(dtype).view(shape)
+
+
+class LayerStreamer:
+    def __init__(self, layers: list[nn.Module], device: torch.device, slots: int = 2):
+        if not layers:
+            raise ValueError("a streamer needs at least one layer")
+        self.layers = list(layers)
+        self.device = torch.device(device)
+        self.entries, self.layer_bytes = _layout(self.layers[0])
+        for index, layer in enumerate(self.layers[1:], start=1):
+            if _layout(layer) != (self.entries, self.layer_bytes):
+                raise ValueError(f"layer {index} differs in its parameters from layer 0: layers must share one shape")
+        self.slots = slots
+        self.resident = len(self.layers)  # everything where it is until set_resident says otherwise
+        self.host: dict[int, torch.Tensor] = {}  # streamed layer -> its pinned flat buffer
+        self.prefetcher: SlotPrefetcher | None = None
+
+    # ---- placement -------------------------------------------------------------------------------------
+
+    @property
+    def streamed(self) -> list[int]:
+        return sorted(self.host)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the resident layers and the staging slots."""
+        slots = self.prefetcher.nbytes if self.prefetcher is not None else 0
+        return self.resident * self.layer_bytes + slots
+
+    def set_resident(self, count: int) -> None:
+        """Keep layers [0, count) on the device and stream the rest (count is clamped to [0, len(layers)])."""
+        count = max(0, min(len(self.layers), int(count)))
+        with torch.no_grad(), torch.inference_mode(False):
+            for index in range(count):
+                if index in self.host:
+                    self._make_resident(index)
+            for index in range(count, len(self.layers)):
+                if index not in self.host:
+                    self._make_streamed(index)
+            self.resident = count
+            self._refresh_slots()
+        log.info("layer streaming: %d of %d layers resident (%.2f GiB), %d streamed", count, len(self.layers),
+                 count * self.layer_bytes / 2**30, len(self.host))  # fmt: skip
+
+    def move_all(self, device: torch.device) -> None:
+        """Every layer whole on `device` (no streaming): for moving the model off the GPU and back."""
+        device = torch.device(device)
+        with torch.no_grad(), torch.inference_mode(False):
+            for index in list(self.host):
+                flat = self.host.pop(index)
+                for name, offset, shape, dtype in self.entries:
+                    self.layers[index].get_parameter(name).data = _view(flat, offset, shape, dtype).to(device)
+            for layer in self.layers:
+                layer.to(device)
+        self.prefetcher = None
+        self.resident = len(self.layers) if device == self.device else 0
+
+    def _make_resident(self, index: int) -> None:
+        flat = self.host.pop(index)
+        for name, offset, shape, dtype in self.entries:
+            self.layers[index].get_parameter(name).data = _view(flat, offset, shape, dtype).to(self.device)
+
+    def _make_streamed(self, index: int) -> None:
+        flat = torch.empty(self.layer_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        for name, offset, shape, dtype in self.entries:
+            param = self.layers[index].get_parameter(name)
+            _view(flat, offset, shape, dtype).copy_(param.data)
+            param.data = torch.empty(0, dtype=dtype)  # released here; pointed at its slot by _refresh_slots
+        self.host[index] = flat
+
+    def _refresh_slots(self) -> None:
+        """Point every streamed layer's parameters at its staging slot (position in the stream order % slots)."""
+        if not self.host:
+            self.prefetcher = None
+            return
+        if self.prefetcher is None:
+            self.prefetcher = SlotPrefetcher(self.device, self.layer_bytes, min(self.slots, len(self.host)))
+        self.prefetcher.set_items(self.host)
+        for index in self.host:
+            slot = self.prefetcher.buffers[self.prefetcher.slot_of(index)]
+            for name, offset, shape, dtype in self.entries:
+                self.layers[index].get_parameter(name).data = _view(slot, offset, shape, dtype)
+
+    # ---- the layer loop -----------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.begin()
+
+    def before(self, index: int) -> None:
+        if index in self.host:
+            self.prefetcher.acquire(index)
+
+    def after(self, index: int) -> None:
+        if index in self.host:
+            self.prefetcher.release(index)
+
+    def attach_hooks(self, stack: nn.Module) -> list:
+        """Drive the loop from forward hooks: `begin` before `stack` runs, before/after around each layer."""
+        handles = [stack.register_forward_pre_hook(lambda *_: self.begin())]
+        for index, layer in enumerate(self.layers):
+            handles.append(layer.register_forward_pre_hook(lambda *_, i=index: self.before(i)))
+            handles.append(layer.register_forward_hook(lambda *_, i=index: self.after(i)))
+        return handles

@@ -1,0 +1,206 @@
+"""`QuantLinear`: a Linear whose weight stays quantised in memory (FP8 e4m3 or INT8, one scale per output row).
+
+How it multiplies, per device (`gemm_backend`):
+- "scaled_mm": FP8 W8A8 on GPUs with FP8 tensor cores (SM 8.9+): activations quantised per row
+  (kernels/quantize_rows.py), `torch._scaled_mm` with row-wise scales, bf16 out;
+- "triton_int8": INT8 W8A8 (SM 7.5+) through kernels/int8_gemm.py: activations int8 per row, both operands
+  K-major, scales (and the block's gated residual) applied in the GEMM's epilogue, bf16 out;
+- "int_mm": INT8 W8A8 where the Triton kernel cannot run: `torch._int_mm` against the column-major view of
+  the row-major [N, K] weight (the fast layout: a row-major second operand ran at 125 TOP/s on the H200),
+  int32 out, scales applied by the consumer's kernel (kernels/linear_epilogue.py) or `Projected.dense`;
+- "weight_only": everywhere else (CPU, older GPUs, tiny M): the weight is dequantised just in time, for this
+  layer only, and multiplied in the activation dtype (ConvRot layers rotate the activation instead of the
+  weight: cheaper whenever M < N).
+`QWEN21_QUANT_GEMM=weight_only|emulate` overrides the choice; "emulate" computes the W8A8 arithmetic in fp32
+(quantised activations times quantised weights), so CPU tests see what the GPU path computes.
+
+The DiT's blocks call `quantize_input` / `project` themselves so the activation quantisation happens inside the
+op before (dit/quant_math.py); `forward` is the plain, unfused use (the text encoder, the tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.int8_gemm import int8_linear
+from ...kernels.linear_epilogue import linear_epilogue
+from ...kernels.quantize_rows import quantize_rows, rotate
+from .weights import QuantFormat, dequantize_weight, quantize_weight
+
+log = logging.getLogger(__name__)
+
+GEMM_ENV = "QWEN21_QUANT_GEMM"
+FAST_ACCUM_ENV = "QWEN21_FP8_FAST_ACCUM"
+# FP8 GEMMs with Hopper's fast accumulation (fewer promotions of the partial sums). On the H200 it made the 1024^2
+# decode step 74.6 -> 69.7 ms and left the per-GEMM error at 3.75% (bench_quant fast_accum_rel_error 0.0375 vs
+# 0.0375; bench_dit dit_fp8_accumulation), so it is on; QWEN21_FP8_FAST_ACCUM=0 turns it off.
+FP8_FAST_ACCUM = True
+INT_MM_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
+_backends: dict[tuple[str, str], str] = {}  # (device, kind) -> backend, probed once
+
+
+@dataclass
+class Projected:
+    """A GEMM's output [M, N]: values in the activation dtype, or an int32 accumulator with its scales."""
+
+    data: torch.Tensor
+    row_scale: torch.Tensor | None = None
+    col_scale: torch.Tensor | None = None
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.row_scale is None:
+            return self.data.to(dtype)
+        return linear_epilogue(self.data, row_scale=self.row_scale, col_scale=self.col_scale, out_dtype=dtype)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T with W stored as `qweight` [N, K] (fp8/int8) and `weight_scale` [N] fp32 (per output row)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: QuantFormat, compute_dtype=torch.bfloat16):
+        super().__init__()
+        self.fmt = fmt.for_width(in_features)
+        self.compute_dtype = compute_dtype
+        self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.fmt.storage), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        # build_empty (checkpoints/files.py) keeps these dtypes instead of casting to the model's dtype
+        self.param_dtypes = {"qweight": self.fmt.storage, "weight_scale": torch.float32}
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, fmt: QuantFormat) -> QuantLinear:
+        """Quantise a float weight [N, K] (on its device) into a new layer computing in its dtype."""
+        layer = cls(weight.shape[1], weight.shape[0], fmt, compute_dtype=weight.dtype).to(weight.device)
+        q, scale = quantize_weight(weight, layer.fmt)
+        with torch.no_grad():
+            layer.qweight.copy_(q)
+            layer.weight_scale.copy_(scale)
+        return layer
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+    # ---- arithmetic --------------------------------------------------------------------------------
+
+    def backend(self, rows: int) -> str:
+        """How a GEMM of `rows` activation rows runs on this layer's device (see the module docstring)."""
+        forced = os.environ.get(GEMM_ENV, "").strip()
+        if forced in ("weight_only", "emulate"):
+            return forced
+        if forced:
+            raise ValueError(f"{GEMM_ENV}={forced!r}: expected weight_only, emulate or unset")
+        backend = gemm_backend(self.qweight.device, self.fmt.kind)
+        if backend == "int_mm" and rows < INT_MM_MIN_ROWS:
+            return "weight_only"
+        return backend
+
+    def quantize_input(self, x2d: torch.Tensor, **pre) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation rows (after the fused pre-op in `pre`, see quantize_rows) quantised for this layer."""
+        return quantize_rows(x2d, self.fmt.kind, self.fmt.rotation, **pre)
+
+    def project(self, q: torch.Tensor, scale: torch.Tensor, backend: str) -> Projected:
+        """The GEMM on quantised activations (q [M, K], scale [M]) with a W8A8 backend."""
+        if backend == "triton_int8":
+            return Projected(int8_linear(q, scale, self.qweight, self.weight_scale, out_dtype=self.compute_dtype))
+        if backend == "scaled_mm":
+            out = torch._scaled_mm(q, self.qweight.t(), scale_a=scale[:, None], scale_b=self.weight_scale[None, :],
+                                   out_dtype=self.compute_dtype, use_fast_accum=fp8_fast_accum())  # fmt: skip
+            return Projected(out)
+        if backend == "int_mm":
+            return Projected(torch._int_mm(q, self.qweight.t()), scale, self.weight_scale)
+        if backend == "emulate":
+            weight = self.qweight.float() * self.weight_scale[:, None]
+            return Projected((q.float() * scale[:, None]) @ weight.t())
+        raise ValueError(f"project needs a W8A8 backend, got {backend!r}")
+
+    def project_residual(self, q, scale, backend: str, residual, gate, rows_per_batch: int) -> torch.Tensor:
+        """residual + gate[row's batch] * (the GEMM), with the residual fused into the GEMM where it can be."""
+        if backend == "triton_int8":
+            return int8_linear(q, scale, self.qweight, self.weight_scale, residual=residual, gate=gate,
+                               rows_per_batch=rows_per_batch)  # fmt: skip
+        out = self.project(q, scale, backend)
+        return linear_epilogue(out.data, row_scale=out.row_scale, col_scale=out.col_scale, residual=residual, gate=gate,
+                               rows_per_batch=rows_per_batch)  # fmt: skip
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The stored (rotated, for ConvRot) weight in `dtype`: for the weight-only path."""
+        return (self.qweight.float() * self.weight_scale[:, None]).to(dtype)  # fp32: a bf16 scale would err 0.2%
+
+    def weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt.rotation:
+            x = rotate(x.float(), self.fmt.rotation).to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype))
+
+    def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in the original (unrotated) basis, for checks and for LoRA merges of dequantised copies."""
+        return dequantize_weight(self.qweight, self.weight_scale, self.fmt.rotation, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        backend = self.backend(x2d.shape[0])
+        if backend == "weight_only":
+            y = self.weight_only(x2d)
+        else:
+            q, scale = self.quantize_input(x2d.contiguous())
+            y = self.project(q, scale, backend).dense(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_fast_accum() -> bool:
+    raw = os.environ.get(FAST_ACCUM_ENV, "").strip()
+    return FP8_FAST_ACCUM if not raw else raw == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which GEMM a device can run
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gemm_backend(device: torch.device, kind: str) -> str:
+    """The W8A8 backend for quantised `kind` ("fp8"/"int8") weights on `device`, probed once per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "weight_only"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), kind)
+    if key not in _backends:
+        _backends[key] = _probe(device, kind)
+    return _backends[key]
+
+
+def _probe(device: torch.device, kind: str) -> str:
+    """The first backend that runs a small GEMM right: int8 prefers our Triton kernel (faster than cuBLAS's on the
+    H200, see kernels/int8_gemm.py) over torch._int_mm."""
+    major, minor = torch.cuda.get_device_capability(device)
+    candidates, needs = (["scaled_mm"], (8, 9)) if kind == "fp8" else (["triton_int8", "int_mm"], (7, 5))
+    if (major, minor) < needs:
+        log.info("%s weights on %s (SM %d.%d): no %s tensor cores; dequantising per layer", kind, device, major,
+                 minor, kind)  # fmt: skip
+        return "weight_only"
+    layer = QuantLinear.from_weight(torch.randn(64, 256, device=device, dtype=torch.bfloat16), QuantFormat(kind))
+    x = torch.randn(32, 256, device=device, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.float_weight(torch.float32))
+    for backend in candidates:
+        try:  # some builds lack the row-wise FP8 kernels, or Triton / _int_mm on this architecture
+            q, scale = layer.quantize_input(x)
+            got = layer.project(q, scale, backend).dense(torch.float32)
+            if not torch.isfinite(got).all() or (got - want).norm() > 0.1 * want.norm():
+                raise RuntimeError(f"wrong result (relative error {((got - want).norm() / want.norm()).item():.3f})")
+            return backend
+        except Exception as error:  # noqa: BLE001 - any failure: try the next backend, and say why
+            log.warning("%s W8A8 GEMM %s unavailable on %s (%s)", kind, backend, device, error)
+    log.warning("no %s W8A8 GEMM runs on %s; dequantising per layer instead", kind, device)
+    return "weight_only"
