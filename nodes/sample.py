@@ -138,7 +138,7 @@ class Qwen21Sampler:
                         "tooltip": "Cache the prompt/condition K/V after step 1 (identical results). At 1024x1024 "
                         "a later step then costs 133.5 ms instead of the first step's 254.0 ms with 1 reference "
                         "image, 181.7 ms instead of 756.8 ms with 4, on an H200 (BENCHMARKS: DiT). The cache holds "
-                        "0.5 MiB of VRAM per prefix+target token in bf16 (BENCHMARKS: DiT). Off: recompute them "
+                        "0.5 MiB of VRAM per prefix token and branch in bf16 (BENCHMARKS: DiT). Off: recompute them "
                         "every step (for checking).",
                     },
                 ),
