@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
-#   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 quant vae vae-mem vae-placeholders
-#   vae-profile qk te load
+#   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
+#   vae-placeholders vae-profile qk te load lora
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,7 @@ for part in "$@"; do
     vae-placeholders) run bench_vae_placeholders 420 python3 benchmarks/bench_vae.py --placeholders ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
+    lora) run bench_lora 420 python3 benchmarks/bench_lora.py ;;
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
       run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;

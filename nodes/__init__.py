@@ -15,6 +15,7 @@ _NODES = {
         "Qwen21ModelLoader": "Qwen21 Load Model (3 files)",
         "Qwen21DiffusersLoader": "Qwen21 Load Diffusers Folder",
     },
+    "lora": {"Qwen21LoraLoader": "Qwen21 Load LoRA"},
     "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
     "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
     "vae": {"Qwen21VAEDecode": "Qwen21 VAE Decode (RGBA)", "Qwen21VAEEncode": "Qwen21 VAE Encode"},

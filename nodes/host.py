@@ -32,7 +32,7 @@ except ImportError:
 IN_COMFYUI = comfy_mm is not None
 
 # ComfyUI model-folder keys we read (they cover the legacy `unet` and `clip` folders too).
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers")
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers", "loras")
 WEIGHT_EXTENSIONS = (".safetensors", ".sft")
 
 
@@ -49,7 +49,7 @@ _models_dir: str | None = None
 
 
 def set_models_dir(path: str | os.PathLike | None) -> None:
-    """Outside ComfyUI: the folder holding diffusion_models/, text_encoders/, vae/ and diffusers/."""
+    """Outside ComfyUI: the folder holding diffusion_models/, text_encoders/, vae/, diffusers/ and loras/."""
     global _models_dir
     _models_dir = None if path is None else os.path.abspath(os.fspath(path))
 

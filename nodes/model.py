@@ -10,6 +10,7 @@ those caches are released with it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import weakref
 
@@ -33,14 +34,26 @@ class Qwen21Model:
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release)
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device)
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
-        self._preview_projection = None
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
         weakref.finalize(pipe.transformer, log.info, "Qwen21 model freed (%s)", where).atexit = False
+        self._preview_projection = [None]  # shared by the LoRA handles made from this one
+        self.loras: tuple = ()  # (LoraFile, strength) pairs this handle's DiT runs with
 
     def __repr__(self) -> str:
-        return f"Qwen21Model({self.pipe.sources}, {self.pipe.dtype}, {self.pipe.device})"
+        loras = f", LoRAs {[(lora.path.name, s) for lora, s in self.loras]}" if self.loras else ""
+        return f"Qwen21Model({self.pipe.sources}, {self.pipe.dtype}, {self.pipe.device}{loras})"
+
+    def with_lora(self, lora, strength: float) -> Qwen21Model:
+        """A new handle on the same pipeline whose DiT runs with `lora` added to this handle's LoRAs.
+
+        This handle is left as it is: ComfyUI caches node outputs, so both may be used in one graph. The weights
+        are brought to a handle's LoRAs right before its DiT runs (`sample`).
+        """
+        handle = copy.copy(self)
+        handle.loras = (*self.loras, (lora, float(strength)))
+        return handle
 
     @contextlib.contextmanager
     def _text_encoder_loaded(self):
@@ -71,6 +84,7 @@ class Qwen21Model:
                 self.pipe.encode_negative(cond)
         needed = self.pipe.sampling_bytes(cond, height or cond.height, width or cond.width, batch_size, true_cfg_scale)
         self.transformer.load(needed)
+        self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
         return self.pipe.sample(
             cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, **kwargs
         )
@@ -85,9 +99,9 @@ class Qwen21Model:
 
     def preview_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent -> RGB factors and bias for live previews, fitted from this model's VAE on first use."""
-        if self._preview_projection is None:
-            self._preview_projection = fit_latent_rgb(lambda images: self.encode_image(images, None))
-        return self._preview_projection
+        if self._preview_projection[0] is None:
+            self._preview_projection[0] = fit_latent_rgb(lambda images: self.encode_image(images, None))
+        return self._preview_projection[0]
 
 
 def sample_status(stats: dict) -> str:

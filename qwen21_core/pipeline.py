@@ -24,6 +24,8 @@ from .dit.decode_graphs import DecodeGraphs
 from .dit.kv_cache import CacheShape
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
+from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
+from .lora.reading import LoraFile, read_lora
 from .memory.planner import SamplingPlan, device_free_bytes, plan_sampling
 from .options import SampleOptions
 from .quant.plan import WeightFormats
@@ -68,6 +70,7 @@ class Qwen21Pipeline:
         # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
         self.vram_budget: int | None = None
         self.manage_weights = True
+        self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
 
@@ -321,6 +324,19 @@ class Qwen21Pipeline:
             self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
             self.decode_graphs.end_generation()
         return latents
+
+    # ---- LoRA -------------------------------------------------------------------------------------
+
+    def load_lora(self, path) -> LoraFile:
+        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet)."""
+        return read_lora(path, layer_shapes(self.transformer))
+
+    def set_loras(self, stack: Stack) -> None:
+        """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
+
+        Exact and reversible (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
+        """
+        self.loras.apply(stack)
 
     # ---- VAE --------------------------------------------------------------------------------------
 

@@ -242,9 +242,9 @@ class Sampler:
         x = pack(x).to(dtype)
 
         branches, cond_tokens = self._branches(cond, target_shape, batch, use_cfg)
-        # what a prefix depends on: the conditioning's content, the branch and the weights' dtype
+        # what a prefix depends on: the conditioning's content, the branch, the weights' dtype and merged LoRAs
         prefix_ids = [
-            (cond.content_hash, role, str(dtype)) if cond.content_hash else None
+            (cond.content_hash, role, str(dtype), tr.weights_id) if cond.content_hash else None
             for role in ("positive", "negative")[: len(branches)]
         ]
         self.stats.cache_bytes += sum(b.cache.nbytes for b, _ in branches)

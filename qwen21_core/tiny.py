@@ -9,6 +9,7 @@
     dir/text_encoders/qwen3vl_tiny/                        its tokenizer/processor (found next to the file)
     dir/diffusers/qwen_image_2.1_tiny/                     the same weights as a diffusers pipeline folder,
     dir/diffusers/qwen_image_2.1_tiny_turbo/               and as a turbo one (model_index sample_sigmas)
+    dir/loras/tiny_turbo_lora.safetensors                  a random LoRA on every block linear, ComfyUI key names
 
 The diffusers folders are laid out like the released repository (model_index.json with the same classes,
 a sharded transformer, scheduler_config.json with the released values), so diffusers' own
@@ -59,12 +60,14 @@ NAMES = {
     "text_encoder": "text_encoders/qwen3vl_tiny.safetensors",
     "diffusers": "diffusers/qwen_image_2.1_tiny",
     "diffusers_turbo": "diffusers/qwen_image_2.1_tiny_turbo",
+    "lora": "loras/tiny_turbo_lora.safetensors",
 }
+TINY_LORA_RANK = 4
 
 
 def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny checkpoint set into `dir` (see the module docstring); returns the paths by role:
-    models, transformer, vae, text_encoder, tokenizer, diffusers, diffusers_turbo."""
+    models, transformer, vae, text_encoder, tokenizer, diffusers, diffusers_turbo, lora."""
     root = Path(dir)
     paths = {"models": root, **{role: root / name for role, name in NAMES.items()}}
     paths["tokenizer"] = paths["text_encoder"].with_suffix("")
@@ -72,6 +75,7 @@ def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
         torch.manual_seed(seed)
         transformer = tiny_transformer_state_dict()
         vae = tiny_vae_state_dict()
+        lora = tiny_lora_state_dict()
 
     folder = paths["diffusers"]
     _write_diffusers_folder(folder, transformer, vae, seed)
@@ -84,6 +88,7 @@ def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
     _save(key_maps.dit_to_comfyui(transformer), paths["transformer"])
     _save(key_maps.vae_to_comfyui(vae, TINY_VAE.num_res_blocks), paths["vae"])
     _write_comfy_text_encoder(folder, paths["text_encoder"], paths["tokenizer"])
+    _save(lora, paths["lora"])
     return paths
 
 
@@ -96,6 +101,24 @@ def tiny_transformer_state_dict() -> dict[str, torch.Tensor]:
             tensor.add_(0.1 * torch.randn_like(tensor))  # standard RMSNorm: scale around 1
         elif name == "txt_in.text_norm.weight":
             tensor.copy_(0.1 * torch.randn_like(tensor))  # zero-centred RMSNorm: effective scale w + 1
+    return weights
+
+
+def tiny_lora_state_dict(rank: int = TINY_LORA_RANK) -> dict[str, torch.Tensor]:
+    """A LoRA on every block linear of TINY_TRANSFORMER (fused gate_up, as ComfyUI names it), in the key format
+    ComfyUI saves (`diffusion_model.<layer>.lora_down/lora_up.weight`, `.alpha`); its deltas are about as large
+    as the weights, so it visibly changes an image (draws from the global RNG)."""
+    config = TINY_TRANSFORMER
+    dim, hidden = config.inner_dim, config.mlp_dim
+    shapes = {"attn.to_q": (dim, dim), "attn.to_k": (dim, dim), "attn.to_v": (dim, dim), "attn.to_out.0": (dim, dim),
+              "img_mlp.gate_up": (2 * hidden, dim), "img_mlp.out": (dim, hidden)}  # fmt: skip
+    weights = {}
+    for i in range(config.num_layers):
+        for layer, (rows, cols) in shapes.items():
+            stem = f"diffusion_model.transformer_blocks.{i}.{layer}"
+            weights[f"{stem}.lora_down.weight"] = torch.randn(rank, cols) / cols**0.5
+            weights[f"{stem}.lora_up.weight"] = torch.randn(rows, rank) / cols**0.5
+            weights[f"{stem}.alpha"] = torch.tensor(float(rank))
     return weights
 
 

@@ -83,10 +83,10 @@ def _run_and_report(path, models_dir, input_dir, output_dir, overrides) -> int:
 
 def ensure_tiny_models(tiny_dir: str | os.PathLike) -> Path:
     """The tiny checkpoint in `tiny_dir`, made there first if it is not there yet."""
-    from ..qwen21_core.tiny import make_tiny
+    from ..qwen21_core.tiny import NAMES, make_tiny
 
     tiny_dir = Path(tiny_dir)
-    if not (tiny_dir / "diffusion_models").is_dir():
+    if not all((tiny_dir / name).exists() for name in NAMES.values()):  # also one made before a file was added
         log.info("making a tiny random-weight checkpoint in %s", tiny_dir)
         make_tiny(tiny_dir)
     return tiny_dir
@@ -119,17 +119,23 @@ def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int 
     for node_id, node in prompt.items():
         if node["class_type"] == "Qwen21ModelLoader":
             for kind, name in LOADER_FILES:
-                files = sorted(p.name for p in (models_dir / kind).glob("*.safetensors"))
-                if len(files) != 1:
-                    raise FileNotFoundError(f"expected one .safetensors file in {models_dir / kind}, found {files}")
-                settings.append(f"{node_id}.{name}={json.dumps(files[0])}")
+                settings.append(f"{node_id}.{name}={json.dumps(_only_file(models_dir / kind))}")
         elif node["class_type"] == "Qwen21DiffusersLoader":
             settings.append(f"{node_id}.folder={json.dumps(_tiny_diffusers_folder(models_dir / 'diffusers', turbo))}")
+        elif node["class_type"] == "Qwen21LoraLoader":
+            settings.append(f"{node_id}.lora_name={json.dumps(_only_file(models_dir / 'loras'))}")
         elif node["class_type"] == "Qwen21Encode":
             settings.append(f"{node_id}.output_resolution={resolution}")
         elif node["class_type"] == "Qwen21Sampler":
             settings.append(f"{node_id}.steps={steps}")
     return settings
+
+
+def _only_file(folder: Path) -> str:
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"expected one .safetensors file in {folder}, found {files}")
+    return files[0]
 
 
 def _tiny_diffusers_folder(root: Path, turbo: bool) -> str:

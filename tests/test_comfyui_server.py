@@ -148,7 +148,7 @@ def server(tmp_path_factory, tiny_models):
     for folder in ("custom_nodes", "input", "output", "temp", "user", "models"):
         (base / folder).mkdir()
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
-    for kind in ("text_encoders", "diffusers"):
+    for kind in ("text_encoders", "diffusers", "loras"):
         if (tiny_models / kind).exists():
             (base / "models" / kind).symlink_to(tiny_models / kind, target_is_directory=True)
     (base / "models" / "diffusion_models").mkdir()

@@ -49,7 +49,7 @@ def test_missing_model_file_error_says_where_it_looked(models_dir):
     with pytest.raises(FileNotFoundError, match="model_index.json"):
         host.diffusers_folder_path("not_a_pipeline")
     with pytest.raises(ValueError, match="must be one of"):
-        host.model_folders("loras")
+        host.model_folders("checkpoints")
 
 
 def test_no_models_dir_means_no_files():

@@ -19,7 +19,8 @@ from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
 API_WORKFLOWS = sorted((WORKFLOWS_DIR / "api").glob("*.json"))
 UI_WORKFLOWS = sorted(WORKFLOWS_DIR.glob("*.json"))
 EXPECTED = {
-    "text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode"
+    "text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode",
+    "turbo_lora",
 }  # fmt: skip
 
 

@@ -52,6 +52,16 @@ A Qwen-Image-2.1 **turbo** checkpoint in diffusers layout: the folder
 `sample_sigmas`. The sampler's `turbo` schedule uses those sigmas (and ignores `steps`); a
 checkpoint without them is rejected with a clear error."""
 
+TURBO_LORA = "qwen_image_2.1_turbo_lora.safetensors"
+
+TURBO_LORA_NOTE = f"""{MODEL_NOTE}
+
+Plus a Qwen-Image-2.1 **turbo** (few-step distillation) LoRA in `ComfyUI/models/loras/`; this workflow
+names it `{TURBO_LORA}`: pick yours in *Qwen21 Load LoRA*. The sampler runs 8 steps of the
+default schedule, the grid diffusers' turbo pipeline uses when a checkpoint ships no `sample_sigmas`
+(set the step count your LoRA was distilled for). The LoRA is merged into the weights before
+sampling, so the prefix cache and CUDA-graph decode stay on."""
+
 T2I_PROMPT = (
     "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep on a "
     "knitted blanket, shelves of old books, soft film grain"
@@ -163,6 +173,21 @@ def workflows() -> dict[str, tuple[dict, str]]:
                 "5": _save("turbo_schedule"),
             },
             TURBO_NOTE,
+        ),
+        "turbo_lora": (
+            {
+                "1": _loader(),
+                "6": {
+                    "class_type": "Qwen21LoraLoader",
+                    "inputs": {"model": ["1", 0], "lora_name": TURBO_LORA, "strength": 1.0},
+                    "_meta": {"title": "Load turbo LoRA"},
+                },
+                "2": _encode(T2I_PROMPT, model=["6", 0]),
+                "3": _sampler(model=["6", 0], steps=8),
+                "4": _decode(model=["6", 0]),
+                "5": _save("turbo_lora"),
+            },
+            TURBO_LORA_NOTE,
         ),
         "fast_vae_decode": (
             {

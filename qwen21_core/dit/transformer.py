@@ -283,6 +283,7 @@ class QwenImage21Transformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
         self.streamer: LayerStreamer | None = None  # set by stream_blocks: some blocks stream from host RAM
+        self.weights_id: tuple = ()  # what is merged into the weights (a LoRA stack, lora/merge.py); () = as loaded
 
     # ---- block streaming ----------------------------------------------------------------------------
 
