@@ -6,7 +6,10 @@ bf16 unless stated. Prints one JSON line per measurement.
     python benchmarks/bench_vae.py --sizes 1024          # one size
     python benchmarks/bench_vae.py --measure-memory      # bytes/pixel for vae_tiling.BYTES_PER_PIXEL (CUDA)
     python benchmarks/bench_vae.py --meta-memory         # the same, estimated on the meta device (no GPU)
-    python benchmarks/bench_vae.py --sweep-kernel        # launch shapes of the fused norm kernel (CUDA)
+    python benchmarks/bench_vae.py --sweep-kernel        # launch shapes of both norm kernels at the decoder's shapes
+    python benchmarks/bench_vae.py --cudnn-benchmark     # fast decode with cudnn.benchmark on vs off (own processes)
+    python benchmarks/bench_vae.py --placeholders        # both of the above: what settles the two PLACEHOLDER
+                                                         # constants (vae/fast.py, kernels/rmsnorm_silu.py)
     python benchmarks/bench_vae.py --profile --sizes 1024  # where the time goes: top kernels, exact and fast
     python benchmarks/bench_vae.py --tiny --device cpu   # smoke test of the script itself
 
@@ -20,19 +23,40 @@ Records ("what" field):
                 kernels/bias_residual.py), exact_previous (the exact path before norms wrote into padded
                 buffers, half-precision norms skipped the fp32 copy and the bias/residual kernel;
                 exact_speedup_vs_previous = its time / exact's time),
-                exact_tiled (512 px tiles), fast, fast_no_cudnn_benchmark.
+                exact_tiled (512 px tiles), fast, fast_no_cudnn_benchmark (in the same process after
+                "fast", so cuDNN may reuse the algorithms it cached there: --cudnn-benchmark is the clean
+                comparison), exact_interruptible (the node's decode: with its 16 interruption points).
   precision     PSNR of bf16 / fp16 decodes (exact and fast) against an fp32 decode of the same weights.
   encode        ours vs diffusers: ms, identical, max_abs.
   summary       the issue's targets at this size.
+  cudnn_benchmark          (--cudnn-benchmark) one line per setting and size, each setting in a fresh process
+                (cuDNN's algorithm caches start empty): first_call_ms (the first fast decode at that size,
+                after a warm-up decode at another size that compiles the kernels), ms (median after it),
+                psnr_vs_exact.
+  cudnn_benchmark_summary  per size: steady ms on/off, first-call ms on/off, and break_even_decodes (how many
+                decodes at one size it takes benchmark mode to win back its first-call search; null if it
+                never does).
+  norm_kernel_calls        (--sweep-kernel) the norm calls of one decode at --sweep-size, traced on the meta
+                device: shape, layout, count, per path (exact: the eager kernel, NCHW; fast: the fused
+                kernel, channels-last).
+  norm_kernel_launch       one line per kernel, traced shape and launch shape (block_elements, block_c,
+                num_warps): ms per call.
+  norm_kernel_sweep_summary per kernel: the decode's total norm-kernel time (calls x ms) for the current
+                constants and for the best launch shape; plus the best shared BLOCK_ELEMENTS / NUM_WARPS
+                (the two kernels share them; each has its own BLOCK_C).
 """
 
 # ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
+from collections import Counter
 
 import torch
 from _common import emit, sync
@@ -41,7 +65,7 @@ from qwen21_nodes.kernels import rmsnorm_silu as norm_kernel
 from qwen21_nodes.qwen21_core.config import VAEConfig
 from qwen21_nodes.qwen21_core.vae import fast as vae_fast
 from qwen21_nodes.qwen21_core.vae import tiling as vae_tiling
-from qwen21_nodes.qwen21_core.vae.model import ExactOps, QwenImage21VAE
+from qwen21_nodes.qwen21_core.vae.model import ExactOps, QwenImage21VAE, zero_bordered_empty
 
 TINY_CONFIG = VAEConfig(
     base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=(1, 2, 4, 4, 4), latents_mean=(0.0,) * 4,
@@ -178,6 +202,10 @@ def bench_size(ref, ours, res, args, device):
          exact_speedup_vs_previous=ms / ms_exact, identical=torch.equal(pixels, ref_pixels), **common)  # fmt: skip
     del pixels
 
+    ms, _, _ = measure(lambda: ours.decode(z, tiling="off", check_interrupt=lambda: None), device, iters)
+    emit(what="decode", variant="exact_interruptible", ms=ms, ratio=ms / ms_ref, cost_vs_exact=ms / ms_exact - 1,
+         **common)  # fmt: skip
+
     ours_record("exact_tiled", lambda: ours.decode(z, tiling="on", tile_size=args.tile), exact, compare_to_ref=False)
     ms_fast, peak_fast, _ = ours_record("fast", lambda: ours.decode(z, tiling="off", quality="fast"), exact)
     saved_benchmark = vae_fast.CUDNN_BENCHMARK
@@ -284,34 +312,198 @@ def meta_memory(sizes):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def sweep_kernel(device, iters):
-    shapes = [(1, 144, 1024, 1024), (1, 288, 1024, 1024), (1, 576, 512, 512), (1, 1152, 256, 256)]
-    saved = (norm_kernel.BLOCK_ELEMENTS, norm_kernel.BLOCK_C_CHANNELS_LAST, norm_kernel.NUM_WARPS)
+def decoder_norm_calls(config, res, quality) -> Counter:
+    """(shape, silu, into_padded) -> calls, for the channel norms of one bf16 decode at res x res, traced on the
+    meta device (where the fast path's fused kernel falls back to the same entry point). Layouts are not traced
+    (meta convolutions do not keep channels-last): exact activations are NCHW, fast ones channels-last."""
+    with torch.device("meta"):
+        vae = QwenImage21VAE(config)
+    vae = vae.to(torch.bfloat16)
+    calls = Counter()
+    traced = norm_kernel.rmsnorm_silu_eager
+
+    def record(x, gamma, scale, eps, silu, out=None):
+        calls[(tuple(x.shape), silu, out is not None)] += 1
+        return traced(x, gamma, scale, eps, silu, out=out)
+
+    norm_kernel.rmsnorm_silu_eager = record
     try:
-        for shape in shapes:
-            x = torch.randn(shape, device=device, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-            gamma = torch.ones(shape[1], 1, 1, device=device, dtype=torch.bfloat16)
-            scale = shape[1] ** 0.5
-            gbytes = 2 * x.numel() * x.element_size() / 1e9
-            for variant, fn in (
-                ("torch_eager_reference", norm_kernel.rmsnorm_silu_eager_reference),
-                ("eager_kernel_with_torch_norm", norm_kernel.rmsnorm_silu_eager_fused),
-            ):
-                ms, _, _ = measure(lambda: fn(x, gamma, scale, 1e-12, True), device, iters)
-                emit(what="norm_kernel", variant=variant, shape=shape, ms=ms)
-            for elements in (2048, 4096, 8192):
-                for block_c in (32, 64, 128):
-                    for warps in (4, 8):
-                        norm_kernel.BLOCK_ELEMENTS, norm_kernel.BLOCK_C_CHANNELS_LAST, norm_kernel.NUM_WARPS = (
-                            elements, block_c, warps,
-                        )  # fmt: skip
-                        ms, _, _ = measure(
-                            lambda: norm_kernel.rmsnorm_silu_fused(x, gamma, scale, 1e-12), device, iters
-                        )
-                        emit(what="norm_kernel", variant="fast", shape=shape, block_elements=elements,
-                             block_c=block_c, num_warps=warps, ms=ms, gb_per_s=gbytes / ms * 1e3)  # fmt: skip
+        z = torch.empty(1, config.z_dim, res // 16, res // 16, device="meta", dtype=torch.bfloat16)
+        vae.decode_pixels(z, vae.ops_for(quality))
     finally:
-        norm_kernel.BLOCK_ELEMENTS, norm_kernel.BLOCK_C_CHANNELS_LAST, norm_kernel.NUM_WARPS = saved
+        norm_kernel.rmsnorm_silu_eager = traced
+    return calls
+
+
+def kernel_ms(fn, device, iters, reps):
+    """Median ms per call of fn, each sample averaging `reps` back-to-back calls (CUDA events on the GPU)."""
+    fn()  # compile / warm up
+    sync(device)
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / reps)
+        else:
+            began = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples.append((time.perf_counter() - began) * 1e3 / reps)
+    return statistics.median(samples)
+
+
+_LAUNCH = ("BLOCK_ELEMENTS", "BLOCK_C_NCHW", "BLOCK_C_CHANNELS_LAST", "NUM_WARPS")
+
+
+def _norm_launch(kernel, x, gamma, scale, silu, norm, out):
+    """One call of the kernel the exact path ("eager": the norm from torch, into `out` if given) or the fast
+    path ("fused") makes for x."""
+    if kernel == "eager":
+        return lambda: norm_kernel.rmsnorm_silu_eager_fused(x, gamma, scale, 1e-12, silu, norm, out)
+    return lambda: norm_kernel.rmsnorm_silu_fused(x, gamma, scale, 1e-12, silu)
+
+
+def sweep_kernel(config, device, args):
+    """Time both norm kernels at every launch shape of the grid, at the shapes one decode uses; emit the
+    decode's total per launch shape and the best ones (see the module docstring)."""
+    if not norm_kernel.TRITON_AVAILABLE or norm_kernel.unsupported_reason(
+        torch.empty(1, 1, 1, 1, device=device), torch.empty(1, device=device)
+    ):
+        emit(what="norm_kernel_sweep_summary", skipped=f"the Triton kernels cannot run on {device} here")
+        return
+    saved = {name: getattr(norm_kernel, name) for name in _LAUNCH}
+    grid = [(e, c, w) for e in args.sweep_elements for c in args.sweep_block_c for w in args.sweep_warps]
+    current = {"eager": (saved["BLOCK_ELEMENTS"], saved["BLOCK_C_NCHW"], saved["NUM_WARPS"]),
+               "fused": (saved["BLOCK_ELEMENTS"], saved["BLOCK_C_CHANNELS_LAST"], saved["NUM_WARPS"])}  # fmt: skip
+    if current["eager"] not in grid or current["fused"] not in grid:
+        grid += [current["eager"], current["fused"]]
+    # the exact path's eager kernel (norm from torch; NCHW) and the fast path's fused kernel (channels-last)
+    paths = {"eager": ("exact", torch.contiguous_format), "fused": ("fast", torch.channels_last)}
+    totals = {kernel: Counter() for kernel in paths}
+    try:
+        for kernel, (quality, layout) in paths.items():
+            for (shape, silu, padded), count in sorted(decoder_norm_calls(config, args.sweep_size, quality).items()):
+                emit(what="norm_kernel_calls", kernel=kernel, shape=shape, layout=str(layout), silu=silu,
+                     into_padded=padded, calls=count, res=args.sweep_size, swept=silu)  # fmt: skip
+                if not silu:
+                    continue  # the attention norm, once per decode: not worth a second set of compiles
+                x = torch.randn(shape, device=device, dtype=torch.bfloat16).contiguous(memory_format=layout)
+                gamma = torch.rand(shape[1], 1, 1, device=device, dtype=torch.bfloat16) + 0.5
+                scale = shape[1] ** 0.5
+                out = zero_bordered_empty(x, (1, 1, 1, 1))[1] if padded else None
+                norm = norm_kernel.channel_norm(x, 1e-12)
+                for elements, block_c, warps in dict.fromkeys(grid):
+                    norm_kernel.BLOCK_ELEMENTS, norm_kernel.NUM_WARPS = elements, warps
+                    norm_kernel.BLOCK_C_NCHW = norm_kernel.BLOCK_C_CHANNELS_LAST = block_c
+                    fn = _norm_launch(kernel, x, gamma, scale, silu, norm, out)
+                    ms = kernel_ms(fn, device, args.iters, args.kernel_reps)
+                    totals[kernel][(elements, block_c, warps)] += ms * count
+                    emit(what="norm_kernel_launch", kernel=kernel, shape=shape, silu=silu,
+                         block_elements=elements, block_c=block_c, num_warps=warps, ms=ms)  # fmt: skip
+    finally:
+        for name, value in saved.items():
+            setattr(norm_kernel, name, value)
+    best = {kernel: min(total, key=total.get) for kernel, total in totals.items()}
+    names = ("block_elements", "block_c", "num_warps")
+    for kernel, total in totals.items():
+        now, top = total[current[kernel]], total[best[kernel]]
+        emit(
+            what="norm_kernel_sweep_summary",
+            kernel=kernel,
+            res=args.sweep_size,
+            current=dict(zip(names, current[kernel], strict=True)),
+            current_total_ms=now,
+            best=dict(zip(names, best[kernel], strict=True)),
+            best_total_ms=top,
+            current_vs_best=now / top,
+        )
+
+    # BLOCK_ELEMENTS and NUM_WARPS are shared by the two kernels (each has its own BLOCK_C): the pair that
+    # loses least against each kernel's best, summed over both
+    def best_block_c(total, elements, warps):
+        options = {c: ms for (e, c, w), ms in total.items() if (e, w) == (elements, warps)}
+        return min(options, key=options.get)
+
+    def shared_cost(pair):
+        return sum(
+            total[(pair[0], best_block_c(total, *pair), pair[1])] / total[best[k]] for k, total in totals.items()
+        )
+
+    elements, warps = min(sorted({(e, w) for e, _, w in grid}), key=shared_cost)
+    emit(what="norm_kernel_sweep_summary", kernel="shared", res=args.sweep_size, BLOCK_ELEMENTS=elements,
+         NUM_WARPS=warps, BLOCK_C_NCHW=best_block_c(totals["eager"], elements, warps),
+         BLOCK_C_CHANNELS_LAST=best_block_c(totals["fused"], elements, warps),
+         loss_vs_each_best=shared_cost((elements, warps)) / len(totals) - 1)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cuDNN benchmark mode of the fast path
+# ---------------------------------------------------------------------------------------------------------
+
+
+def cudnn_benchmark_child(config, device, sizes, iters, enabled: bool):
+    """In a fresh process: the fast decode with vae_fast.CUDNN_BENCHMARK = enabled, first call and steady state
+    at each size (after a warm-up decode at a size not measured, which compiles the Triton kernels)."""
+    vae_fast.CUDNN_BENCHMARK = enabled
+    torch.manual_seed(0)
+    ours = QwenImage21VAE(config).to(device, torch.bfloat16).eval().requires_grad_(False)
+    warm = torch.randn(1, config.z_dim, 8, 8, device=device, dtype=torch.bfloat16)
+    ours.decode(warm, tiling="off", quality="fast")
+    sync(device)
+    for res in sizes:
+        z = torch.randn(1, config.z_dim, res // 16, res // 16, generator=torch.Generator().manual_seed(res))
+        z = z.to(device, torch.bfloat16)
+        sync(device)
+        began = time.perf_counter()
+        fast = ours.decode(z, tiling="off", quality="fast")
+        sync(device)
+        first = (time.perf_counter() - began) * 1e3
+        ms, _, _ = measure(lambda: ours.decode(z, tiling="off", quality="fast"), device, iters, warmup=0)
+        exact = ours.decode(z, tiling="off")  # after the fast calls: its algorithm choices cannot serve them
+        emit(what="cudnn_benchmark", cudnn_benchmark=enabled, res=res, first_call_ms=first, ms=ms,
+             psnr_vs_exact=psnr(fast, exact), device=str(device))  # fmt: skip
+        del fast, exact
+
+
+def cudnn_benchmark_compare(args, sizes):
+    """Run cudnn_benchmark_child for on and off, each in its own process, and summarise per size."""
+    records = {}
+    for enabled in (True, False):
+        command = [
+            sys.executable,
+            __file__,
+            "--cudnn-child",
+            "on" if enabled else "off",
+            "--device",
+            args.device,
+            "--iters",
+            str(args.iters),
+            "--sizes",
+            *map(str, sizes),
+            *(["--tiny"] if args.tiny else []),
+        ]
+        child = subprocess.run(command, capture_output=True, text=True, timeout=args.child_timeout)
+        if child.returncode != 0:
+            emit(what="cudnn_benchmark", cudnn_benchmark=enabled, error=child.stderr.strip().splitlines()[-1:])
+            return
+        for line in child.stdout.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                sys.stdout.write(line + "\n")
+                records[(enabled, record["res"])] = record
+    for res in sizes:
+        on, off = records[(True, res)], records[(False, res)]
+        gain = off["ms"] - on["ms"]  # per steady decode
+        penalty = on["first_call_ms"] - off["first_call_ms"]
+        break_even = None if gain <= 0 else max(0.0, penalty / gain)
+        emit(what="cudnn_benchmark_summary", res=res, on_ms=on["ms"], off_ms=off["ms"],
+             on_first_call_ms=on["first_call_ms"], off_first_call_ms=off["first_call_ms"],
+             break_even_decodes=break_even, psnr_on=on["psnr_vs_exact"], psnr_off=off["psnr_vs_exact"])  # fmt: skip
 
 
 def profile(ours, res, device):
@@ -344,6 +536,15 @@ def main():
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--meta-memory", action="store_true")
     parser.add_argument("--sweep-kernel", action="store_true")
+    parser.add_argument("--sweep-size", type=int, default=None, help="output side of the traced decode (1024)")
+    parser.add_argument("--sweep-elements", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--sweep-block-c", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--kernel-reps", type=int, default=10, help="calls per timing sample in the sweep")
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="fast decode, benchmark mode on vs off")
+    parser.add_argument("--cudnn-child", choices=("on", "off"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--placeholders", action="store_true", help="--cudnn-benchmark and --sweep-kernel")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
@@ -356,8 +557,15 @@ def main():
     if args.tiny:
         args.tile = min(args.tile, 32)
         args.max_diffusers_tiled = args.max_precision = max(sizes)
-    if args.sweep_kernel:
-        sweep_kernel(device, args.iters)
+    if args.cudnn_child:
+        cudnn_benchmark_child(config, device, sizes, args.iters, args.cudnn_child == "on")
+        return
+    if args.cudnn_benchmark or args.placeholders:
+        cudnn_benchmark_compare(args, sizes)
+    if args.sweep_kernel or args.placeholders:
+        args.sweep_size = args.sweep_size or (sizes[0] if args.tiny else 1024)
+        sweep_kernel(config, device, args)
+    if args.cudnn_benchmark or args.sweep_kernel or args.placeholders:
         return
     ref, ours = build_models(config, device, torch.bfloat16)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None

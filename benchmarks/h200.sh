@@ -2,7 +2,7 @@
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
-#   vae-profile qk te load lora
+#   vae-placeholders vae-profile qk te load lora
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +54,7 @@ for part in "$@"; do
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
     vae-profile) run bench_vae_profile 150 python3 benchmarks/bench_vae.py --profile --sizes 1024 ;;
     vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;
+    vae-placeholders) run bench_vae_placeholders 420 python3 benchmarks/bench_vae.py --placeholders ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
     lora) run bench_lora 420 python3 benchmarks/bench_lora.py ;;

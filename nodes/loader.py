@@ -30,17 +30,19 @@ TEXT_ENCODER_PRECISIONS = ("same", "auto", "bf16", "fp8", "int8", "int8_convrot"
 
 # Numbers from BENCHMARKS.md (bench_dit dit_quant lines, 1024^2 decode step on an H200, our bf16 path = 1.0).
 WEIGHT_DTYPE_TOOLTIP = (
-    "auto: each file's own format (an fp8 or int8_convrot file runs quantised, a bf16 file in bf16), bf16 compute "
-    "on a GPU, fp32 on CPU. bf16: everything dequantised to bf16: ~13.3 GiB DiT + ~16.4 GiB text encoder. fp8: "
-    "FP8 e4m3 weights and activations (GPUs with FP8 tensor cores, RTX 40xx / H100 and newer; elsewhere the "
-    "weights are dequantised per layer), ~6.8 GiB DiT. int8 / int8_convrot: INT8 weights and activations "
-    "(RTX 20xx and newer), ~6.8 GiB DiT; int8_convrot (native ComfyUI's int8 format) rotates first for less error "
-    "on real weights. Quantised files are read as they are; bf16 files are quantised while loading. fp32: twice "
-    "the memory of bf16; matches the diffusers fp32 reference to rounding."
+    "auto: each file's own format (an fp8 or int8_convrot file runs quantised, a bf16 file in bf16), bf16 compute on "
+    "a GPU, fp32 on CPU. bf16: everything in bf16, the DiT 13.25 GiB (BENCHMARKS: Quantised DiT). fp8: FP8 e4m3 "
+    "weights and activations "
+    "on GPUs with FP8 tensor cores (RTX 40xx, H100 and newer; elsewhere dequantised per layer); int8 / "
+    "int8_convrot: INT8 weights and activations (RTX 20xx and newer); int8_convrot (native ComfyUI's int8 files) "
+    "rotates first, for less error on real weights. On an H200 at 1024x1024 the quantised DiT takes 6.76 GiB and "
+    "a step 0.634x (fp8), 0.685x (int8), 0.761x (int8_convrot) of bf16's time (BENCHMARKS: Quantised DiT). Quantised "
+    "files load as they are; bf16 files are quantised while loading. fp32: twice bf16's memory; matches the "
+    "diffusers fp32 reference to rounding."
 )
 TEXT_ENCODER_DTYPE_TOOLTIP = (
-    "same: follow weight_dtype. Otherwise the text encoder's own precision: its language model's Linears in "
-    "fp8/int8 take ~8.7 GiB instead of ~16.4 GiB (bf16); auto keeps its file's format."
+    "same: follow weight_dtype. Otherwise the text encoder's own precision: its language model's Linears in fp8 or "
+    "int8 take about half of bf16's memory; auto keeps its file's format."
 )
 
 
@@ -69,17 +71,18 @@ def _common_inputs() -> dict:
             {
                 "default": "auto",
                 "tooltip": "auto: ComfyUI's GPU (or the first CUDA GPU outside ComfyUI), else CPU. cpu: for "
-                "tests and tiny models only; a full-size 1024x1024 image takes hours on CPU.",
+                "tests and tiny models; the full-size model on a CPU is not benchmarked and far too slow to use.",
             },
         ),
         "offload_text_encoder": (
             "BOOLEAN",
             {
                 "default": True,
-                "tooltip": "On: move the text encoder (~16.4 GiB in bf16) to CPU RAM right after encoding, leaving "
-                "the VRAM to the DiT; a new prompt then costs ~1-3 s of transfer. Off: keep it on the GPU for "
-                "instant re-encoding (inside ComfyUI its memory manager still moves it off when another model "
-                "needs the room).",
+                "tooltip": "On: move the text encoder to CPU RAM right after encoding, leaving the VRAM to the "
+                "DiT. Each new prompt then moves it back and off again: 12.2 s for that round trip of the 8B "
+                "encoder on an H200 host (BENCHMARKS: Text encoder); a true_cfg_scale > 1 run pays it once more, "
+                "for the negative prompt, the first time. Off: keep it on the GPU for instant re-encoding "
+                "(inside ComfyUI its memory manager still moves it off when another model needs the room).",
             },
         ),
     }

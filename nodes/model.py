@@ -9,6 +9,7 @@ those caches are released with it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import weakref
@@ -58,21 +59,29 @@ class Qwen21Model:
         handle.loras = (*self.loras, (lora, float(strength)))
         return handle
 
-    def encode(self, **kwargs):
-        """pipe.encode with the text encoder (and the VAE, for condition images) placed first."""
-        self.text_encoder.load()
-        self.vae.load()
-        if self.pipe.device != self.device:
-            # pipe.encode runs the text encoder on the transformer's current device, so a transformer
-            # ComfyUI moved off must come back first (it costs VRAM while encoding).
-            self.transformer.load()
+    @contextlib.contextmanager
+    def _text_encoder_loaded(self):
+        """The text encoder placed by ComfyUI's memory manager for the block (and unloaded after it when
+        offload_text_encoder is on)."""
+        self.text_encoder.load()  # it runs on the pipeline's execution device; the DiT need not be there
         try:
-            return self.pipe.encode(**kwargs)
+            yield
         finally:
             if self.offload_text_encoder:
                 self.text_encoder.unload()
 
+    def encode(self, **kwargs):
+        """pipe.encode with the text encoder (and the VAE, for condition images) placed first."""
+        self.vae.load()
+        with self._text_encoder_loaded():
+            return self.pipe.encode(**kwargs)
+
     def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
+        if true_cfg_scale > 1 and cond.negative_pending is not None:
+            # The negative prompt is encoded only now that guidance needs it, once per conditioning; the
+            # text encoder comes back for it even if it was offloaded after the positive prompt.
+            with self._text_encoder_loaded():
+                self.pipe.encode_negative(cond)
         size = (height or cond.height, width or cond.width)
         placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)
         needed = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement=placement)

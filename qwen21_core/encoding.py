@@ -2,8 +2,12 @@
 
 Order of work: check the inputs, resize the images once, check that every image gets exactly one
 `<|image_pad|>` token per 2x2 latent tokens, check (before any model runs) that the DiT's prefix K/V
-fits in the memory the caller says is free, then run the VLM (positive and, if given, negative prompt,
-both with the same images) and the VAE (mode, normalised with latents_mean/std).
+fits in the memory the caller says is free, then run the VLM on the positive prompt and the VAE (mode,
+normalised with latents_mean/std).
+
+The negative prompt is only tokenized here (its length is needed for memory estimates); the VLM runs on
+it, with the same images, in `encode_negative`, which the pipeline calls only when true_cfg_scale > 1.
+At cfg 1 it is never encoded and never counted against the prefix memory.
 
 The reference (diffusers) has no image limit; the model's documentation says 4; native ComfyUI takes 16.
 We accept up to 16 and fail clearly above that.
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .conditioning import Conditioning
+from .conditioning import Conditioning, PendingPrompt
 from .config import TransformerConfig
 from .errors import stable_name
 from .images import (
@@ -94,11 +98,17 @@ def _check_prefix_memory(budget: PrefixMemoryBudget, prefix_tokens: dict[str, in
     needed = sum(budget.prefix_bytes(tokens) for tokens in prefix_tokens.values())
     if needed > budget.free_bytes:
         branches = ", ".join(f"{name} {tokens} tokens" for name, tokens in prefix_tokens.items())
+        negative = " true_cfg_scale 1 (no negative branch)," if "negative" in prefix_tokens else ""
         raise PrefixMemoryError(
             f"the prefix K/V cache needs {_gib(needed)} ({branches}; {budget.num_layers} layers x K,V x "
             f"{budget.inner_dim} x {budget.dtype_bytes} bytes per token) but only {_gib(budget.free_bytes)} is free. "
-            f"Use fewer condition images, a smaller output_resolution, no negative prompt, or free GPU memory."
+            f"Use fewer condition images, a smaller output_resolution,{negative} or free GPU memory."
         )
+
+
+def _prefix_tokens(prompt_length: int, pad_counts) -> int:
+    """DiT prefix length of a prompt: every <|image_pad|> slot becomes 4 latent tokens."""
+    return prompt_length + 3 * sum(pad_counts)
 
 
 def _vae_identity(vae) -> str:
@@ -152,10 +162,12 @@ def encode_conditioning(
     vae:           offers `encode(images [B, H, W, 4] float 0..1) -> raw latents [B, z, H/16, W/16]` (mode)
                    and `normalize(raw) -> (raw - mean) / std`.
     images, masks: condition images in slot order (see images.condition_images_to_rgba for formats).
-    negative_prompt: None disables the negative branch; "" is encoded (as " ", like the reference).
+    negative_prompt: None disables the negative branch; "" is encoded (as " ", like the reference). Only
+                   tokenized here: `encode_negative` encodes it when a sampler needs it.
     output_resolution: condition images are resized to about this side length (area output_resolution^2).
     width, height: output size; derived from the last condition image's aspect ratio when left None.
-    memory_budget: when given, fail before encoding if the DiT prefix K/V of all branches would not fit.
+    memory_budget: when given, fail before encoding if the positive branch's DiT prefix K/V would not fit
+                   (the negative branch is checked by `encode_negative`, when true_cfg_scale > 1 needs it).
     """
     _check_inputs(prompt, negative_prompt, output_resolution, max_images)
     rgba_images = condition_images_to_rgba(images, masks)
@@ -170,23 +182,23 @@ def encode_conditioning(
 
     pad_counts = [image.pad_tokens for image in prepared]
     prompts = {"positive": prompt} if negative_prompt is None else {"positive": prompt, "negative": negative_prompt}
-    # In the DiT sequence every <|image_pad|> slot becomes 4 latent tokens.
-    prefix_tokens = {
-        name: text_encoder.count_tokens(text, pad_counts) + 3 * sum(pad_counts) for name, text in prompts.items()
-    }
+    lengths = {name: text_encoder.count_tokens(text, pad_counts) for name, text in prompts.items()}
+    prefix_tokens = {name: _prefix_tokens(length, pad_counts) for name, length in lengths.items()}
     if memory_budget is not None:
-        _check_prefix_memory(memory_budget, prefix_tokens)
+        _check_prefix_memory(memory_budget, {"positive": prefix_tokens["positive"]})
 
-    embeddings = text_encoder.encode_prompts(list(prompts.values()), [image.vlm for image in prepared])
+    vlm_images = tuple(image.vlm for image in prepared)
+    (positive,) = text_encoder.encode_prompts([prompt], vlm_images)
     vae_device = getattr(vae, "device", None)
     condition_latents = []
     for image in prepared:
         pixels = image.vae if vae_device is None else image.vae.to(vae_device)
         condition_latents.append(vae.normalize(vae.encode(pixels))[0])  # [z, H/16, W/16]
 
+    pending = None if negative_prompt is None else PendingPrompt(negative_prompt, vlm_images, lengths["negative"])
     return Conditioning(
-        positive=embeddings[0],
-        negative=embeddings[1] if negative_prompt is not None else None,
+        positive=positive,
+        negative_pending=pending,
         condition_latents=tuple(condition_latents),
         width=width,
         height=height,
@@ -200,3 +212,24 @@ def encode_conditioning(
             "prefix_tokens": prefix_tokens,
         },
     )
+
+
+def encode_negative(text_encoder, cond: Conditioning, memory_budget: PrefixMemoryBudget | None = None) -> Conditioning:
+    """Encode `cond`'s pending negative prompt into `cond.negative`, with the condition images the positive
+    prompt saw; a no-op when there is none or it is already encoded. memory_budget: when given, fail before
+    encoding if the prefix K/V of both branches would not fit. The content hash already covers the negative
+    prompt, so it is the same before and after."""
+    pending = cond.negative_pending
+    if pending is None:
+        return cond
+    if memory_budget is not None:
+        pad_counts = [h * w // 4 for h, w in cond.image_shapes]
+        prefix_tokens = {
+            "positive": _prefix_tokens(cond.positive.length, pad_counts),
+            "negative": _prefix_tokens(pending.length, pad_counts),
+        }
+        _check_prefix_memory(memory_budget, prefix_tokens)
+    (negative,) = text_encoder.encode_prompts([pending.text], pending.vlm_images)
+    cond.set_negative(negative)
+    log.debug("encoded the negative prompt (%d tokens) for true CFG", negative.length)
+    return cond

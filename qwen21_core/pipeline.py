@@ -11,6 +11,7 @@ be rebuilt. Options default to the exact path; faster, non-identical paths must 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.kv_cache import CacheShape
 from .dit.transformer import QwenImage21Transformer
-from .encoding import PrefixMemoryBudget, encode_conditioning
+from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
 from .memory.planner import SamplingPlan, device_free_bytes, plan_sampling
@@ -144,12 +145,9 @@ class Qwen21Pipeline:
         width: int | None = None,
         height: int | None = None,
     ) -> Conditioning:
-        """Encode a prompt (+ negative prompt) with its condition images. Images: ComfyUI IMAGE, PIL or numpy."""
-        if self.text_encoder is None:
-            raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
-        if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
-            self.text_encoder.to(self.execution_device)
-        try:
+        """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
+        is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
+        with self._text_encoder_placed():
             return encode_conditioning(
                 self.text_encoder,
                 self.vae,
@@ -162,6 +160,24 @@ class Qwen21Pipeline:
                 height=height,
                 memory_budget=self._prefix_budget(),
             )
+
+    def encode_negative(self, cond: Conditioning) -> Conditioning:
+        """Encode `cond`'s pending negative prompt (once: later calls, and conditionings without one, do
+        nothing). `sample` calls it when true_cfg_scale > 1; the text encoder comes back if it was offloaded."""
+        if cond.negative_pending is None:
+            return cond
+        with self._text_encoder_placed():
+            return encode_negative(self.text_encoder, cond, memory_budget=self._prefix_budget())
+
+    @contextlib.contextmanager
+    def _text_encoder_placed(self):
+        """The text encoder on the execution device for the block, offloaded after it if so configured."""
+        if self.text_encoder is None:
+            raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
+        if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
+            self.text_encoder.to(self.execution_device)
+        try:
+            yield
         finally:
             if self.text_encoder_offload and self.manage_weights and self.execution_device.type == "cuda":
                 self.text_encoder.offload()
@@ -184,10 +200,10 @@ class Qwen21Pipeline:
         element = torch.empty(0, dtype=self.dtype).element_size()
         target = (height // 16) * (width // 16)
         slots = sum(h * w for h, w in cond.image_shapes) // 4
-        prompts = [cond.positive] + ([cond.negative] if true_cfg_scale > 1 and cond.negative is not None else [])
+        lengths = [cond.positive.length] + ([cond.negative_length] if true_cfg_scale > 1 and cond.has_negative else [])
         caches, activations = {"gpu": 0, "cpu": 0}, 0
-        for prompt in prompts:  # branches run one after another: caches add up, activations do not
-            prefix = prompt.length + 3 * slots  # every image slot becomes 4 latent tokens
+        for length in lengths:  # branches run one after another: caches add up, activations do not
+            prefix = length + 3 * slots  # every image slot becomes 4 latent tokens
             shape = CacheShape(cfg.num_layers, batch_size, prefix, target, cfg.num_attention_heads,
                                cfg.attention_head_dim, self.dtype)  # fmt: skip
             for placement in caches:
@@ -263,6 +279,9 @@ class Qwen21Pipeline:
             raise ValueError("sample needs at least one conditioning")
         height = height or conds[0].height
         width = width or conds[0].width
+        if true_cfg_scale > 1:
+            for c in conds:
+                self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)

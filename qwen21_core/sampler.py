@@ -222,6 +222,11 @@ class Sampler:
         tr = self.transformer
         device, dtype = tr.device, tr.dtype
         batch = noise.shape[0]
+        if cfg > 1.0 and cond.negative is None and cond.negative_pending is not None:
+            raise ValueError(
+                "the conditioning's negative prompt is not encoded yet; sample through Qwen21Pipeline.sample, "
+                "which encodes it for true_cfg_scale > 1, or call Qwen21Pipeline.encode_negative(cond) first"
+            )
         use_cfg = cfg > 1.0 and cond.negative is not None
         if cfg > 1.0 and cond.negative is None:
             log.warning("true_cfg_scale=%s but the conditioning has no negative prompt: guidance is off", cfg)

@@ -1,9 +1,13 @@
-"""Decode-graph bookkeeping (keys, ownership, adoption, eviction, failures) with a stand-in capture on CPU,
-and real CUDA-graph replay against eager decode on the GPU."""
+"""Decode graphs on the CPU with a stand-in capture that has CUDA-graph semantics (fake_cuda_graph.py: the
+recorded ops replay on the recorded tensors; Python code and rebound tensors are not seen), so replay-vs-eager
+checks here can fail the way they would on the GPU; plus real CUDA-graph replay against eager decode on the GPU.
+Covered: keys, ownership, adoption (also of a layout whose rotary tables differ under the same key), eviction,
+failures and the cache-allocation out-of-memory retry."""
 
 import pytest
 import torch
 from dit_reference import CHANNELS, CONTEXT, our_dit, prompt_mask, reference_dit
+from fake_cuda_graph import RecordingCapture
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
@@ -13,27 +17,7 @@ from qwen21_nodes.qwen21_core.sampler import Sampler
 pytest.importorskip("diffusers")
 
 
-class FakeGraph:
-    """Replays by running the captured function again into the same static output buffer."""
-
-    def __init__(self, fn, static_x, static_t, out):
-        self.fn, self.x, self.t, self.out = fn, static_x, static_t, out
-
-    def replay(self):
-        self.out.copy_(self.fn(self.x, self.t))
-
-
-class Recorder:
-    def __init__(self, fail=None):
-        self.captures = 0
-        self.fail = fail
-
-    def __call__(self, fn, static_x, static_t):
-        self.captures += 1
-        if self.fail is not None:
-            raise self.fail
-        out = fn(static_x, static_t)
-        return FakeGraph(fn, static_x, static_t, out), out
+Recorder = RecordingCapture
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +83,84 @@ def test_next_generation_adopts_the_idle_entry_without_recapture(model):
     )
     assert torch.equal(graphs(second, x, t), model.decode(fresh, x, t))
     assert recorder.captures == 1
+
+
+def test_the_stand_in_capture_replays_the_recorded_tensors_not_the_python_code(model):
+    """What makes the replay checks here able to fail: a tensor rebound after capture is seen by eager decode
+    but not by a replay (as on the GPU), and a replay after the rebinding is undone gives the captured result."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    branch = _prefilled(graphs, _layout())
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    captured = graphs(branch, x, t)
+    assert recorder.graphs[0].ops and recorder.graphs[0].replays == 1  # the first step already replays
+    kept = branch.target_cos
+    branch.target_cos = kept.flip(0).contiguous()  # other values in a new tensor
+    try:
+        assert not torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
+    finally:
+        branch.target_cos = kept
+    assert torch.equal(graphs(branch, x, t), captured) and recorder.graphs[0].replays == 3
+
+
+def test_adopting_an_entry_refreshes_rotary_tables_that_differ_under_the_same_key(model):
+    """A 4x4 and a 2x8 condition image have the same token count, so the same key, but the target sits at
+    another rotary frame position (the frame advances by max(h, w)): adoption must copy the new tables into
+    the captured buffers in place."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    square, wide = _layout(shapes=((4, 4),)), _layout(shapes=((2, 8),))
+    assert graphs.key_for(square, 1, "auto", "positive") == graphs.key_for(wide, 1, "auto", "positive")
+    assert not torch.equal(model.new_branch_tables(square).target_cos, model.new_branch_tables(wide).target_cos)
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    first = _prefilled(graphs, square)
+    graphs(first, x, t)
+    graphs.release(first)
+    second = _prefilled(graphs, wide, seed=7)
+    assert second is first  # adopted
+    fresh = model.new_branch(wide)
+    g = torch.Generator().manual_seed(7)
+    model.prefill(
+        fresh, torch.randn(wide.prefix_len - 12, CONTEXT, generator=g), torch.randn(16, CHANNELS, generator=g)
+    )
+    assert torch.equal(graphs(second, x, t), model.decode(fresh, x, t))
+    assert recorder.captures == 1
+
+
+def test_cache_allocation_out_of_memory_evicts_idle_entries_and_retries(model, monkeypatch):
+    graphs = DecodeGraphs(model, capture=Recorder())
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    idle = _prefilled(graphs, _layout(text=5))
+    graphs(idle, x, t)
+    graphs.release(idle)
+    busy = _prefilled(graphs, _layout(text=6))
+    graphs(busy, x, t)  # in use by a live generation: never evicted
+    released = []
+    original_release = idle.release
+    monkeypatch.setattr(idle, "release", lambda: released.append("idle") or original_release())
+    original_new_branch = model.new_branch
+    entries_seen = []
+
+    def out_of_memory_once(*args, **kwargs):
+        entries_seen.append(len(graphs.entries))
+        if len(entries_seen) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original_new_branch(*args, **kwargs)
+
+    monkeypatch.setattr(model, "new_branch", out_of_memory_once)
+    layout = _layout(text=7)
+    branch = graphs.new_branch(layout, 1, "auto", "positive")
+    assert entries_seen == [2, 1]  # retried once, after the idle entry was evicted
+    assert released == ["idle"] and list(graphs.entries) == [busy.graph_key]
+    assert branch.graph_key == graphs.key_for(layout, 1, "auto", "positive") and branch.cache is not None
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(model, "new_branch", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs.new_branch(_layout(text=8), 1, "auto", "positive")  # nothing idle left: the error reaches the caller
+    assert list(graphs.entries) == [busy.graph_key]
 
 
 def test_lru_eviction_frees_the_old_entry_before_capturing(model):

@@ -20,6 +20,7 @@ from qwen21_nodes.qwen21_core.encoding import (  # noqa: E402
     PrefixMemoryBudget,
     PrefixMemoryError,
     encode_conditioning,
+    encode_negative,
 )
 from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder  # noqa: E402
 from qwen21_nodes.qwen21_core.text.tiny import build_tiny_processor, build_tiny_text_encoder  # noqa: E402
@@ -133,6 +134,8 @@ def test_identical_to_the_reference_pipeline_fp32(parts, encoder, name):
     cond = encode_conditioning(
         encoder, ReferenceVAEAdapter(parts[2]), "make it blue", images, negative_prompt="blurry", output_resolution=64
     )
+    assert cond.negative is None and cond.negative_pending.text == "blurry"  # encoded only when asked
+    encode_negative(encoder, cond)
 
     for ours, (embeds, mask, image_pad_mask) in zip((cond.positive, cond.negative), reference["prompts"], strict=True):
         assert mask is None
@@ -165,6 +168,7 @@ def test_comfy_image_and_mask_inputs_match_the_reference_rgba(parts, encoder):
     cond = encode_conditioning(
         encoder, vae, "swap the sky", [image], masks=[mask], negative_prompt="blurry", output_resolution=96
     )
+    encode_negative(encoder, cond)
     assert torch.equal(cond.positive.embeds, reference["prompts"][0][0][0])
     assert torch.equal(cond.negative.embeds, reference["prompts"][1][0][0])
     assert torch.equal(_packed(cond), reference["image_latents"])
@@ -232,19 +236,61 @@ def test_prefix_memory_precheck_fails_before_encoding(encoder, vae, monkeypatch)
     image = Image.new("RGB", (64, 64))
     budget = PrefixMemoryBudget.for_transformer(TransformerConfig(), torch.bfloat16, free_bytes=2**30)
     assert budget.prefix_bytes(1) == 32 * 2 * 4096 * 2  # layers x (K, V) x inner_dim x bf16 bytes
-    with pytest.raises(
-        PrefixMemoryError, match=r"needs .* GiB \(positive \d+ tokens, negative \d+ tokens.* only 1.00 GiB"
-    ):
+    with pytest.raises(PrefixMemoryError, match=r"needs .* GiB \(positive \d+ tokens; .* only 1.00 GiB"):
         encode_conditioning(
             encoder, vae, "a cat", [image] * 2, negative_prompt="blurry", output_resolution=1024, memory_budget=budget
         )
     assert calls == []  # nothing ran
 
 
+def test_negative_prompt_counts_against_prefix_memory_only_when_encoded(encoder, vae, monkeypatch):
+    """At cfg 1 the negative branch never exists, so encode checks the positive prefix alone; the lazy encode
+    for true CFG checks both, before running the VLM."""
+    image = Image.new("RGB", (64, 64))
+    probe = encode_conditioning(encoder, vae, "a cat", [image], negative_prompt="blurry", output_resolution=64)
+    tokens = probe.extra["prefix_tokens"]
+    per_token = PrefixMemoryBudget(num_layers=2, inner_dim=64, dtype_bytes=2, free_bytes=0).prefix_bytes(1)
+    # room for the positive prefix and half of the negative one
+    budget = PrefixMemoryBudget(2, 64, 2, free_bytes=per_token * (tokens["positive"] + tokens["negative"] // 2))
+    cond = encode_conditioning(
+        encoder, vae, "a cat", [image], negative_prompt="blurry", output_resolution=64, memory_budget=budget
+    )
+    assert cond.negative is None
+    calls = []
+    monkeypatch.setattr(encoder, "encode_prompts", lambda *args: calls.append(args))
+    with pytest.raises(PrefixMemoryError, match=r"positive \d+ tokens, negative \d+ tokens.*true_cfg_scale 1"):
+        encode_negative(encoder, cond, memory_budget=budget)
+    assert calls == [] and cond.negative is None and cond.negative_pending is not None
+
+
+def test_negative_prompt_is_encoded_once_and_only_on_request(encoder, vae, monkeypatch):
+    calls = []
+    original = encoder.encode_prompts
+    monkeypatch.setattr(
+        encoder, "encode_prompts", lambda prompts, images: calls.append(list(prompts)) or original(prompts, images)
+    )
+    images = [_random_image(64, 64, "RGBA", 4)]
+    cond = encode_conditioning(encoder, vae, "a cat", images, negative_prompt="blurry", output_resolution=64)
+    assert calls == [["a cat"]]  # the positive prompt only
+    pending, content_hash = cond.negative_pending, cond.content_hash
+    encode_negative(encoder, cond)
+    assert calls == [["a cat"], ["blurry"]]
+    assert cond.negative_pending is None and cond.negative.length == pending.length
+    assert int(cond.negative.image_pad_mask.sum()) == int(cond.positive.image_pad_mask.sum())  # same images
+    assert cond.content_hash == content_hash  # cache keys do not depend on when the negative was encoded
+    encode_negative(encoder, cond)
+    assert len(calls) == 2  # encoded once
+    plain = encode_conditioning(encoder, vae, "a cat", images, output_resolution=64)
+    encode_negative(encoder, plain)  # no negative prompt: nothing to do
+    assert plain.negative is None and not plain.has_negative and len(calls) == 3
+
+
 def test_prefix_memory_precheck_passes_when_it_fits(encoder, vae):
     budget = PrefixMemoryBudget(num_layers=2, inner_dim=64, dtype_bytes=4, free_bytes=10**9)
     cond = encode_conditioning(encoder, vae, "a cat", negative_prompt="", output_resolution=64, memory_budget=budget)
     assert set(cond.extra["prefix_tokens"]) == {"positive", "negative"}
+    assert cond.negative_pending.length == cond.extra["prefix_tokens"]["negative"]
+    encode_negative(encoder, cond, memory_budget=budget)
     assert cond.negative.length == cond.extra["prefix_tokens"]["negative"]  # "" is encoded as " "
 
 

@@ -148,3 +148,145 @@ def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
     assert decoded.shape == (2, 64, 48, 3) and alpha.shape == (2, 64, 48)
     with pytest.raises(ValueError, match="at least 16x16"):
         Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
+
+
+def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monkeypatch):
+    """cfg 1 never encodes the negative prompt; the first cfg > 1 run encodes it once, with the text encoder
+    placed again through the memory manager (it was offloaded after Qwen21Encode), later runs reuse it."""
+    calls, placed = [], []
+    original = model.pipe.text_encoder.encode_prompts
+    monkeypatch.setattr(
+        model.pipe.text_encoder,
+        "encode_prompts",
+        lambda prompts, images: calls.append(list(prompts)) or original(prompts, images),
+    )
+    monkeypatch.setattr(model.text_encoder, "load", lambda *args: placed.append("load"))
+    monkeypatch.setattr(model.text_encoder, "unload", lambda: placed.append("unload"))
+    image = torch.rand(1, 64, 64, 3)
+    cond, _, _ = Qwen21Encode().encode(model, "a red apple", "blurry", 64, image_1=image)
+    assert calls == [["a red apple"]] and placed == ["load", "unload"]
+    plain = sample(model, cond, true_cfg_scale=1.0)
+    assert len(calls) == 1 and cond.negative is None and plain["ui"]["qwen21_stats"][0]["prefills"] == 1
+    guided = sample(model, cond, true_cfg_scale=4.0)
+    assert calls[1:] == [["blurry"]] and placed[2:] == ["load", "unload"]
+    assert guided["ui"]["qwen21_stats"][0]["prefills"] == 2  # both branches ran
+    again = sample(model, cond, true_cfg_scale=4.0)
+    assert len(calls) == 2 and len(placed) == 4  # encoded once
+    assert torch.equal(again["result"][0]["samples"], guided["result"][0]["samples"])
+
+
+def test_cancel_stops_inside_one_untiled_decode_and_the_next_decode_works(model):
+    cond, _, _ = encode(model)
+    latent = sample(model, cond)["result"][0]
+    before = Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")["result"][0]
+    decoder = model.pipe.vae.decoder
+    last_ran = []
+    # The user presses Cancel while the first up block runs; the last block must then never run.
+    hooks = [
+        decoder.up_blocks[0].resnets[0].register_forward_hook(lambda *args: host.request_interrupt()),
+        decoder.up_blocks[-1].resnets[-1].register_forward_pre_hook(lambda *args: last_ran.append(True)),
+    ]
+    try:
+        with pytest.raises(host.Interrupted):
+            Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert last_ran == []  # stopped inside the one untiled pass
+    after = Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")["result"][0]
+    assert torch.equal(after, before)  # the next decode works and the interruption points change no value
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_vae_interruption_points_change_no_value(model, device):
+    """16 points per pass (after the mid block and every up-block residual block, as at the released size);
+    on CUDA each waits for the GPU's earlier work, so a raise there stops a decode that is still running."""
+    import copy
+
+    vae = copy.deepcopy(model.pipe.vae).to(device)
+    z = torch.randn(1, 64, 4, 6, generator=torch.Generator().manual_seed(0)).to(device)
+    plain = vae.decode(z, tiling="off")
+    points = []
+    assert torch.equal(vae.decode(z, tiling="off", check_interrupt=lambda: points.append(1)), plain)
+    assert len(points) == 1 + 3 * len(vae.decoder.up_blocks) == 16
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_third():
+        points.append(1)
+        if len(points) == 16 + 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        vae.decode(z, tiling="off", check_interrupt=stop_at_third)
+    assert torch.equal(vae.decode(z, tiling="off"), plain)
+
+
+def test_prefix_cache_toggle_reaches_the_sampler(model):
+    cond, _, _ = encode(model)
+    on = sample(model, cond, steps=3, prefix_cache=True)
+    off = sample(model, cond, steps=3, prefix_cache=False)
+    on_stats, off_stats = on["ui"]["qwen21_stats"][0], off["ui"]["qwen21_stats"][0]
+    assert on_stats["prefix_cache"] == "on" and on_stats["prefills"] == 1
+    assert off_stats["prefix_cache"] == "off" and off_stats["prefills"] == 3  # recomputed at every step
+    assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])  # fp32: identical
+
+
+def test_decode_graphs_toggle_reaches_the_pipeline(model):
+    """On the CPU the pipeline takes the toggle and reports why it decodes eagerly; the GPU test below checks
+    capture, replay and the kept prefix through the node (tests/test_decode_graphs.py the bookkeeping, on
+    the CPU with a stand-in capture)."""
+    cond, _, _ = encode(model)
+    off = sample(model, cond, decode_graphs=False)["ui"]["qwen21_stats"][0]
+    on = sample(model, cond, decode_graphs=True)["ui"]["qwen21_stats"][0]
+    assert off["decode_graph"] == "off: disabled"
+    assert on["decode_graph"] == "off: needs CUDA (model on cpu)"
+
+
+@pytest.mark.gpu
+def test_decode_graphs_toggle_captures_replays_and_keeps_the_prefix_on_cuda(model):
+    (cuda_model,) = Qwen21ModelLoader().load(
+        host.list_weight_files("diffusion_models")[0],
+        host.list_weight_files("text_encoders")[0],
+        host.list_weight_files("vae")[0],
+        weight_dtype="bf16",
+        device="cuda:0",
+        offload_text_encoder=True,
+    )
+    cond, _, _ = encode(cuda_model)
+    off = sample(cuda_model, cond, decode_graphs=False, steps=3)
+    on = sample(cuda_model, cond, decode_graphs=True, steps=3)
+    assert off["ui"]["qwen21_stats"][0]["decode_graph"] == "off: disabled"
+    assert on["ui"]["qwen21_stats"][0]["decode_graph"] == "replay"
+    assert torch.equal(on["result"][0]["samples"], off["result"][0]["samples"])
+    rerun = sample(cuda_model, cond, decode_graphs=True, steps=3, seed=9)["ui"]["qwen21_stats"][0]
+    assert rerun["prefix_cache"] == "reused" and rerun["prefills"] == 0  # the kept entry skips the prefill
+
+
+def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):
+    """torch.compile is replaced by a recording identity (real compilation is the GPU benchmark's business):
+    with the toggle on, the decode steps run through the compiled block functions; off, they do not."""
+    compiled_calls = []
+
+    def recording_compile(fn, **kwargs):
+        def compiled(*args, **kw):
+            compiled_calls.append(fn.__name__)
+            return fn(*args, **kw)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    cond, _, _ = encode(model)
+    transformer = model.pipe.transformer
+    try:
+        eager = sample(model, cond, steps=3)["result"][0]["samples"]
+        assert not transformer.compiled and compiled_calls == []
+        compiled = sample(model, cond, steps=3, compile_blocks=True)["result"][0]["samples"]
+        layers = transformer.config.num_layers
+        assert transformer.compiled and len(compiled_calls) == 3 * layers * 2  # qkv and finish, every decode step
+        assert torch.equal(compiled, eager)  # the identity "compiler" changes nothing
+        sample(model, cond, steps=3, compile_blocks=False)
+        assert not transformer.compiled and len(compiled_calls) == 3 * layers * 2
+    finally:
+        transformer.compile_blocks(False)

@@ -199,7 +199,8 @@ def workflows() -> dict[str, tuple[dict, str]]:
                 "4": _decode(quality="fast"),
                 "5": _save("fast_vae_decode"),
             },
-            MODEL_NOTE + "\n\n`quality: fast` decodes with fused kernels (PSNR-gated against exact).",
+            MODEL_NOTE + "\n\n`quality: fast` decodes with fused kernels, faster and not bit-identical to `exact`: "
+            "at 1024x1024 42.5 ms instead of 68.7 ms, 50.9 dB PSNR against exact, on an H200 (BENCHMARKS: VAE).",
         ),
     }
 

@@ -25,6 +25,10 @@ modules below are written once. Weights are cast to the activation dtype on use,
 encode precision (fp32 / bf16 / fp16) independent of the dtype the weights are stored in. In fp16 every conv
 output and residual sum is clamped to the finite fp16 range, so large activations cannot turn into inf/NaN.
 
+Cancel: `decode(check_interrupt=...)` is called between the decoder's blocks (after the mid block and after
+every residual block of the up blocks: 16 points at the released size), so one long untiled pass can stop
+midway. It only reads a flag; the arithmetic is untouched.
+
 Tiling, memory planning and OOM retry live in tiling.py; the fast paths in fast.py.
 """
 
@@ -398,10 +402,11 @@ class UpBlock(nn.Module):
         self.upsampler = Resample(out_dim, out_dim, up=True) if up else None
         self.temporal = temporal
 
-    def forward(self, x: torch.Tensor, ops: ExactOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: ExactOps, check: Callable[[], None] = lambda: None) -> torch.Tensor:
         block_input = x
         for resnet in self.resnets:
             x = resnet(x, ops)
+            check()
         if self.upsampler is None:
             return x
         x = ops.upsample_conv(x, self.upsampler)
@@ -462,12 +467,38 @@ class Decoder(nn.Module):
         self.norm_out = ChannelRMSNorm(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], config.out_channels, 3)
 
-    def forward(self, x: torch.Tensor, ops: ExactOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: ExactOps, check: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """check(): an interruption point, called between blocks (see InterruptPoints)."""
         x = ops.conv(ops.begin(x), self.conv_in, _SAME_3X3)
         x = self.mid_block(x, ops)
+        check()
         for block in self.up_blocks:
-            x = block(x, ops)
+            x = block(x, ops, check)
         return ops.norm_conv(x, self.norm_out, True, self.conv_out, _SAME_3X3)
+
+
+class InterruptPoints:
+    """The decoder's interruption points: each calls `check_interrupt()`, which raises to stop the decode.
+
+    On CUDA the host queues kernels far ahead of the GPU, so a check could pass before the GPU has even begun
+    the work it guards. Each point therefore first waits for the GPU to finish the work queued before the
+    PREVIOUS point: the host stays at most one block ahead, so the GPU still has the current block queued while the
+    host waits, and a cancel takes effect within about two blocks of GPU time. (Its cost is measured by
+    bench_vae's `exact_interruptible` line.)"""
+
+    def __init__(self, check_interrupt: Callable[[], None], device: torch.device):
+        self.check_interrupt = check_interrupt
+        self.cuda = device.type == "cuda"
+        self.previous = None
+
+    def __call__(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            if self.previous is not None:
+                self.previous.synchronize()
+            self.previous = event
+        self.check_interrupt()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -613,12 +644,18 @@ class QwenImage21VAE(nn.Module):
         return factory(self)
 
     @torch.no_grad()
-    def decode_pixels(self, latents: torch.Tensor, ops: ExactOps | None = None) -> torch.Tensor:
+    def decode_pixels(
+        self, latents: torch.Tensor, ops: ExactOps | None = None, check_interrupt: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """One untiled pass: raw latents [B, z, h, w] (in the compute dtype, on this device) -> pixels
-        [B, 4, 16h, 16w] in [-1, 1], in the latents' dtype. Equals the reference's decode(...).sample."""
+        [B, 4, 16h, 16w] in [-1, 1], in the latents' dtype. Equals the reference's decode(...).sample.
+        check_interrupt: called between decoder blocks (see InterruptPoints); it may raise to stop."""
         ops = ops or self._exact_ops
         x = ops.conv(latents, self.post_quant_conv)
-        x = self.decoder(x, ops)
+        if check_interrupt is None:
+            x = self.decoder(x, ops)
+        else:
+            x = self.decoder(x, ops, InterruptPoints(check_interrupt, x.device))
         return x.clamp_(-1.0, 1.0)
 
     @torch.no_grad()
@@ -631,6 +668,7 @@ class QwenImage21VAE(nn.Module):
         precision=None,
         quality: str = "exact",
         callback: Callable[[int, int], None] | None = None,
+        check_interrupt: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Raw latents [B, z_dim, h, w] -> RGBA images [B, 16h, 16w, 4] float32 in 0..1 on the latents' device.
 
@@ -642,6 +680,8 @@ class QwenImage21VAE(nn.Module):
         quality:   "exact" (the reference's numerics) or "fast" (fused kernels, channels-last, folded
                    upsampling; not bit-identical, see vae/fast.py).
         callback:  callback(done, total) after every tile (once when untiled); it may raise to interrupt.
+        check_interrupt: check_interrupt() between decoder blocks, inside every pass (so also inside one
+                   untiled decode); it raises to interrupt. Results are the same with or without it.
         """
         if not isinstance(latents, torch.Tensor) or latents.dim() != 4 or latents.shape[1] != self.config.z_dim:
             got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
@@ -654,7 +694,7 @@ class QwenImage21VAE(nn.Module):
         z = latents.to(self.device, dtype)
         with ops.session(z.device):
             pixels, info = vae_tiling.run(
-                lambda tile: self.decode_pixels(tile, ops),
+                lambda tile: self.decode_pixels(tile, ops, check_interrupt),
                 z,
                 kind="decode",
                 mode=mode,

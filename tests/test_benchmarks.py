@@ -1,0 +1,64 @@
+"""The benchmark scripts' own logic on the CPU with tiny models (their numbers come from the H200)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_VAE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vae.py"
+
+
+def _run(*args, interpreter=False):
+    command = [sys.executable, str(BENCH_VAE), "--tiny", "--device", "cpu", "--iters", "1", *args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1" if interpreter else "0")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH_VAE.parents[1])
+    assert done.returncode == 0, done.stderr
+    by_what = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            by_what.setdefault(record["what"], []).append(record)
+    return by_what
+
+
+@pytest.mark.slow
+def test_bench_vae_placeholders_flag_compares_cudnn_benchmark_mode_in_fresh_processes():
+    """--placeholders, part 1: the fast decode with cuDNN benchmark mode on and off, each in its own process,
+    first call and steady state, and the break-even count. (Part 2, the kernel sweep, needs Triton on a GPU or
+    the interpreter: without either it says it was skipped.)"""
+    by_what = _run("--placeholders", "--sizes", "32")
+    settings = {r["cudnn_benchmark"]: r for r in by_what["cudnn_benchmark"]}
+    assert set(settings) == {True, False}
+    for record in settings.values():
+        assert record["res"] == 32 and record["first_call_ms"] > 0 and record["ms"] > 0 and record["psnr_vs_exact"] > 30
+    (summary,) = by_what["cudnn_benchmark_summary"]
+    assert summary["on_ms"] == settings[True]["ms"] and summary["off_first_call_ms"] == settings[False]["first_call_ms"]
+    assert "break_even_decodes" in summary
+    (skipped,) = by_what["norm_kernel_sweep_summary"]
+    assert "cannot run on cpu" in skipped["skipped"]
+
+
+@pytest.mark.slow
+def test_bench_vae_kernel_sweep_times_both_kernels_at_the_decoders_shapes():
+    """--sweep-kernel (part 2 of --placeholders) under the Triton interpreter, on a two-point grid."""
+    pytest.importorskip("triton")
+    by_what = _run("--sweep-kernel", "--sweep-size", "32", "--kernel-reps", "1", "--sweep-elements", "4096",
+                   "--sweep-block-c", "8", "16", "--sweep-warps", "4", interpreter=True)  # fmt: skip
+    calls = by_what["norm_kernel_calls"]
+    for kernel, layout in (("eager", "torch.contiguous_format"), ("fused", "torch.channels_last")):
+        mine = [r for r in calls if r["kernel"] == kernel]
+        # one decode: 2 resnets x 2 norms + the attention norm in the mid block, 5 up blocks x 3 resnets x 2 norms,
+        # the head's norm
+        assert sum(r["calls"] for r in mine) == 36 and {r["layout"] for r in mine} == {layout}
+        launches = [r for r in by_what["norm_kernel_launch"] if r["kernel"] == kernel]
+        swept_shapes = {tuple(r["shape"]) for r in mine if r["swept"]}
+        assert {tuple(r["shape"]) for r in launches} == swept_shapes and all(r["ms"] > 0 for r in launches)
+    summaries = {r["kernel"]: r for r in by_what["norm_kernel_sweep_summary"]}
+    assert summaries["eager"]["current"] == {"block_elements": 4096, "block_c": 16, "num_warps": 4}
+    assert summaries["fused"]["current"] == {"block_elements": 4096, "block_c": 64, "num_warps": 4}
+    for kernel in ("eager", "fused"):
+        assert summaries[kernel]["best_total_ms"] <= summaries[kernel]["current_total_ms"]
+    assert summaries["shared"]["BLOCK_ELEMENTS"] == 4096 and summaries["shared"]["NUM_WARPS"] == 4
