@@ -158,9 +158,9 @@ class Qwen21Sampler:
                     ["bf16", "fp8", "fp8_v", "int8"],
                     {
                         "default": "bf16",
-                        "tooltip": "How the cached prompt/reference K/V are stored. bf16: exact. fp8 / int8: about half "
-                        "the memory (one scale per token and head), lossy; fp8_v: only V in fp8. It matters with "
-                        "reference images, whose tokens make most of the cache.",
+                        "tooltip": "How the cached prompt/reference K/V are stored. bf16: exact. fp8 / int8: about "
+                        "half the memory (one scale per token and head), lossy; fp8_v: only V in fp8. It matters "
+                        "with reference images, whose tokens make most of the cache.",
                     },
                 ),
                 "kv_placement": (
