@@ -32,7 +32,7 @@ from ..quant.linear import QuantLinear
 from ..quant.plan import WeightFormats, choose, dit_stored_formats
 from ..quant.slots import quant_slots
 from ..quant.weights import QuantFormat
-from ..text.encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder
+from ..text.encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder, decoder_linear_names
 from ..vae.model import QwenImage21VAE
 from . import formats, key_maps
 from .files import (
@@ -411,7 +411,7 @@ def load_qwen3vl(
             # Our canonical names are the transformers Qwen3VLForConditionalGeneration ones ("model." + path).
             stored_layers = {name[len("model.") : -len(".weight")]: fmt for name, fmt in stored.items()}
             linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-            candidates = [name for name in linears if name.startswith("language_model.layers.")]
+            candidates = decoder_linear_names(model)
             candidates += [name for name in linears if name in stored_layers and name not in candidates]
             plan = choose(choice, candidates, stored_layers)
             for name, fmt in plan.items():

@@ -174,6 +174,18 @@ def fp8_fast_accum() -> bool:
     return FP8_FAST_ACCUM if not raw else raw == "1"
 
 
+def quantize_linears_(module: nn.Module, names, fmt: QuantFormat) -> nn.Module:
+    """Replace the named nn.Linear submodules of `module` by QuantLinears quantised from their weights, one at a
+    time (each float weight is freed as its layer is done). For models built in memory: benchmarks and tests."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        linear = getattr(parent, child)
+        if isinstance(linear, nn.Linear):
+            setattr(parent, child, QuantLinear.from_weight(linear.weight.detach(), fmt))
+    return module
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Which GEMM a device can run
 # ---------------------------------------------------------------------------------------------------------

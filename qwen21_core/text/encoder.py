@@ -129,6 +129,12 @@ def _final_norm_skipped(text_model: torch.nn.Module):
         handle.remove()
 
 
+def decoder_linear_names(model: torch.nn.Module) -> list[str]:
+    """Module names of the Linears in a Qwen3-VL model's language-model decoder layers (what gets quantised)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and "visual" not in name]  # fmt: skip
+
+
 class Qwen21TextEncoder:
     """Qwen3-VL (model + processor) -> per-prompt `PromptEmbedding`s for Qwen-Image-2.1.
 
@@ -263,10 +269,11 @@ class Qwen21TextEncoder:
         """Names these weights and settings, for cache keys: config, dtype, processor and a weight fingerprint."""
         if self._identity is None:
             text_config = self._text_model.config
-            # A few rows of the first and last weights of both towers tell checkpoints apart cheaply.
+            # A few rows of weights that never stream and are never quantised (the embeddings, the final norm, the
+            # vision tower's patch embedding) tell checkpoints apart cheaply.
             samples = (
                 self._text_model.embed_tokens.weight[:2, :256],
-                self._text_model.layers[-1].mlp.down_proj.weight[:2, :256],
+                self._text_model.norm.weight[:256],
                 self.model.visual.patch_embed.proj.weight.flatten(1)[:2, :256],
             )
             fingerprint = hashlib.sha256()

@@ -1,0 +1,294 @@
+"""End to end: the example workflows through the node classes (the in-process runner), on full-size random weights
+built in memory (the DiT, the Qwen3-VL-8B text encoder, the VAE; no files), uncapped and under a VRAM cap, in bf16
+and quantised; and the diffusers pipeline end to end on the same weights in the same process.
+
+    python benchmarks/bench_e2e.py                       # H200: the matrix in CONFIGS
+    python benchmarks/bench_e2e.py --tiny --device cpu   # smoke test of the script itself
+
+A cap is `torch.cuda.set_per_process_memory_fraction` (the stand-in for a smaller card) plus the same budget given
+to the memory manager (`host.set_vram_budget`, as `--vram-budget` does). Each configuration runs its workflow twice:
+a first run with the weights in CPU RAM (as after a load from disk) and a second with a new seed. One JSON line per
+run: the seconds of each phase (load = the loader node, encode, sample, decode, total), peak VRAM, the sampler's
+plan (K/V placement, streamed blocks) and the status lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import emit, sync  # noqa: E402
+from qwen21_nodes.nodes import host  # noqa: E402
+from qwen21_nodes.nodes.model import Qwen21Model  # noqa: E402
+from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig  # noqa: E402
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer, uniform_plan  # noqa: E402
+from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline  # noqa: E402
+from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_  # noqa: E402
+from qwen21_nodes.qwen21_core.quant.weights import FORMATS  # noqa: E402
+from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder, decoder_linear_names  # noqa: E402
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE  # noqa: E402
+from qwen21_nodes.runner.cli import EXAMPLE_INPUTS, WORKFLOWS_DIR, node_classes  # noqa: E402
+from qwen21_nodes.runner.graph import execute, load_prompt  # noqa: E402
+
+GIB = 2**30
+WORKFLOWS = {"t2i": "text_to_image.json", "edit4": "edit_4_references.json"}
+# (precision, cap GiB or None, workflows): what the issue's targets need, within one device call
+CONFIGS = [
+    ("bf16", None, ("t2i", "edit4")),
+    ("fp8", None, ("t2i", "edit4")),
+    ("int8", None, ("t2i",)),
+    ("bf16", 24, ("t2i", "edit4")),
+    ("fp8", 24, ("t2i", "edit4")),
+    ("int8", 24, ("t2i", "edit4")),
+    ("fp8", 16, ("t2i", "edit4")),
+    ("int8", 16, ("t2i",)),
+    ("fp8", 12, ("t2i", "edit4")),
+    ("int8", 12, ("t2i",)),
+    ("bf16", 16, ("t2i",)),
+]
+TINY_CONFIGS = [("bf16", None, ("t2i", "edit4")), ("fp8", None, ("t2i",))]
+
+
+# ---- models built in memory -----------------------------------------------------------------------------
+
+
+def random_dit(config: TransformerConfig, device, dtype) -> QwenImage21Transformer:
+    """bench_dit's initialisation: normal matrices with torch's default Linear spread, norms 1, text norm 0."""
+    with torch.device("meta"):
+        model = QwenImage21Transformer(config).to(dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("text_norm.weight"):
+                param.zero_()
+            elif param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
+    return model.eval()
+
+
+def build_parts(args, device, dtype):
+    """(DiT, text encoder (ours), its transformers model with lm_head (for diffusers), processor, VAE), on CPU."""
+    if args.tiny:
+        from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder
+        from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
+
+        full, processor = build_tiny_text_encoder()
+        full = full.to(dtype)
+        dit = random_dit(TINY_TRANSFORMER, "cpu", dtype)
+        vae = QwenImage21VAE(TINY_VAE).to(dtype).eval()
+    else:
+        from bench_text_encoder import build_full_size
+
+        full, processor = build_full_size(device, dtype)
+        full = full.to("cpu")
+        dit = random_dit(TransformerConfig(), device, dtype).to("cpu")
+        torch.manual_seed(0)
+        vae = QwenImage21VAE(VAEConfig()).to(device, dtype).eval().to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dit, full, processor, vae
+
+
+def quantized_parts(parts, precision, device):
+    """The parts with the DiT's block Linears and the text encoder's decoder Linears in `precision` (quantised on
+    the GPU, kept on the CPU; the float parts are shared, not copied)."""
+    dit, full, processor, vae = parts
+    if precision == "bf16":
+        return dit, full.model, processor, vae
+    fmt = FORMATS[precision]
+    qdit = dit.to(device).quantized_copy(uniform_plan(fmt, dit.config.num_layers)).to("cpu")
+    dit.to("cpu")
+    text = copy.copy(full.model)  # shallow: only the quantised layers are new
+    text.language_model = copy.deepcopy(full.model.language_model).to(device)
+    quantize_linears_(text, decoder_linear_names(text), fmt)
+    text.language_model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return qdit, text, processor, vae
+
+
+def handle_for(parts, device, dtype) -> Qwen21Model:
+    dit, text, processor, vae = parts
+    pipe = Qwen21Pipeline(dit, vae, Qwen21TextEncoder(text, processor), QWEN21_SCHEDULER, text_encoder_offload=True)
+    pipe.execution_device = device
+    pipe.text_encoder._device = device
+    return Qwen21Model(pipe, offload_text_encoder=True)
+
+
+# ---- one configuration --------------------------------------------------------------------------------
+
+
+def cap_memory(device, cap_gib):
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if cap_gib is None else cap_gib * GIB / total, device)
+    host.set_vram_budget(None if cap_gib is None else int(cap_gib * GIB))
+
+
+def reset(handle, device):
+    """Everything back to the CPU, caches and graphs released: the next configuration starts from RAM."""
+    host.LOCAL.loaded.clear()
+    if handle is not None:
+        handle.pipe.release()
+        handle.pipe.transformer.place("cpu")
+        handle.pipe.text_encoder.place("cpu")
+        handle.pipe.vae.to("cpu")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def workflow_prompt(name, handle, args, seed):
+    data = json.loads((WORKFLOWS_DIR / "api" / WORKFLOWS[name]).read_text())
+    prompt = load_prompt(data)
+    for node in prompt.values():
+        if node["class_type"] == "Qwen21Sampler":
+            node["inputs"]["seed"] = seed
+            if args.tiny:
+                node["inputs"]["steps"] = 2
+        if node["class_type"] == "Qwen21Encode" and args.tiny:
+            node["inputs"]["output_resolution"] = 256
+    return prompt
+
+
+def classes_with(handle, output_dir):
+    classes = node_classes(str(EXAMPLE_INPUTS), output_dir)
+
+    base = classes["Qwen21ModelLoader"]
+
+    class InMemoryLoader(base):
+        """The loader with its file inputs ignored: it hands out the model built in memory."""
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            spec = base.INPUT_TYPES()
+            for name in ("diffusion_model", "text_encoder", "vae"):
+                spec["required"][name] = ("STRING", {"tooltip": "ignored: the model is built in memory"})
+            return spec
+
+        def load(self, **_inputs):
+            return (handle,)
+
+    return {**classes, "Qwen21ModelLoader": InMemoryLoader}
+
+
+def run_config(parts, precision, cap, names, args, device, dtype, output_dir):
+    reset(None, device)
+    cap_memory(device, cap)
+    handle = handle_for(parts, device, dtype)
+    classes = classes_with(handle, output_dir)
+    try:
+        for name in names:
+            for run, seed in (("first", 1), ("second", 2)):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                prompt = workflow_prompt(name, handle, args, seed)
+                started = time.perf_counter()
+                row = dict(what="e2e", workflow=name, precision=precision, cap_gib=cap, run=run)
+                try:
+                    result = execute(prompt, classes)
+                except Exception as error:  # noqa: BLE001 - report and go on: a failure is a result here
+                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    emit(**row)
+                    break
+                sync(device)
+                row["total_s"] = round(time.perf_counter() - started, 2)
+                for node_id, seconds in result.seconds.items():
+                    phase = {"Qwen21ModelLoader": "load", "Qwen21Encode": "encode", "Qwen21Sampler": "sample",
+                             "Qwen21VAEDecode": "decode"}.get(prompt[node_id]["class_type"])  # fmt: skip
+                    if phase:
+                        row[f"{phase}_s"] = round(row.get(f"{phase}_s", 0) + seconds, 2)
+                if device.type == "cuda":
+                    row["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+                stats = handle.pipe.last_sample_stats
+                row["plan"] = stats.get("plan")
+                row["kv_cache"] = stats.get("kv_cache")
+                row["prefix_cache_mib"] = stats.get("prefix_cache_mib")
+                row["decode_graph"] = stats.get("decode_graph")
+                row["steps_per_second"] = stats.get("steps_per_second")
+                row["resident_blocks"] = handle.pipe.transformer.resident_blocks
+                row["text_encoder_resident_layers"] = handle.pipe.text_encoder.resident_layers
+                emit(**row)
+    finally:
+        reset(handle, device)
+        cap_memory(device, None)
+
+
+def diffusers_e2e(parts, args, device, dtype):
+    """diffusers' QwenImage21Pipeline on the same weights: text-to-image at 1024^2, 40 steps (uncapped)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+    from diffusers import QwenImage21Transformer2DModel
+
+    dit, full, processor, vae = parts
+    with torch.device(device):  # built where it runs (a fast init), then given our weights
+        ref_dit = QwenImage21Transformer2DModel(**dit.config.to_dict()).to(dtype)
+        ref_vae = AutoencoderKLQwenImage21(**vae.config.to_dict()).to(dtype)
+    ref_dit.load_state_dict({k: v for k, v in dit.checkpoint_slots().items()})
+    ref_vae.load_state_dict(dict(vae.named_parameters()), strict=False)  # our names are diffusers' (no time_conv)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN21_SCHEDULER.to_dict())
+    pipe = QwenImage21Pipeline(transformer=ref_dit.eval(), vae=ref_vae.eval(), text_encoder=full.to(device),
+                               processor=processor, scheduler=scheduler)  # fmt: skip
+    size = 256 if args.tiny else 1024
+    steps = 2 if args.tiny else 40
+    for run in ("first", "second"):
+        sync(device)
+        started = time.perf_counter()
+        pipe(prompt="a cozy reading corner by a window", height=size, width=size, num_inference_steps=steps,
+             generator=torch.Generator().manual_seed(1))  # fmt: skip
+        sync(device)
+        row = dict(what="e2e_diffusers", workflow="t2i", run=run, total_s=round(time.perf_counter() - started, 2))
+        if device.type == "cuda":
+            row["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+        emit(**row)
+    full.to("cpu")
+    del pipe, ref_dit, ref_vae
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", default="", help="run only configurations like precision:cap, e.g. fp8:12,bf16:")
+    parser.add_argument("--no-diffusers", action="store_true")
+    parser.add_argument("--output-dir", default="/tmp/e2e_out")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    parts = build_parts(args, device, dtype)
+    emit(what="e2e_setup", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+         torch=torch.__version__, build_s=round(time.perf_counter() - started, 1))  # fmt: skip
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    if not args.no_diffusers:
+        try:
+            diffusers_e2e(parts, args, device, dtype)
+        except Exception as error:  # noqa: BLE001 - the reference failing must not stop our rows
+            emit(what="e2e_diffusers", error=f"{type(error).__name__}: {str(error)[:300]}")
+    quantized = {}
+    for precision, cap, names in TINY_CONFIGS if args.tiny else CONFIGS:
+        label = f"{precision}:{'' if cap is None else cap}"
+        if args.only and not any(label.startswith(part) for part in args.only.split(",")):
+            continue
+        if precision not in quantized:
+            quantized[precision] = quantized_parts(parts, precision, device)
+        run_config(quantized[precision], precision, cap, names, args, device, dtype, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()
