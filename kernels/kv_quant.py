@@ -40,7 +40,7 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, D, BLOCK_ROWS: tl.constexpr,
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (r < rows)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + r[:, None] * D + d[None, :], mask=mask, other=0).to(tl.float32)
+    q = tl.load(q_ptr + r[:, None] * D + d[None, :], mask=mask).to(tl.float32)  # masked lanes are never stored
     s = tl.load(s_ptr + r, mask=r < rows, other=0.0)
     out = q * s[:, None]
     tl.store(out_ptr + r[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)

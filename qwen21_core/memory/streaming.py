@@ -159,14 +159,15 @@ class LayerStreamer:
 
 def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: LayerStreamer | None, device,
                          resident: int | None, hooks_on: nn.Module | None = None) -> LayerStreamer | None:  # fmt: skip
-    """Put `module` on `device` with only `resident` of its `layers` there (the others streaming); resident None or
-    a non-CUDA device: everything whole on `device`. Returns the streamer now in use (None when not streaming).
+    """Put `module` on `device` with only `resident` of its `layers` there (the others streaming); resident None:
+    everything whole on `device`. Returns the streamer now in use (None when not streaming). (On a CPU device the
+    "streaming" copies within RAM: pointless in use, but the same bookkeeping, which the CPU tests check.)
 
     hooks_on: for modules that run their layers through forward (the text encoder), the stack to attach the
     streamer's hooks to; the DiT drives its streamer from its own loop.
     """
     device = torch.device(device)
-    if resident is None or resident >= len(layers) or device.type != "cuda":
+    if resident is None or resident >= len(layers):
         if streamer is not None:
             streamer.move_all(device)
             streamer.detach_hooks()

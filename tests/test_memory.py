@@ -1,0 +1,306 @@
+"""Memory: the prefetch pipeline's bookkeeping, layer streaming (same outputs as resident), the K/V cache's
+formats and placements (error bounds, identical placements), the placement planner, the local memory manager and
+what our nodes ask ComfyUI's memory manager for. CPU tests use the CPU as the device (copies are immediate, the
+bookkeeping is the same); the marked GPU tests check the real streams, events and graph replay."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from dit_reference import CHANNELS, CONTEXT, our_dit, prompt_mask, reference_dit
+from qwen21_nodes.kernels.kv_quant import dequantize_kv, quantize_kv
+from qwen21_nodes.nodes import host
+from qwen21_nodes.qwen21_core.dit.kv_cache import CacheShape, KVCacheSpec, PrefixKVCache
+from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.memory.planner import DeviceMemoryError, plan_sampling
+from qwen21_nodes.qwen21_core.memory.prefetch import SlotPrefetcher
+from qwen21_nodes.qwen21_core.memory.streaming import LayerStreamer
+
+pytest.importorskip("diffusers")
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def model():
+    return our_dit(reference_dit())
+
+
+def _inputs(model, seed=0, shapes=((4, 4),), target=(4, 4), batch=1):
+    gen = torch.Generator().manual_seed(seed)
+    mask = prompt_mask(5, list(shapes))
+    layout = build_layout(mask, list(shapes), target)
+    embeds = torch.randn(mask.shape[0], CONTEXT, generator=gen)
+    cond = torch.randn(sum(h * w for h, w in shapes), CHANNELS, generator=gen)
+    x = torch.randn(batch, target[0] * target[1], CHANNELS, generator=gen)
+    return layout, embeds, cond, x
+
+
+def _velocity(model, layout, embeds, cond, x, kv=None):
+    branch = model.new_branch(layout, x.shape[0], kv=kv)
+    model.prefill(branch, embeds, cond)
+    v = model.decode(branch, x, torch.full((x.shape[0],), 0.3))
+    branch.release()
+    return v
+
+
+def _psnr(a, b):
+    return 10 * math.log10(b.abs().max().item() ** 2 / max((a - b).pow(2).mean().item(), 1e-30))
+
+
+# ---- prefetch bookkeeping --------------------------------------------------------------------------------
+
+
+def test_prefetcher_copies_each_item_once_per_pass_into_its_slot_ahead_of_use():
+    items = {i: torch.full((8,), i, dtype=torch.uint8) for i in (3, 5, 6, 9, 12)}
+    prefetcher = SlotPrefetcher(torch.device("cpu"), slot_bytes=8, slots=2)
+    prefetcher.set_items(items)
+    for _ in range(2):  # two passes: the slots are refilled from the start every pass
+        prefetcher.log.clear()
+        prefetcher.begin()
+        assert prefetcher.log == [(3, 0), (5, 1)]  # the first two, before any layer runs
+        for index in sorted(items):
+            slot = prefetcher.acquire(index)
+            assert torch.equal(slot, items[index])  # the layer sees its own data
+            prefetcher.release(index)
+        assert prefetcher.log == [(3, 0), (5, 1), (6, 0), (9, 1), (12, 0)]  # each refill goes to the freed slot
+    with pytest.raises(ValueError, match="larger than a slot"):
+        prefetcher.set_items({0: torch.zeros(9, dtype=torch.uint8)})
+
+
+# ---- layer streaming -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_streamed_blocks_give_the_resident_output_exactly(model, resident):
+    layout, embeds, cond, x = _inputs(model)
+    with torch.inference_mode():
+        want = _velocity(model, layout, embeds, cond, x)
+        model.stream_blocks(resident)
+        try:
+            assert model.resident_blocks == resident and model.streaming_signature() == tuple(range(resident, 2))
+            got = _velocity(model, layout, embeds, cond, x)
+        finally:
+            model.place("cpu")  # back to whole
+    assert model.streamer is None and torch.equal(got, want)
+    assert torch.equal(_velocity(model, layout, embeds, cond, x), want)  # and whole again afterwards
+
+
+def test_streamer_moves_layers_between_host_and_device_without_changing_them():
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    before = [layer.weight.detach().clone() for layer in layers]
+    streamer = LayerStreamer(layers, torch.device("cpu"))
+    streamer.set_resident(1)
+    assert streamer.streamed == [1, 2, 3] and streamer.device_bytes == streamer.layer_bytes + streamer.slot_bytes
+    streamer.begin()
+    for i, layer in enumerate(layers):
+        streamer.before(i)
+        assert torch.equal(layer.weight, before[i])  # what a streamed layer computes with, when it runs
+        streamer.after(i)
+    streamer.set_resident(4)
+    assert streamer.streamed == [] and all(
+        torch.equal(layer.weight, w) for layer, w in zip(layers, before, strict=True)
+    )
+    with pytest.raises(ValueError, match="share one shape"):
+        LayerStreamer([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)], torch.device("cpu"))
+
+
+# ---- the K/V cache -----------------------------------------------------------------------------------------
+
+
+def test_kv_quantisation_error_per_token_and_head():
+    k = torch.randn(3, 40, 4, 32) * torch.rand(3, 40, 4, 1) * 5  # rows of very different magnitudes
+    for fmt, bound in (("fp8", 0.04), ("int8", 0.01)):
+        q, scale = quantize_kv(k, fmt)
+        back = dequantize_kv(q, scale, torch.empty_like(k))
+        row_error = (back - k).norm(dim=-1) / k.norm(dim=-1)
+        assert scale.shape == k.shape[:-1] and row_error.max() < bound
+
+
+@pytest.mark.parametrize("fmt,floor", [("fp8", 25), ("fp8_v", 28), ("int8", 35)])
+def test_quantised_prefix_cache_against_the_bf16_cache(model, fmt, floor):
+    layout, embeds, cond, x = _inputs(model, seed=1)
+    with torch.inference_mode():
+        exact = _velocity(model, layout, embeds, cond, x)
+        lossy = _velocity(model, layout, embeds, cond, x, KVCacheSpec(fmt))
+    assert not torch.equal(lossy, exact) and _psnr(lossy, exact) >= floor
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_host_placement_gives_the_device_placement_exactly(model, fmt, batch):
+    layout, embeds, cond, x = _inputs(model, seed=2, batch=batch)
+    with torch.inference_mode():
+        on_device = _velocity(model, layout, embeds, cond, x, KVCacheSpec(fmt, "gpu"))
+        on_host = _velocity(model, layout, embeds, cond, x, KVCacheSpec(fmt, "cpu"))
+    assert torch.equal(on_host, on_device)
+
+
+def test_split_layout_matches_the_joint_layout(model):
+    layout, embeds, cond, x = _inputs(model, seed=3)
+    with torch.inference_mode():
+        joint = _velocity(model, layout, embeds, cond, x, KVCacheSpec(layout="joint"))
+        split = _velocity(model, layout, embeds, cond, x, KVCacheSpec(layout="split"))
+    assert torch.allclose(split, joint, atol=1e-5, rtol=1e-5)  # one softmax either way, fp32 merge
+
+
+def test_cache_holds_only_the_prefix_and_one_shared_target_buffer():
+    shape = CacheShape(num_layers=32, batch=1, prefix_len=128, target_len=4096, heads=32, head_dim=128,
+                       dtype=torch.bfloat16)  # fmt: skip
+    row = 2 * 32 * 128 * 2  # K and V of one token in one layer, bf16
+    assert shape.device_bytes("bf16", "gpu", "joint") == 32 * (128 + 4096) * row  # the first release's layout
+    assert shape.device_bytes("bf16", "gpu") == 32 * 128 * row + 4096 * row  # prefix per layer, target once
+    fp8_layer = 2 * (128 * 32 * 128 + 4 * 128 * 32)  # values + one fp32 scale per token and head, K and V
+    assert shape.device_bytes("fp8", "gpu") == 32 * fp8_layer + 4096 * row + 128 * row  # + the dequant buffer
+    assert shape.device_bytes("fp8", "cpu") == 2 * fp8_layer + 4096 * row + 128 * row  # two staging slots
+    assert shape.host_bytes("fp8", "cpu") == 32 * fp8_layer
+    cache = PrefixKVCache(2, 1, 5, 7, 2, 8, torch.float32, "cpu", fmt="int8", placement="cpu")
+    assert cache.nbytes == CacheShape(2, 1, 5, 7, 2, 8, torch.float32).device_bytes("int8", "cpu")
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------
+
+
+def test_planner_keeps_everything_then_moves_the_cache_then_streams_blocks():
+    caches = {"gpu": 8 * GIB, "cpu": 1 * GIB}
+    kw = dict(cache_bytes=caches, activation_bytes=GIB // 2, block_bytes=GIB // 2, num_blocks=32, slot_bytes=GIB)
+    assert plan_sampling(40 * GIB, **kw).resident_blocks == 32 and plan_sampling(40 * GIB, **kw).kv_placement == "gpu"
+    roomy = plan_sampling(20 * GIB, **kw)
+    assert (roomy.kv_placement, roomy.resident_blocks) == ("cpu", 32)
+    tight = plan_sampling(12 * GIB, **kw)  # 12 - 0.5 headroom - 1 cache - 0.5 act - 1 slots = 9 GiB of blocks
+    assert (tight.kv_placement, tight.resident_blocks) == ("cpu", 18) and "14 of 32 blocks streamed" in tight.reason
+    forced = plan_sampling(40 * GIB, placement="cpu", **kw)
+    assert forced.kv_placement == "cpu"
+    with pytest.raises(DeviceMemoryError, match="even with every DiT block streamed"):
+        plan_sampling(2 * GIB, **kw)
+
+
+# ---- memory managers -----------------------------------------------------------------------------------------
+
+
+class _Stack:
+    """A streamable stand-in: records where it was placed."""
+
+    def __init__(self, layers=10, layer_bytes=GIB, fixed=GIB):
+        self.num_layers, self.layer_bytes, self.fixed = layers, layer_bytes, fixed
+        self.placed = []
+        self.resident = None
+        self.weight = torch.nn.Parameter(torch.empty(0))
+
+    def place(self, device, resident_layers=None):
+        self.placed.append((str(device), resident_layers))
+        self.resident = resident_layers
+
+    def device_weight_bytes(self):
+        resident = self.num_layers if self.resident is None else self.resident
+        return self.fixed + resident * self.layer_bytes
+
+
+def test_local_manager_evicts_the_least_recently_used_then_streams(monkeypatch):
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    free = {"bytes": 0}
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: free["bytes"])
+    monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
+    manager = host.LocalMemoryManager()
+    manager.budget = 16 * GIB
+    monkeypatch.setattr(host, "LOCAL", manager)
+    stacks = [_Stack(), _Stack()]
+    managed = [host.ManagedModules({"m": torch.nn.Linear(1, 1)}, torch.device("cuda"), streamable=s) for s in stacks]
+    for m, s in zip(managed, stacks, strict=True):
+        m.full_bytes = s.fixed + s.num_layers * s.layer_bytes  # 11 GiB each
+        m.device_bytes = lambda s=s: 0 if not s.placed or s.placed[-1][0] == "cpu" else s.device_weight_bytes()
+    free["bytes"] = 30 * GIB
+    manager.load(managed[0], GIB)
+    assert stacks[0].placed[-1] == ("cuda", None)  # fits whole
+    free["bytes"] = 4 * GIB  # the first holds 11 GiB; the second (11 GiB + 1 required) needs the room
+    manager.load(managed[1], GIB)
+    assert stacks[0].placed[-1][0] == "cpu"  # evicted first; with 4 GiB still short, the second streams every layer:
+    assert stacks[1].placed[-1] == ("cuda", 0)  # 4 - 1 required - 0.5 headroom < 1 fixed + 2 staging slots
+    free["bytes"] = 10 * GIB  # with 10 GiB free and its own 1 GiB: (10 + 1 - 1 - 0.5 - (1 + 2)) // 1 = 6 layers
+    manager.load(managed[1], GIB)
+    assert stacks[1].placed[-1] == ("cuda", 6)
+
+
+def test_our_nodes_ask_comfyui_for_partial_loads_of_the_dit_and_text_encoder(monkeypatch):
+    """With ComfyUI: the DiT and the text encoder register a patcher that honours partial loads
+    (force_full_load=False, so ComfyUI may give them less than their size); the VAE loads whole."""
+    calls = []
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+            self.model, self.load_device, self.offload_device = model, load_device, offload_device
+            self.model.model_loaded_weight_memory = 0
+            self.patches_uuid = "u"
+
+        def add_callback(self, *_):
+            pass
+
+        def model_size(self):
+            return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        def get_all_callbacks(self, _):
+            return []
+
+    fake_mm = types.SimpleNamespace(load_models_gpu=lambda models, memory_required, force_full_load: calls.append(
+        (type(models[0]).__name__, memory_required, force_full_load)))  # fmt: skip
+    fake_patcher = types.SimpleNamespace(ModelPatcher=Patcher, CallbacksMP=types.SimpleNamespace(ON_LOAD="l"))
+    monkeypatch.setattr(host, "IN_COMFYUI", True)
+    monkeypatch.setattr(host, "comfy_mm", fake_mm)
+    monkeypatch.setattr(host, "comfy_patcher", fake_patcher)
+    monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
+    stack = _Stack(layers=4, layer_bytes=100, fixed=50)
+    dit = host.ManagedModules({"transformer": torch.nn.Linear(4, 4)}, torch.device("cuda"), streamable=stack)
+    vae = host.ManagedModules({"vae": torch.nn.Linear(4, 4)}, torch.device("cuda"))
+    dit.load(1234)
+    vae.load()
+    assert calls == [("StreamingPatcher", 1234, False), ("Patcher", 0, True)]
+    # A partial load of 360 of its 450 bytes: the fixed weights (50) and two staging slots (200) leave room for
+    # (360 - 250) // 100 = 1 resident layer; the others stream
+    dit.patcher.model_size = lambda: 450
+    dit.patcher.load("cuda", lowvram_model_memory=360)
+    assert stack.placed[-1] == ("cuda", 1) and dit.patcher.model.model_lowvram
+    assert dit.patcher.model.model_loaded_weight_memory == 50 + 100  # what ComfyUI is told is on the GPU
+    dit.patcher.load("cuda", lowvram_model_memory=0, full_load=True)
+    assert stack.placed[-1] == ("cuda", None) and not dit.patcher.model.model_lowvram
+
+
+# ---- GPU: real streams, events and graph replay --------------------------------------------------------------
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)"
+)
+
+
+@pytest.mark.gpu
+@gpu
+def test_streamed_and_host_cached_decode_replays_like_resident_decode_on_the_gpu():
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+
+    model = our_dit(reference_dit()).to("cuda", torch.bfloat16)
+    layout, embeds, cond, x = (t.to("cuda") if torch.is_tensor(t) else t for t in _inputs(model, seed=4))
+    embeds, cond, x = embeds.bfloat16(), cond.bfloat16(), x.bfloat16()
+    t = torch.full((1,), 0.3, device="cuda", dtype=torch.bfloat16)
+
+    def run(kv):
+        graphs = DecodeGraphs(model)
+        branch = graphs.new_branch(layout, 1, kv=kv)
+        model.prefill(branch, embeds, cond)
+        first, second = graphs(branch, x, t), graphs(branch, x, t)
+        eager = model.decode(branch, x, t, in_graph=True)
+        status = graphs.describe()
+        graphs.clear()
+        return first, second, eager, status
+
+    with torch.inference_mode():
+        want = run(KVCacheSpec())[2]
+        for resident, kv in ((2, KVCacheSpec(placement="cpu")), (0, KVCacheSpec()), (1, KVCacheSpec("fp8", "cpu"))):
+            model.stream_blocks(resident)
+            first, second, eager, status = run(kv)
+            assert status == "replay"
+            assert torch.equal(first, eager) and torch.equal(second, eager)
+            if kv.fmt == "bf16":
+                assert torch.equal(eager, want)  # streaming and host placement change nothing
+            model.place("cuda")
