@@ -447,6 +447,116 @@ def profile_step(ours, args, device, dtype, formats):
             del model
 
 
+def kv_and_streaming(ours, args, device, dtype):
+    """Issue 14 in one process: the K/V layouts, formats and placements, and DiT block streaming, at 1024^2 (t2i and
+    4 references): decode ms (graph replay), device bytes of the caches, velocity PSNR against the bf16 split cache;
+    then 40-step latents with a quantised cache against the bf16 cache (1 reference)."""
+    from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
+
+    res = 64 if args.tiny else 1024
+    for nref in (0, 4):
+        mask, embeds, cond, x, shapes, target = case_inputs(res, nref, 1, ours.config, device, dtype, seed=9 + nref)
+        t = torch.full((1,), 0.5, device=device, dtype=dtype)
+        layout = build_layout(mask, shapes, target)
+        reference = None
+        variants = [("bf16", "gpu", "split"), ("bf16", "gpu", "joint"), ("fp8", "gpu", "split"),
+                    ("fp8_v", "gpu", "split"), ("int8", "gpu", "split"), ("bf16", "cpu", "split"),
+                    ("fp8", "cpu", "split")]  # fmt: skip
+        for fmt, placement, kv_layout in variants:
+            kv = KVCacheSpec(fmt, placement, kv_layout)
+            with torch.inference_mode():
+                graphs = DecodeGraphs(ours) if device.type == "cuda" else None
+                branch = (
+                    graphs.new_branch(layout, 1, args.attention, kv=kv) if graphs else ours.new_branch(layout, 1, kv=kv)
+                )
+                ours.prefill(branch, embeds, cond)
+                step = (lambda: graphs(branch, x, t)) if graphs else (lambda: ours.decode(branch, x, t))
+                v = step().float()
+                ms = timed(step, device, args.iters)
+                row = dict(what="dit_kv", res=res, nref=nref, kv_cache=fmt, placement=placement, layout=kv_layout,
+                           decode_ms=round(ms, 2), cache_device_mib=round(branch.cache.nbytes / 2**20, 1),
+                           cache_host_mib=round(branch.cache.host_nbytes / 2**20, 1),
+                           prefix_tokens=layout.prefix_len)  # fmt: skip
+                if reference is None:
+                    reference = v
+                else:
+                    row["velocity_psnr_vs_bf16_split_db"] = round(psnr(v, reference), 2)
+                    row["equals_bf16_split"] = bool(torch.equal(v, reference))
+                if graphs:
+                    row["graph"] = graphs.describe()
+                    graphs.clear()
+                else:
+                    branch.release()
+            emit(**row)
+        # block streaming: resident blocks from all to none, bf16 and fp8 weights
+        for fmt_name in ("bf16", "fp8"):
+            model = (
+                ours
+                if fmt_name == "bf16"
+                else ours.quantized_copy(uniform_plan(FORMATS["fp8"], ours.config.num_layers))
+            )
+            for resident in (None, 24, 16, 8, 0):
+                if nref and resident not in (None, 16):
+                    continue
+                model.stream_blocks(resident)
+                with torch.inference_mode():
+                    graphs = DecodeGraphs(model) if device.type == "cuda" else None
+                    branch = graphs.new_branch(layout, 1, args.attention) if graphs else model.new_branch(layout, 1)
+                    model.prefill(branch, embeds, cond)
+                    step = (lambda: graphs(branch, x, t)) if graphs else (lambda: model.decode(branch, x, t))
+                    v = step().float()
+                    if resident is None:
+                        whole = v
+                    ms = timed(step, device, max(3, args.iters // 2))
+                    emit(what="dit_streaming", res=res, nref=nref, weights=fmt_name,
+                         resident_blocks=model.resident_blocks, decode_ms=round(ms, 2),
+                         device_weight_gib=round(model.device_weight_bytes() / 2**30, 2),
+                         equals_resident=bool(torch.equal(v, whole)),
+                         graph=graphs.describe() if graphs else "eager")  # fmt: skip
+                    if graphs:
+                        graphs.clear()
+                    else:
+                        branch.release()
+            model.place(device)
+            if model is not ours:
+                del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    latents_with_kv(ours, args, device, dtype)
+
+
+def latents_with_kv(ours, args, device, dtype):
+    """40 steps with 1 reference (1024^2): the quantised caches' latents against the bf16 cache's."""
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+    from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+    from qwen21_nodes.qwen21_core.options import SampleOptions
+    from qwen21_nodes.qwen21_core.sampler import Sampler
+
+    res = 64 if args.tiny else 1024
+    mask, embeds, cond_tokens, _, shapes, _ = case_inputs(res, 1, 1, ours.config, device, dtype, seed=21)
+    lat = res // 16
+    condition = cond_tokens.float().T.reshape(ours.config.in_channels, lat, lat)
+    cond = Conditioning(PromptEmbedding(embeds, mask.to(device)), condition_latents=[condition], width=res, height=res)
+    zeros = torch.zeros(ours.config.in_channels)
+    results = {}
+    for fmt in ("bf16", "fp8", "fp8_v", "int8"):
+        with torch.inference_mode():
+            graphs = DecodeGraphs(ours) if device.type == "cuda" else None
+            options = SampleOptions(kv_cache=fmt, kv_placement="gpu")
+            sampler = Sampler(ours, QWEN21_SCHEDULER, zeros, zeros + 1, options=options, decode_runner=graphs)
+            start = time.perf_counter()
+            results[fmt] = sampler.sample([cond], height=res, width=res, steps=STEPS, seed=5).float()
+            sync(device)
+            seconds = time.perf_counter() - start
+            if graphs:
+                graphs.clear()
+        row = dict(what="dit_kv_latents", kv_cache=fmt, nref=1, steps=STEPS, seconds=round(seconds, 2),
+                   cache_mib=sampler.stats.as_dict()["prefix_cache_mib"])  # fmt: skip
+        if fmt != "bf16":
+            row["latents_psnr_vs_bf16_cache_db"] = round(psnr(results[fmt], results["bf16"]), 2)
+        emit(**row)
+
+
 def compile_cases(cases, ours, reference, args, device, dtype, eager_results):
     """Ours: regional compile + graphs. Diffusers: compile_repeated_blocks. Same process, after the eager runs."""
     if device.type != "cuda":
@@ -552,6 +662,8 @@ def main():
     parser.add_argument("--sensitivity", default="", help="per-layer sensitivity table for this format")
     parser.add_argument("--profile", action="store_true", help="top kernels of a 1024^2 decode step per format")
     parser.add_argument("--bf16-only", action="store_true", help="skip the bf16 extras (backends, compile)")
+    parser.add_argument("--kv", action="store_true", help="K/V layouts, formats, placements and block streaming")
+    parser.add_argument("--keep-mlp-cases", default="1024_ref0", help="cases that also run --keep-mlp")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -579,7 +691,8 @@ def main():
     for name, res, nref, cfg, batch in cases:
         results[name] = run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype)
         for fmt_name in formats:
-            for keep in [()] + ([("img_mlp.gate_up", "img_mlp.out")] if args.keep_mlp else []):
+            keep_mlp = args.keep_mlp and any(part in name for part in args.keep_mlp_cases.split(","))
+            for keep in [()] + ([("img_mlp.gate_up", "img_mlp.out")] if keep_mlp else []):
                 quant_case(name, res, nref, cfg, batch, ours, fmt_name, keep, results[name], args, device, dtype)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the quantised copy is gone; give its memory back before the next
@@ -592,7 +705,10 @@ def main():
     if args.quality:
         latent_quality(ours, args, device, dtype, formats)
     if args.sensitivity:
-        sensitivity(ours, args, device, dtype, args.sensitivity)
+        for fmt_name in args.sensitivity.split(","):
+            sensitivity(ours, args, device, dtype, fmt_name)
+    if args.kv:
+        kv_and_streaming(ours, args, device, dtype)
     if args.bf16_only:
         return
     if not args.no_backends:

@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=None, help="square condition images (default 1024, tiny 64)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-reference", action="store_true", help="skip diffusers' encode_prompt")
+    parser.add_argument("--formats", default="", help="also the quantised encoder in these formats, e.g. fp8,int8")
     args = parser.parse_args()
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -176,6 +177,56 @@ def main() -> None:
 
     offload_s, _, _ = timed(lambda: (encoder.offload(), encoder._weights_on_device()), device, 1)
     print(json.dumps(dict(common, case="offload+reload", offload_reload_s=round(offload_s, 3))), flush=True)
+
+    if args.formats:
+        quantized_cases(encoder, model, prompt, image_size, device, args)
+
+
+def quantized_cases(encoder, model, prompt, image_size, device, args) -> None:
+    """The same prompts with the language model's decoder Linears quantised (fp8 / int8), against bf16: time,
+    peak memory, the encoder's weight bytes and the embeddings' PSNR against the bf16 encoder's."""
+    import math
+
+    from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+    from qwen21_nodes.qwen21_core.text.encoder import decoder_linear_names
+
+    rng = np.random.default_rng(1)
+    counts = [int(c) for c in args.images.split(",")]
+    cases = {count: [Image.fromarray(rng.integers(0, 256, (image_size, image_size, 4), dtype=np.uint8), "RGBA")
+                     for _ in range(count)] for count in counts}  # fmt: skip
+    reference = {}
+    for count, sources in cases.items():
+        vlm = [prepare_condition_image(image, image_size).vlm for image in sources]
+        reference[count] = encoder.encode_prompts([prompt], vlm)[0].embeds.float()
+    original = encoder.model.language_model
+    original_bytes = sum(p.numel() * p.element_size() for p in original.parameters())
+    for fmt_name in args.formats.split(","):
+        language_model = copy.deepcopy(original)
+        encoder.model.language_model = language_model
+        encoder._text_model = language_model
+        quantize_linears_(encoder.model, decoder_linear_names(encoder.model), FORMATS[fmt_name])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        weights = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
+        for count, sources in cases.items():
+            vlm = [prepare_condition_image(image, image_size).vlm for image in sources]
+            seconds, peak, (out,) = timed(lambda vlm=vlm: encoder.encode_prompts([prompt], vlm), device, args.repeats)
+            want = reference[count]
+            mse = (out.embeds.float() - want).pow(2).mean().item()
+            psnr = math.inf if mse == 0 else 10 * math.log10(want.abs().max().item() ** 2 / mse)
+            print(json.dumps(dict(case=f"{count} images", format=fmt_name, ours_s=round(seconds, 4),
+                                  ours_peak_gib=None if peak is None else round(peak / 2**30, 2),
+                                  peak_without_the_bf16_copy_gib=None if peak is None
+                                  else round((peak - original_bytes) / 2**30, 2),
+                                  encoder_weights_gib=round(weights / 2**30, 2), embeds_psnr_vs_bf16_db=round(psnr, 2),
+                                  embeds_rel_error=round(((out.embeds.float() - want).norm() / want.norm()).item(), 5),
+                                  )), flush=True)  # fmt: skip
+        encoder.model.language_model = original
+        encoder._text_model = original
+        del language_model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -27,10 +27,11 @@ CONDITIONING_TYPE = "QWEN21_CONDITIONING"
 
 
 class Qwen21Model:
-    def __init__(self, pipe, offload_text_encoder: bool):
+    def __init__(self, pipe, offload_text_encoder: bool, device: torch.device | None = None):
         self.pipe = pipe
         self.offload_text_encoder = offload_text_encoder
-        self.device = device = pipe.device  # where everything runs; ComfyUI may park modules elsewhere between runs
+        # where everything runs (the pipeline's, unless given); ComfyUI may park modules elsewhere between runs
+        self.device = device = torch.device(device) if device is not None else pipe.device
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release,
                                                streamable=pipe.transformer)  # fmt: skip
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device,
@@ -85,12 +86,45 @@ class Qwen21Model:
         size = (height or cond.height, width or cond.width)
         placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)
         needed = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement=placement)
-        self.transformer.load(needed)
-        self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
-        return self.pipe.sample(
-            cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale, options=options,
-            **kwargs,
-        )  # fmt: skip
+
+        def run():
+            self.transformer.load(needed)
+            self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
+            return self.pipe.sample(
+                cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale,
+                options=options, **kwargs,
+            )  # fmt: skip
+
+        what = f"sampling {size[1]}x{size[0]} with {cond.num_images} condition images, batch {batch_size}"
+        return self._retry_out_of_memory(run, what, needed)
+
+    def _retry_out_of_memory(self, run, what: str, needed: int):
+        """run(); on an out-of-memory error, once more with less memory planned (caches and graphs released, the
+        budget lowered by a fifth, so more stays in host RAM), then a clear error that says what to lower."""
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            log.warning("out of GPU memory while %s; retrying once with a smaller memory budget", what)
+        self.pipe.release()
+        saved = (host.LOCAL.budget, self.pipe.vram_budget)
+        free = host.device_capacity_bytes(self.device)
+        if host.IN_COMFYUI:
+            host.comfy_mm.free_memory(int(needed * 1.2), self.device)
+        elif host.LOCAL.budget is not None:
+            host.LOCAL.budget = int(host.LOCAL.budget * 0.8)
+        else:
+            self.pipe.vram_budget = int(free * 0.8)
+        try:
+            return run()
+        except torch.OutOfMemoryError as error:
+            self.pipe.release()
+            raise MemoryError(
+                f"out of GPU memory while {what}, also after a retry with a fifth less memory planned. Lower the "
+                "output size, the number of condition images or the batch; use kv_cache fp8 or kv_placement cpu, "
+                "weight_dtype fp8 or int8; or free GPU memory (close other models)."
+            ) from error
+        finally:
+            host.LOCAL.budget, self.pipe.vram_budget = saved
 
     def _kv_estimate(self, cond, size, batch_size, true_cfg_scale, options) -> str:
         """The K/V placement to ask the memory manager's room for: "auto" counts the GPU when the whole DiT and a

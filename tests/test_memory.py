@@ -304,3 +304,30 @@ def test_streamed_and_host_cached_decode_replays_like_resident_decode_on_the_gpu
             if kv.fmt == "bf16":
                 assert torch.equal(eager, want)  # streaming and host placement change nothing
             model.place("cuda")
+
+
+def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    handle = Qwen21Model.__new__(Qwen21Model)
+    handle.device = torch.device("cpu")
+    handle.pipe = types.SimpleNamespace(release=lambda: calls.append("release"), vram_budget=None)
+    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    host.LOCAL.budget = 10 * GIB
+    calls, budgets = [], []
+
+    def flaky(failures):
+        def run():
+            budgets.append(host.LOCAL.budget)
+            if len(budgets) <= failures:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return "latents"
+
+        return run
+
+    assert handle._retry_out_of_memory(flaky(1), "sampling", GIB) == "latents"
+    assert budgets == [10 * GIB, 8 * GIB] and calls == ["release"] and host.LOCAL.budget == 10 * GIB
+    budgets.clear()
+    with pytest.raises(MemoryError, match="also after a retry.*kv_cache fp8.*weight_dtype fp8 or int8"):
+        handle._retry_out_of_memory(flaky(2), "sampling 1024x1024", GIB)
+    assert host.LOCAL.budget == 10 * GIB  # restored either way
