@@ -52,15 +52,15 @@ for part in "$@"; do
       run bench_dit_quant 540 python3 benchmarks/bench_dit.py --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \
         --formats fp8,int8,int8_convrot --keep-mlp --no-fp32 --bf16-only ;;
     tests-new)  # the GPU tests of the quantisation, memory and LoRA work, and its kernels on CUDA
-      run tests_new 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" tests/test_kernel_quantize.py \
+      run tests_new 110 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" tests/test_kernel_quantize.py \
         tests/test_kernel_attention_merge.py tests/test_quant.py tests/test_memory.py tests/test_lora.py \
         tests/test_lora_node.py tests/test_transformer.py tests/test_decode_graphs.py ;;
     dit-final)  # the quantised formats at every size beside bf16 and diffusers (bf16 MLP variant at 1024^2)
-      run bench_dit_final 420 python3 benchmarks/bench_dit.py \
+      run bench_dit_final 300 python3 benchmarks/bench_dit.py \
         --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \
         --formats fp8,int8,int8_convrot --keep-mlp --no-fp32 --bf16-only --profile ;;
     dit-kv)  # K/V layouts, formats, placements, block streaming, 40-step latents with quantised caches
-      run bench_dit_kv 240 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --kv --no-fp32 --bf16-only \
+      run bench_dit_kv 170 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --kv --no-fp32 --bf16-only \
         --no-reference --sensitivity int8_convrot ;;
     e2e) run bench_e2e 420 python3 benchmarks/bench_e2e.py ;;
     te-quant) run bench_te_quant 150 python3 benchmarks/bench_text_encoder.py --formats fp8,int8 --repeats 3 ;;
