@@ -24,7 +24,7 @@ run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat t
   echo "=== $name" | tee -a "$OUT/summary.txt"
   local start=$SECONDS
   timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-  echo "=== $name rc=$? ${SECONDS}s" | tee -a "$OUT/summary.txt"
+  echo "=== $name rc=$? $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
 }
 
 for part in "$@"; do
@@ -55,6 +55,10 @@ for part in "$@"; do
       run tests_new 110 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" tests/test_kernel_quantize.py \
         tests/test_kernel_attention_merge.py tests/test_quant.py tests/test_memory.py tests/test_lora.py \
         tests/test_lora_node.py tests/test_transformer.py tests/test_decode_graphs.py ;;
+    tests-last)  # the GPU tests that failed or did not finish in the last tests-new run, one line per test
+      run tests_last 70 python3 -m pytest -v -p no:cacheprovider -k "not interpreter and (1-256 or int8_gemm or gpu)" \
+        tests/test_kernel_quantize.py tests/test_memory.py ;;
+    e2e-short) run bench_e2e 330 python3 benchmarks/bench_e2e.py --no-diffusers ;;
     dit-final)  # the quantised formats at every size beside bf16 and diffusers (bf16 MLP variant at 1024^2)
       run bench_dit_final 300 python3 benchmarks/bench_dit.py \
         --cases 512_ref0_cfg1_b1,1024_ref0_cfg1_b1,1024_ref4_cfg1_b1,2048_ref0_cfg1_b1 \

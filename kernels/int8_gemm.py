@@ -127,7 +127,8 @@ def _unsupported(q, scale, weight, weight_scale, residual, gate, rows_per_batch,
 
 def int8_linear_reference(q, scale, weight, weight_scale, residual=None, gate=None, rows_per_batch=1, out_dtype=None):
     """The torch formulation: the exact int32 product, then kernels/linear_epilogue.py's reference."""
-    acc = q.to(torch.int32) @ weight.to(torch.int32).t() if q.device.type == "cpu" else torch._int_mm(q, weight.t())
+    # fp64 holds every partial sum exactly (|q w| <= 2^14, K << 2^39) on any device and shape; _int_mm refuses M <= 16
+    acc = (q.double() @ weight.double().t()).to(torch.int32)
     return linear_epilogue_reference(acc, row_scale=scale, col_scale=weight_scale, residual=residual, gate=gate,
                                      rows_per_batch=rows_per_batch, out_dtype=out_dtype or torch.bfloat16)  # fmt: skip
 

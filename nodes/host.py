@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..qwen21_core.errors import stable_name
+from ..qwen21_core.memory.planner import indexed_device
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def intermediate_device() -> torch.device:
 
 def device_capacity_bytes(device: torch.device) -> int:
     """All the memory our models may have on `device`: ComfyUI's total VRAM, or the local budget / device size."""
-    device = torch.device(device)
+    device = indexed_device(device)
     if device.type != "cuda":
         return 2**62
     if IN_COMFYUI:

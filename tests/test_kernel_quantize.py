@@ -74,9 +74,10 @@ def test_quantize_rows_matches_reference(kernel_device, fmt, rotation, mode, m, 
         return
     # Sums in another order (LayerNorm statistics, rotation) and the GPU's exp can move an fp32 value by an ulp;
     # rounded to bf16 before quantising, that can cross one bf16 step (2^-8 relative) and then a quantisation step.
-    # The rotation's second dot rounds to tf32 on the GPU (2^-11): up to 1% of rotated elements sit near a step.
+    # The rotation's second dot rounds to tf32 on the GPU (2^-11 of a value of up to 127 steps, ~0.02 step on
+    # average): a few percent of rotated elements land one step away (H200: 3+ of 256 in a single row).
     assert torch.allclose(scale, want_scale, rtol=2**-7, atol=0)
-    assert steps.max() <= 1 and (steps > 0).sum() <= max(2, (1e-2 if rotation else 2e-3) * steps.numel())
+    assert steps.max() <= 1 and (steps > 0).sum() <= max(4, (4e-2 if rotation else 2e-3) * steps.numel())
 
 
 @pytest.mark.parametrize("fmt,rotation", [("int8", 0), ("fp8", 0), ("int8", 256)])

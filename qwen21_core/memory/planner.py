@@ -23,9 +23,17 @@ from ..errors import stable_name
 HEADROOM_BYTES = 512 * 2**20  # fragmentation and small allocations the estimates do not see
 
 
+def indexed_device(device) -> torch.device:
+    """`device` with its index: some torch.cuda queries (the per-process fraction) refuse a bare "cuda"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
     """Bytes this process can still allocate on `device` (see the module docstring); CPU: unlimited."""
-    device = torch.device(device)
+    device = indexed_device(device)
     if device.type != "cuda":
         return 2**62
     free, total = torch.cuda.mem_get_info(device)
