@@ -223,7 +223,7 @@ class Qwen21Pipeline:
             return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
         streamer = tr.streamer
         blocks = len(tr.transformer_blocks)
-        block_bytes = tr.block_bytes
+        block_bytes = tr.layer_bytes
         resident = tr.resident_blocks
         free = device_free_bytes(self.device, self.vram_budget)
         if not self.manage_weights:

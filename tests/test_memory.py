@@ -10,11 +10,13 @@ import types
 
 import pytest
 import torch
-from dit_reference import CHANNELS, CONTEXT, our_dit, prompt_mask, reference_dit
+from dit_reference import CHANNELS, CONTEXT, TINY_DIT, our_dit, prompt_mask, reference_dit
 from qwen21_nodes.kernels.kv_quant import dequantize_kv, quantize_kv
 from qwen21_nodes.nodes import host
+from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.kv_cache import CacheShape, KVCacheSpec, PrefixKVCache
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.memory.planner import DeviceMemoryError, plan_sampling
 from qwen21_nodes.qwen21_core.memory.prefetch import SlotPrefetcher
 from qwen21_nodes.qwen21_core.memory.streaming import LayerStreamer
@@ -222,6 +224,37 @@ def test_local_manager_evicts_the_least_recently_used_then_streams(monkeypatch):
     free["bytes"] = 10 * GIB  # with 10 GiB free and its own 1 GiB: (10 + 1 - 1 - 0.5 - (1 + 2)) // 1 = 6 layers
     manager.load(managed[1], GIB)
     assert stacks[1].placed[-1] == ("cuda", 6)
+
+
+def test_the_real_dit_and_text_encoder_plan_and_take_partial_placements():
+    """The managers' arithmetic on the real stacks (not stand-ins): with room for the non-layer weights, the two
+    staging slots and one layer, one layer stays resident and what is left on the device is exactly that."""
+    from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder
+    from qwen21_nodes.qwen21_core.text.tiny import TINY_HIDDEN_SIZE, build_tiny_processor, tiny_text_encoder_config
+    from transformers import Qwen3VLForConditionalGeneration
+
+    # five layers each: room for a resident layer beside the two staging slots
+    dit = QwenImage21Transformer(TransformerConfig(**{**TINY_DIT, "num_layers": 5}))
+    processor = build_tiny_processor()
+    config = tiny_text_encoder_config(processor.tokenizer, TINY_HIDDEN_SIZE)
+    config.text_config.num_hidden_layers = 5
+    encoder = Qwen21TextEncoder(Qwen3VLForConditionalGeneration(config).eval(), processor)
+    assert encoder.num_layers == 5
+    for module, stack in ((dit, dit), (encoder.model, encoder)):
+        managed = host.ManagedModules({"m": module}, torch.device("cpu"), streamable=stack)
+        layer, layers = stack.layer_bytes, stack.num_layers
+        fixed = managed.full_bytes - layers * layer
+        assert layers >= 2 and layer > 0 and fixed > 0
+        assert managed.resident_for(managed.full_bytes) is None
+        assert managed.resident_for(fixed + 3 * layer) == 1
+        stack.place("cpu", 1)
+        try:
+            slots = stack.streamer.slot_bytes  # two layers, each tensor aligned to 256 bytes in its slot
+            assert 2 * layer <= slots <= 2 * (layer + 256 * sum(1 for _ in module.parameters()))
+            assert stack.device_weight_bytes() == fixed + layer + slots
+        finally:
+            stack.place("cpu")
+        assert stack.device_weight_bytes() == managed.full_bytes
 
 
 def test_our_nodes_ask_comfyui_for_partial_loads_of_the_dit_and_text_encoder(monkeypatch):

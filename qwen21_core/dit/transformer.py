@@ -292,17 +292,22 @@ class QwenImage21Transformer(nn.Module):
         resident). The non-block weights stay where they are."""
         self.place(self.device, resident)
 
-    def place(self, device, resident: int | None = None) -> None:
-        """All weights on `device`, or with only `resident` blocks there and the rest streaming (memory/streaming.py):
-        how a budget, or ComfyUI's partial load, maps onto this model."""
-        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident)
+    def place(self, device, resident_layers: int | None = None) -> None:
+        """All weights on `device`, or with only `resident_layers` blocks there and the rest streaming
+        (memory/streaming.py): how a budget, or ComfyUI's partial load, maps onto this model."""
+        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident_layers)
 
     @property
     def resident_blocks(self) -> int:
         return len(self.transformer_blocks) if self.streamer is None else self.streamer.resident
 
     @property
-    def block_bytes(self) -> int:
+    def num_layers(self) -> int:  # the streamable-stack interface (memory/streaming.py StreamableStack)
+        return len(self.transformer_blocks)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one block's weights."""
         return sum(p.numel() * p.element_size() for p in self.transformer_blocks[0].parameters())
 
     def device_weight_bytes(self) -> int:
@@ -310,7 +315,7 @@ class QwenImage21Transformer(nn.Module):
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         if self.streamer is None:
             return total
-        return total - len(self.streamer.host) * self.block_bytes + self.streamer.slot_bytes
+        return total - len(self.streamer.host) * self.layer_bytes + self.streamer.slot_bytes
 
     def streaming_signature(self) -> tuple:
         """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""

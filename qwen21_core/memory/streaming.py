@@ -16,6 +16,7 @@ or `move_all` first.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,6 +24,22 @@ from torch import nn
 from .prefetch import SlotPrefetcher
 
 log = logging.getLogger(__name__)
+
+
+class StreamableStack(Protocol):
+    """What the memory managers (nodes/host.py) need from a model that can run with part of its layer stack on
+    the device: the DiT (its blocks) and the text encoder (its decoder layers) both provide it."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def layer_bytes(self) -> int: ...
+
+    def place(self, device, resident_layers: int | None = None) -> None: ...
+
+    def device_weight_bytes(self) -> int: ...
+
 
 _ALIGN = 256  # bytes: every tensor in a flat layer buffer starts on this boundary (vectorised loads, any dtype)
 
