@@ -184,7 +184,8 @@ def main() -> None:
 
 def quantized_cases(encoder, model, prompt, image_size, device, args) -> None:
     """The same prompts with the language model's decoder Linears quantised (fp8 / int8), against bf16: time,
-    peak memory, the encoder's weight bytes and the embeddings' PSNR against the bf16 encoder's."""
+    peak memory, the encoder's weight bytes and the embeddings' PSNR against the bf16 encoder's. Each format runs
+    weight-only (what the loader does, checkpoints/loading.py TEXT_ENCODER_QUANTIZES_ACTIVATIONS) and W8A8."""
     import math
 
     from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_
@@ -201,11 +202,11 @@ def quantized_cases(encoder, model, prompt, image_size, device, args) -> None:
         reference[count] = encoder.encode_prompts([prompt], vlm)[0].embeds.float()
     original = encoder.model.language_model
     original_bytes = sum(p.numel() * p.element_size() for p in original.parameters())
-    for fmt_name in args.formats.split(","):
+    for fmt_name, w8a8 in [(f, w8a8) for f in args.formats.split(",") for w8a8 in (False, True)]:
         language_model = copy.deepcopy(original)
         encoder.model.language_model = language_model
         encoder._text_model = language_model
-        quantize_linears_(encoder.model, decoder_linear_names(encoder.model), FORMATS[fmt_name])
+        quantize_linears_(encoder.model, decoder_linear_names(encoder.model), FORMATS[fmt_name], w8a8)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         weights = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
@@ -215,7 +216,8 @@ def quantized_cases(encoder, model, prompt, image_size, device, args) -> None:
             want = reference[count]
             mse = (out.embeds.float() - want).pow(2).mean().item()
             psnr = math.inf if mse == 0 else 10 * math.log10(want.abs().max().item() ** 2 / mse)
-            print(json.dumps(dict(case=f"{count} images", format=fmt_name, ours_s=round(seconds, 4),
+            print(json.dumps(dict(case=f"{count} images", format=fmt_name, compute="w8a8" if w8a8 else "weight_only",
+                                  ours_s=round(seconds, 4),
                                   ours_peak_gib=None if peak is None else round(peak / 2**30, 2),
                                   peak_without_the_bf16_copy_gib=None if peak is None
                                   else round((peak - original_bytes) / 2**30, 2),

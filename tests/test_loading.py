@@ -268,3 +268,29 @@ def test_cuda_load_matches_cpu_load(tiny, monkeypatch):
     _same_tensors(
         cpu.text_encoder.model.state_dict(), {k: v.cpu() for k, v in cuda.text_encoder.model.state_dict().items()}
     )
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantised_text_encoder_multiplies_with_dequantised_weights(tiny, monkeypatch, fmt):
+    """The text encoder's quantised layers keep bf16 activations (weight-only, see loading.py
+    TEXT_ENCODER_QUANTIZES_ACTIVATIONS): even where W8A8 would run (here its CPU emulation), and closer to the
+    float encoder than W8A8 on the same weights."""
+    from qwen21_nodes.qwen21_core.quant.linear import GEMM_ENV, QuantLinear
+
+    monkeypatch.setenv(GEMM_ENV, "emulate")
+    load = dict(tokenizer=tiny["tokenizer"])
+    float_encoder, _ = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, **load)
+    encoder, info = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, **load,
+                                         weight_formats=WeightFormats(text_encoder=fmt))  # fmt: skip
+    layers = [m for m in encoder.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and info["weights"].startswith(fmt) and not any(m.quantize_activations for m in layers)
+
+    def error(enc):
+        got = enc.encode_prompts(["a red fox in the snow"], [])[0].embeds
+        want = float_encoder.encode_prompts(["a red fox in the snow"], [])[0].embeds
+        return ((got - want).norm() / want.norm()).item()
+
+    weight_only = error(encoder)
+    for layer in layers:
+        layer.quantize_activations = True
+    assert 0 < weight_only < error(encoder)

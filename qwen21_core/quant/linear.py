@@ -62,10 +62,14 @@ class Projected:
 class QuantLinear(nn.Module):
     """y = x W^T with W stored as `qweight` [N, K] (fp8/int8) and `weight_scale` [N] fp32 (per output row)."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: QuantFormat, compute_dtype=torch.bfloat16):
+    def __init__(self, in_features: int, out_features: int, fmt: QuantFormat, compute_dtype=torch.bfloat16,
+                 quantize_activations: bool = True):  # fmt: skip
         super().__init__()
         self.fmt = fmt.for_width(in_features)
         self.compute_dtype = compute_dtype
+        # False: always the weight-only path (the memory saving without the activations' rounding), for models
+        # whose error compounds over many layers and whose speed matters little (the text encoder)
+        self.quantize_activations = quantize_activations
         self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.fmt.storage), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
         # build_empty (checkpoints/files.py) keeps these dtypes instead of casting to the model's dtype
@@ -75,9 +79,10 @@ class QuantLinear(nn.Module):
         self.side_paths: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, fmt: QuantFormat) -> QuantLinear:
+    def from_weight(cls, weight: torch.Tensor, fmt: QuantFormat, quantize_activations: bool = True) -> QuantLinear:
         """Quantise a float weight [N, K] (on its device) into a new layer computing in its dtype."""
-        layer = cls(weight.shape[1], weight.shape[0], fmt, compute_dtype=weight.dtype).to(weight.device)
+        layer = cls(weight.shape[1], weight.shape[0], fmt, compute_dtype=weight.dtype,
+                    quantize_activations=quantize_activations).to(weight.device)  # fmt: skip
         q, scale = quantize_weight(weight, layer.fmt)
         with torch.no_grad():
             layer.qweight.copy_(q)
@@ -93,7 +98,8 @@ class QuantLinear(nn.Module):
         return self.qweight.shape[0]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+        compute = "" if self.quantize_activations else ", weight-only"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}{compute}"
 
     # ---- arithmetic --------------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        backend = self.backend(x2d.shape[0])
+        backend = self.backend(x2d.shape[0]) if self.quantize_activations else "weight_only"
         if backend == "weight_only":
             y = self.weight_only(x2d)
         else:
@@ -174,7 +180,7 @@ def fp8_fast_accum() -> bool:
     return FP8_FAST_ACCUM if not raw else raw == "1"
 
 
-def quantize_linears_(module: nn.Module, names, fmt: QuantFormat) -> nn.Module:
+def quantize_linears_(module: nn.Module, names, fmt: QuantFormat, quantize_activations: bool = True) -> nn.Module:
     """Replace the named nn.Linear submodules of `module` by QuantLinears quantised from their weights, one at a
     time (each float weight is freed as its layer is done). For models built in memory: benchmarks and tests."""
     for name in names:
@@ -182,7 +188,7 @@ def quantize_linears_(module: nn.Module, names, fmt: QuantFormat) -> nn.Module:
         parent = module.get_submodule(parent_name) if parent_name else module
         linear = getattr(parent, child)
         if isinstance(linear, nn.Linear):
-            setattr(parent, child, QuantLinear.from_weight(linear.weight.detach(), fmt))
+            setattr(parent, child, QuantLinear.from_weight(linear.weight.detach(), fmt, quantize_activations))
     return module
 
 
