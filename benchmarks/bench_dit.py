@@ -28,6 +28,7 @@ from _common import emit, sync
 from dit_reference import reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, QwenImage21Transformer, uniform_plan
 from qwen21_nodes.qwen21_core.quant.weights import FORMATS
@@ -134,8 +135,9 @@ def run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype):
     t = torch.full((batch,), 0.5, device=device, dtype=dtype)
     layout = build_layout(mask, shapes, target)
     iters = args.iters
+    default_kv = KVCacheSpec()  # what new_branch uses when given none: the layout and format measured here
     result = dict(what="dit_case", case=name, res=res, nref=nref, cfg=cfg, batch=batch, prefix_tokens=layout.prefix_len,
-                  target_tokens=layout.target_len)  # fmt: skip
+                  target_tokens=layout.target_len, kv_layout=default_kv.layout, kv_cache=default_kv.fmt)  # fmt: skip
 
     with torch.inference_mode():
         # ---- ours, eager
@@ -451,7 +453,6 @@ def kv_and_streaming(ours, args, device, dtype):
     """Issue 14 in one process: the K/V layouts, formats and placements, and DiT block streaming, at 1024^2 (t2i and
     4 references): decode ms (graph replay), device bytes of the caches, velocity PSNR against the bf16 split cache;
     then 40-step latents with a quantised cache against the bf16 cache (1 reference)."""
-    from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
 
     res = 64 if args.tiny else 1024
     for nref in (0, 4):

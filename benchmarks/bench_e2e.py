@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from _common import emit, sync  # noqa: E402
 from qwen21_nodes.nodes import host  # noqa: E402
 from qwen21_nodes.nodes.model import Qwen21Model  # noqa: E402
+from qwen21_nodes.qwen21_core.checkpoints.loading import TEXT_ENCODER_QUANTIZES_ACTIVATIONS  # noqa: E402
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig  # noqa: E402
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer, uniform_plan  # noqa: E402
 from qwen21_nodes.qwen21_core.memory.planner import indexed_device  # noqa: E402
@@ -115,7 +116,7 @@ def quantized_parts(parts, precision, device):
     dit.to("cpu")
     text = copy.copy(full.model)  # shallow: only the quantised layers are new
     text.language_model = copy.deepcopy(full.model.language_model).to(device)
-    quantize_linears_(text, decoder_linear_names(text), fmt)
+    quantize_linears_(text, decoder_linear_names(text), fmt, TEXT_ENCODER_QUANTIZES_ACTIVATIONS)  # as the loader
     text.language_model.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -36,13 +36,15 @@ WEIGHT_DTYPE_TOOLTIP = (
     "on GPUs with FP8 tensor cores (RTX 40xx, H100 and newer; elsewhere dequantised per layer); int8 / "
     "int8_convrot: INT8 weights and activations (RTX 20xx and newer); int8_convrot (native ComfyUI's int8 files) "
     "rotates first, for less error on real weights. On an H200 at 1024x1024 the quantised DiT takes 6.76 GiB and "
-    "a step 0.634x (fp8), 0.685x (int8), 0.761x (int8_convrot) of bf16's time (BENCHMARKS: Quantised DiT). Quantised "
+    "a step 0.593x (fp8), 0.696x (int8), 0.727x (int8_convrot) of bf16's time (BENCHMARKS: Quantised DiT). Quantised "
     "files load as they are; bf16 files are quantised while loading. fp32: twice bf16's memory; matches the "
     "diffusers fp32 reference to rounding."
 )
 TEXT_ENCODER_DTYPE_TOOLTIP = (
-    "same: follow weight_dtype. Otherwise the text encoder's own precision: its language model's Linears in fp8 or "
-    "int8 take about half of bf16's memory; auto keeps its file's format."
+    "same: follow weight_dtype. Otherwise the text encoder's own precision; auto keeps its file's format. fp8 / "
+    "int8: its language model's Linears stored 8-bit, 8.71 GiB of weights instead of 16.4 GiB on an H200 "
+    "(BENCHMARKS: Text encoder), multiplied in bf16 with each weight dequantised as its layer runs (as native "
+    "ComfyUI runs fp8 text encoders: quantising the activations too made the embeddings drift)."
 )
 
 

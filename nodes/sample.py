@@ -158,9 +158,11 @@ class Qwen21Sampler:
                     ["bf16", "fp8", "fp8_v", "int8"],
                     {
                         "default": "bf16",
-                        "tooltip": "How the cached prompt/reference K/V are stored. bf16: exact. fp8 / int8: about "
-                        "half the memory (one scale per token and head), lossy; fp8_v: only V in fp8. It matters "
-                        "with reference images, whose tokens make most of the cache.",
+                        "tooltip": "How the cached prompt/reference K/V are stored. bf16: exact. fp8 / int8: one "
+                        "scale per token and head, lossy; fp8_v: only V in fp8. It matters with reference images, "
+                        "whose tokens make most of the cache: with 4 at 1024x1024 on an H200 fp8 holds 4583.4 MiB "
+                        "instead of 8328 MiB, a step takes 183.61 ms instead of 179.5 ms and the velocity stays "
+                        "at 64.29 dB PSNR of bf16's (BENCHMARKS: Prefix K/V).",
                     },
                 ),
                 "kv_placement": (
@@ -168,8 +170,9 @@ class Qwen21Sampler:
                     {
                         "default": "auto",
                         "tooltip": "Where the cached K/V live. auto: the GPU while it fits, else pinned CPU RAM. cpu: "
-                        "CPU RAM, each layer brought over one layer ahead of use (frees VRAM for big reference sets; "
-                        "costs PCIe bandwidth every step).",
+                        "CPU RAM, each layer brought over one layer ahead of use, same result: with 4 references at "
+                        "1024x1024 on an H200 838.8 MiB stay on the GPU instead of 8328 MiB, and a step takes "
+                        "185.31 ms instead of 179.5 ms (BENCHMARKS: Prefix K/V).",
                     },
                 ),
                 "compile_blocks": (

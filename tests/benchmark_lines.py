@@ -13,12 +13,15 @@ def benchmark_text() -> str:
 
 
 def json_records(what: str | None = None) -> list[dict]:
-    """The raw JSON lines quoted in BENCHMARKS.md (one object per line), optionally only those with this "what"."""
-    records = []
+    """The raw JSON lines quoted in BENCHMARKS.md (one object per line), optionally only those with this "what";
+    each gets "_section": the `## ` heading it sits under."""
+    records, section = [], ""
     for line in benchmark_text().splitlines():
         line = line.strip()
+        if line.startswith("## "):
+            section = line[3:]
         if line.startswith("{") and line.endswith("}"):
             record = json.loads(line)
             if what is None or record.get("what") == what:
-                records.append(record)
+                records.append({**record, "_section": section})
     return records

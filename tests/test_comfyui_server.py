@@ -144,6 +144,21 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_models):
+    yield from _running_server(tmp_path_factory, tiny_models)
+
+
+@pytest.fixture(scope="module")
+def lowvram_server(tmp_path_factory, tiny_models):
+    """A second ComfyUI on the GPU with --lowvram: its memory manager then loads models partially. ComfyUI refuses
+    --lowvram beside --cpu and treats a CPU device as never short of memory, so this needs a GPU."""
+    probe = subprocess.run([_python(), "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    if probe.stdout.strip() != "True":
+        pytest.skip("--lowvram needs ComfyUI on a CUDA GPU (it refuses --lowvram with --cpu); none here")
+    yield from _running_server(tmp_path_factory, tiny_models, "--lowvram", cpu=False)
+
+
+def _running_server(tmp_path_factory, tiny_models, *extra_args: str, cpu: bool = True):
     base = tmp_path_factory.mktemp("comfy_base")
     for folder in ("custom_nodes", "input", "output", "temp", "user", "models"):
         (base / folder).mkdir()
@@ -161,9 +176,9 @@ def server(tmp_path_factory, tiny_models):
     log_path = base / "server.log"
     port = _free_port()
     command = [
-        _python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+        _python(), "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(port),
         "--base-directory", str(base), "--extra-model-paths-config", str(base / "extra_model_paths.yaml"),
-        "--database-url", "sqlite:///:memory:", "--preview-method", "auto",
+        "--database-url", "sqlite:///:memory:", "--preview-method", "auto", *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log_file:
@@ -268,6 +283,20 @@ def test_api_workflow_runs_and_images_come_back(server, path):
     assert len(sizes) == 1 and all(side % 32 == 0 for side in sizes.pop())
     executed = [event for event, _data in entry["status"]["messages"]]
     assert "execution_success" in executed
+
+
+@pytest.mark.parametrize("name", ["text_to_image", "edit_4_references"])
+def test_workflows_run_under_lowvram(lowvram_server, name):
+    """ComfyUI's --lowvram: our DiT and text encoder are registered for partial loads (tests/test_memory.py checks
+    what they ask for); the workflows must run under it as they do without."""
+    server = lowvram_server
+    assert "--lowvram" in server.process.args
+    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / f"{name}.json", server.models)
+    saver = find_node(prompt, "SaveImage")
+    entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[-3000:]
+    assert len(entry["outputs"][saver]["images"]) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
+    assert "Traceback" not in server.log()
 
 
 def test_sampler_reports_stats_in_its_ui_output(server):
