@@ -19,3 +19,24 @@ def emit(**fields):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def random_dit(config, device, dtype):
+    """Our DiT with the benchmarks' random full-size initialisation, built on the meta device and filled where it
+    runs: matrices normal with std 1/sqrt(3 fan_in) (the spread of torch's default Linear init, which the shared
+    diffusers baseline used), norm weights 1, the zero-centred text norm 0."""
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+
+    with torch.device("meta"):
+        model = QwenImage21Transformer(config).to(dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("text_norm.weight"):
+                param.zero_()
+            elif param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
+    return model.eval()

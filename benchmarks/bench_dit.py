@@ -24,13 +24,13 @@ import statistics
 import time
 
 import torch
-from _common import emit, sync
+from _common import emit, random_dit, sync
 from dit_reference import reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
-from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, QwenImage21Transformer, uniform_plan
+from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, uniform_plan
 from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
 TEXT_TOKENS = 128
@@ -76,25 +76,8 @@ def psnr(a, b):
 
 
 def build_models(config_kwargs, device, dtype, with_reference):
-    """Ours with random weights, and diffusers' with the same weights.
-
-    Matrices are normal with std 1/sqrt(3 fan_in) (the spread of torch's default Linear init, which the
-    shared diffusers baseline used); norm weights 1, the zero-centred text norm 0.
-    """
-    config = TransformerConfig(**config_kwargs)
-    with torch.device("meta"):
-        ours = QwenImage21Transformer(config).to(dtype)
-    ours.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in ours.named_parameters():
-            if name.endswith("text_norm.weight"):
-                param.zero_()
-            elif param.ndim == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
-    ours.eval()
+    """Ours with random weights (_common.random_dit), and diffusers' with the same weights."""
+    ours = random_dit(TransformerConfig(**config_kwargs), device, dtype)
     reference = None
     if with_reference:
         from diffusers import QwenImage21Transformer2DModel

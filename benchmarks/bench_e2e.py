@@ -27,12 +27,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import emit, sync  # noqa: E402
+from _common import emit, random_dit, sync  # noqa: E402
 from qwen21_nodes.nodes import host  # noqa: E402
 from qwen21_nodes.nodes.model import Qwen21Model  # noqa: E402
 from qwen21_nodes.qwen21_core.checkpoints.loading import TEXT_ENCODER_QUANTIZES_ACTIVATIONS  # noqa: E402
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig  # noqa: E402
-from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer, uniform_plan  # noqa: E402
+from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan  # noqa: E402
 from qwen21_nodes.qwen21_core.memory.planner import indexed_device  # noqa: E402
 from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline  # noqa: E402
 from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_  # noqa: E402
@@ -63,23 +63,6 @@ TINY_CONFIGS = [("bf16", None, ("t2i", "edit4")), ("fp8", None, ("t2i",))]
 
 
 # ---- models built in memory -----------------------------------------------------------------------------
-
-
-def random_dit(config: TransformerConfig, device, dtype) -> QwenImage21Transformer:
-    """bench_dit's initialisation: normal matrices with torch's default Linear spread, norms 1, text norm 0."""
-    with torch.device("meta"):
-        model = QwenImage21Transformer(config).to(dtype)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("text_norm.weight"):
-                param.zero_()
-            elif param.ndim == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
-    return model.eval()
 
 
 def build_parts(args, device, dtype):
