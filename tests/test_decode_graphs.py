@@ -85,6 +85,17 @@ def test_next_generation_adopts_the_idle_entry_without_recapture(model):
     assert recorder.captures == 1
 
 
+def test_idle_entries_report_the_cache_bytes_a_new_generation_gets_back(model):
+    graphs = DecodeGraphs(model, capture=Recorder())
+    branch = _prefilled(graphs, _layout())
+    graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
+    assert graphs.idle_cache_bytes() == 0  # in use: not free for anyone else
+    graphs.release(branch)
+    assert graphs.idle_cache_bytes() == branch.cache.nbytes > 0
+    graphs.clear()
+    assert graphs.idle_cache_bytes() == 0
+
+
 def test_the_stand_in_capture_replays_the_recorded_tensors_not_the_python_code(model):
     """What makes the replay checks here able to fail: a tensor rebound after capture is seen by eager decode
     but not by a replay (as on the GPU), and a replay after the rebinding is undone gives the captured result."""

@@ -290,3 +290,16 @@ def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):
         assert not transformer.compiled and len(compiled_calls) == 3 * layers * 2
     finally:
         transformer.compile_blocks(False)
+
+
+def test_the_dit_is_loaded_for_what_the_run_needs_beyond_the_idle_caches_it_gets_back(model, monkeypatch):
+    """A rerun finds the previous run's K/V cache idle in its graph entry (adopted, or evicted if it does not
+    fit): the memory manager is asked only for the rest, so it does not stream DiT blocks for a cache it has."""
+    cond, _, _ = encode(model)
+    asked = []
+    monkeypatch.setattr(model.transformer, "load", lambda required=0: asked.append(required))
+    monkeypatch.setattr(model.pipe, "sampling_bytes", lambda *a, **k: 5000)
+    for idle in (0, 1200, 9000):
+        monkeypatch.setattr(model.pipe.decode_graphs, "idle_cache_bytes", lambda idle=idle: idle)
+        sample(model, cond, steps=1)
+    assert asked == [5000, 3800, 0]

@@ -165,6 +165,15 @@ class DecodeGraphs:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def idle_cache_bytes(self) -> int:
+        """Device bytes the idle entries' K/V caches hold: memory a new generation gets back, by adopting the
+        entry (same key) or by evicting it (an allocation that runs out evicts idle entries and retries)."""
+        return sum(
+            e.branch.cache.nbytes
+            for e in self.entries.values()
+            if isinstance(e, _Entry) and not e.in_use and e.branch.cache is not None and e.branch.cache.allocated
+        )
+
     def describe(self) -> str:
         replays = sum(e.replays for e in self.entries.values() if isinstance(e, _Entry))
         if self.reasons:
