@@ -25,6 +25,8 @@ except ImportError:
     tl = None
 
 TRITON_AVAILABLE = triton is not None
+# torch dtype -> Triton dtype, for the kernels' OUT_DTYPE / ACT_DTYPE constexpr arguments
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
 INTERPRETER_ACTIVE = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, jit, tl, triton, triton_runs_on
-from .linear_epilogue import linear_epilogue_reference, residual_problem
-
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from .linear_epilogue import (
+    OUT_DTYPES,
+    add_gated_residual,
+    dequantize_tile,
+    linear_epilogue_reference,
+    residual_problem,
+)
 
 # Candidate tile shapes for the H200 (both operands K-major int8); bench_quant reports the chosen one per shape.
 CONFIGS = [
@@ -67,21 +71,15 @@ def _int8_gemm_kernel(
 
     row_mask = rows < M
     col_mask = cols < N
-    a_scale = tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)
-    b_scale = tl.load(b_scale_ptr + cols, mask=col_mask, other=0.0)
-    value = (acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]).to(OUT_DTYPE)
+    value = dequantize_tile(acc, rows, cols, row_mask, col_mask, a_scale_ptr, b_scale_ptr).to(OUT_DTYPE)
     rows64 = rows.to(tl.int64)
     mask = row_mask[:, None] & col_mask[None, :]
     if RESIDUAL:
-        batch = rows64 // rows_per_batch
-        gate = tl.load(gate_ptr + batch[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0)
-        product = (gate.to(tl.float32) * value.to(tl.float32)).to(OUT_DTYPE)
-        residual = tl.load(residual_ptr + rows64[:, None] * residual_stride + cols[None, :], mask=mask, other=0.0)
-        value = (residual.to(tl.float32) + product.to(tl.float32)).to(OUT_DTYPE)
+        value = add_gated_residual(value, rows64, cols, mask, residual_ptr, residual_stride, gate_ptr, gate_stride,
+                                   rows_per_batch, OUT_DTYPE)  # fmt: skip
     tl.store(out_ptr + rows64[:, None] * out_stride + cols[None, :], value, mask=mask)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
 _tuned = None
 
 
@@ -120,8 +118,8 @@ def _unsupported(q, scale, weight, weight_scale, residual, gate, rows_per_batch,
     m, n = q.shape[0], weight.shape[0]
     if scale.shape != (m,) or weight_scale.shape != (n,):
         return f"scales must be [M]={m} and [N]={n} fp32, got {tuple(scale.shape)} and {tuple(weight_scale.shape)}"
-    if out_dtype not in _OUT_DTYPES:
-        return f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}"
+    if out_dtype not in OUT_DTYPES:
+        return f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}"
     return residual_problem(residual, gate, m, n, rows_per_batch, out_dtype)
 
 
@@ -161,12 +159,12 @@ def int8_linear(
     if INTERPRETER_ACTIVE:
         bm, bn, bk, _stages, warps = INTERPRETER_CONFIG
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _int8_gemm_kernel[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype], BLOCK_M=bm,
+        _int8_gemm_kernel[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype], BLOCK_M=bm,
                                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps)  # fmt: skip
         return out
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _autotuned()[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype])
+    _autotuned()[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype])
     return out

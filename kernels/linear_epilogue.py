@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, tl, triton, triton_runs_on
+from ._triton import TL_DTYPES, jit, tl, triton, triton_runs_on
 
 BLOCK_M = 16
 BLOCK_N = 256
 NUM_WARPS = 4
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def linear_epilogue_reference(y, *, row_scale=None, col_scale=None, residual=None, gate=None, rows_per_batch=1,
@@ -46,6 +46,25 @@ def _default_out_dtype(y, residual) -> torch.dtype:
 
 
 @jit
+def dequantize_tile(acc, rows, cols, row_mask, col_mask, row_scale_ptr, col_scale_ptr):
+    """An int32 accumulator tile times its row and column scales, in fp32 (the reference's multiply order)."""
+    row_scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
+    col_scale = tl.load(col_scale_ptr + cols, mask=col_mask, other=0.0)
+    return acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
+
+
+@jit
+def add_gated_residual(value, rows, cols, mask, residual_ptr, residual_stride, gate_ptr, gate_stride, rows_per_batch,
+                       OUT_DTYPE: tl.constexpr):  # fmt: skip
+    """residual + gate[row's batch] * value for a tile (rows int64), rounded as the reference rounds."""
+    batch = rows // rows_per_batch
+    gate = tl.load(gate_ptr + batch[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0)
+    product = (gate.to(tl.float32) * value.to(tl.float32)).to(OUT_DTYPE)
+    residual = tl.load(residual_ptr + rows[:, None] * residual_stride + cols[None, :], mask=mask, other=0.0)
+    return (residual.to(tl.float32) + product.to(tl.float32)).to(OUT_DTYPE)
+
+
+@jit
 def _linear_epilogue_kernel(
     y_ptr, y_stride, row_scale_ptr, col_scale_ptr, residual_ptr, residual_stride, gate_ptr, gate_stride,
     rows_per_batch, out_ptr, out_stride, M, N,
@@ -59,20 +78,12 @@ def _linear_epilogue_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     value = tl.load(y_ptr + rows[:, None] * y_stride + cols[None, :], mask=mask, other=0)
     if DEQUANT:
-        row_scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
-        col_scale = tl.load(col_scale_ptr + cols, mask=col_mask, other=0.0)
-        value = value.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
+        value = dequantize_tile(value, rows, cols, row_mask, col_mask, row_scale_ptr, col_scale_ptr)
     value = value.to(OUT_DTYPE)
     if RESIDUAL:
-        batch = rows // rows_per_batch
-        gate = tl.load(gate_ptr + batch[:, None] * gate_stride + cols[None, :], mask=mask, other=0.0)
-        product = (gate.to(tl.float32) * value.to(tl.float32)).to(OUT_DTYPE)
-        residual = tl.load(residual_ptr + rows[:, None] * residual_stride + cols[None, :], mask=mask, other=0.0)
-        value = (residual.to(tl.float32) + product.to(tl.float32)).to(OUT_DTYPE)
+        value = add_gated_residual(value, rows, cols, mask, residual_ptr, residual_stride, gate_ptr, gate_stride,
+                                   rows_per_batch, OUT_DTYPE)  # fmt: skip
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], value, mask=mask)
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
 
 
 def _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dtype) -> str | None:
@@ -85,8 +96,8 @@ def _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dt
         return f"scales must be [M]={m} and [N]={n}, got {tuple(row_scale.shape)} and {tuple(col_scale.shape)}"
     if row_scale is None and not y.is_floating_point():
         return f"an integer y ({y.dtype}) needs row_scale and col_scale"
-    if out_dtype not in _OUT_DTYPES:
-        return f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}"
+    if out_dtype not in OUT_DTYPES:
+        return f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}"
     return residual_problem(residual, gate, m, n, rows_per_batch, out_dtype)
 
 
@@ -132,7 +143,7 @@ def linear_epilogue(
         y, y.stride(0), dummy if row_scale is None else row_scale, dummy if col_scale is None else col_scale,
         dummy if residual is None else residual, 0 if residual is None else residual.stride(0),
         dummy if gate is None else gate, 0 if gate is None else gate.stride(0), rows_per_batch, out, out.stride(0),
-        m, n, DEQUANT=row_scale is not None, RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
+        m, n, DEQUANT=row_scale is not None, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out

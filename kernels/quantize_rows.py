@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, jit, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -367,7 +367,7 @@ def quantize_rows(
     args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
             min(triton.next_power_of_2(m), 16384), 1.0 / k, float(eps))  # fmt: skip
     modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
-                 MIN_SCALE=MIN_SCALE, ACT_DTYPE=_TL_DTYPES[act_dtype])  # fmt: skip
+                 MIN_SCALE=MIN_SCALE, ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
     if not whole_row:
         _quantize_rows_kernel[(triton.cdiv(m, CHUNK_M),)](*args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=CHUNK_K,
                                                          WHOLE_ROW=False, num_warps=4)  # fmt: skip
@@ -380,6 +380,3 @@ def quantize_rows(
             *args, **modes, BLOCK_K=block_k, WHOLE_ROW=True
         )
     return q, scale
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
