@@ -29,14 +29,17 @@ def _layout(text=5, target=(4, 4), shapes=((4, 4),)):
     return build_layout(prompt_mask(text, list(shapes)), list(shapes), target)
 
 
-def _prefilled(graphs, layout, role="positive", seed=0):
+def _prefill(model, branch, layout, seed):
+    """Prefill `branch` with the prompt and one 4x4 condition image drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
-    branch = graphs.new_branch(layout, 1, "auto", role)
-    tokens = sum(h * w for h, w in [(4, 4)])
-    graphs.transformer.prefill(
-        branch, torch.randn(layout.prefix_len - 3 * 4, CONTEXT, generator=g), torch.randn(tokens, CHANNELS, generator=g)
-    )
+    tokens = 4 * 4
+    model.prefill(branch, torch.randn(layout.prefix_len - 3 * 4, CONTEXT, generator=g),
+                  torch.randn(tokens, CHANNELS, generator=g))  # fmt: skip
     return branch
+
+
+def _prefilled(graphs, layout, role="positive", seed=0):
+    return _prefill(graphs.transformer, graphs.new_branch(layout, 1, "auto", role), layout, seed)
 
 
 def test_capture_once_then_replay_equals_eager(model):
@@ -76,11 +79,7 @@ def test_next_generation_adopts_the_idle_entry_without_recapture(model):
     assert cache.allocated  # the entry keeps its buffers
     second = _prefilled(graphs, layout, seed=7)
     assert second is first and second.cache is cache
-    fresh = model.new_branch(layout)
-    g = torch.Generator().manual_seed(7)
-    model.prefill(
-        fresh, torch.randn(layout.prefix_len - 12, CONTEXT, generator=g), torch.randn(16, CHANNELS, generator=g)
-    )
+    fresh = _prefill(model, model.new_branch(layout), layout, seed=7)
     assert torch.equal(graphs(second, x, t), model.decode(fresh, x, t))
     assert recorder.captures == 1
 
@@ -129,11 +128,7 @@ def test_adopting_an_entry_refreshes_rotary_tables_that_differ_under_the_same_ke
     graphs.release(first)
     second = _prefilled(graphs, wide, seed=7)
     assert second is first  # adopted
-    fresh = model.new_branch(wide)
-    g = torch.Generator().manual_seed(7)
-    model.prefill(
-        fresh, torch.randn(wide.prefix_len - 12, CONTEXT, generator=g), torch.randn(16, CHANNELS, generator=g)
-    )
+    fresh = _prefill(model, model.new_branch(wide), wide, seed=7)
     assert torch.equal(graphs(second, x, t), model.decode(fresh, x, t))
     assert recorder.captures == 1
 
