@@ -18,19 +18,24 @@ SAMPLER_DEFAULTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
-    host.set_models_dir(models)
+def load_tiny(weight_dtype="auto", device="cpu"):
+    """The tiny model through the loader node (the models folder set by the `model` fixture)."""
     (loaded,) = Qwen21ModelLoader().load(
         host.list_weight_files("diffusion_models")[0],
         host.list_weight_files("text_encoders")[0],
         host.list_weight_files("vae")[0],
-        weight_dtype="auto",
-        device="cpu",
+        weight_dtype=weight_dtype,
+        device=device,
         offload_text_encoder=True,
     )
-    yield loaded
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
+    host.set_models_dir(models)
+    yield load_tiny()
     host.set_models_dir(None)
 
 
@@ -246,14 +251,7 @@ def test_decode_graphs_toggle_reaches_the_pipeline(model):
 
 @pytest.mark.gpu
 def test_decode_graphs_toggle_captures_replays_and_keeps_the_prefix_on_cuda(model):
-    (cuda_model,) = Qwen21ModelLoader().load(
-        host.list_weight_files("diffusion_models")[0],
-        host.list_weight_files("text_encoders")[0],
-        host.list_weight_files("vae")[0],
-        weight_dtype="bf16",
-        device="cuda:0",
-        offload_text_encoder=True,
-    )
+    cuda_model = load_tiny(weight_dtype="bf16", device="cuda:0")
     cond, _, _ = encode(cuda_model)
     off = sample(cuda_model, cond, decode_graphs=False, steps=3)
     on = sample(cuda_model, cond, decode_graphs=True, steps=3)
