@@ -19,6 +19,7 @@ import torch
 
 from ..qwen21_core.errors import stable_name
 from ..qwen21_core.memory.planner import indexed_device
+from ..qwen21_core.memory.streaming import StreamableStack
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class ManagedModules:
         modules: dict[str, torch.nn.Module],
         load_device: torch.device,
         on_unload: Callable[[], None] | None = None,
-        streamable=None,
+        streamable: StreamableStack | None = None,
     ):
         self.modules = modules
         self.load_device = torch.device(load_device)

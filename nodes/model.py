@@ -90,7 +90,7 @@ class Qwen21Model:
         def run():
             # the previous run's idle caches come back to this one (adopted or evicted): not counted as taken, or
             # a rerun with a new seed would see them as used memory and stream part of the DiT
-            self.transformer.load(max(0, needed - self.pipe.decode_graphs.idle_cache_bytes()))
+            self.transformer.load(max(0, needed - self.pipe.idle_cache_bytes()))
             self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
             return self.pipe.sample(
                 cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale,

@@ -376,6 +376,10 @@ class Qwen21Pipeline:
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
+    def idle_cache_bytes(self) -> int:
+        """Device bytes of K/V caches kept from earlier runs that the next run gets back (see DecodeGraphs)."""
+        return self.decode_graphs.idle_cache_bytes()
+
     def release(self):
         """Free what can be rebuilt (decode graphs, cached memory); weights stay."""
         entries = len(self.decode_graphs.entries)

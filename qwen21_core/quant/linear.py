@@ -31,6 +31,7 @@ from torch import nn
 from ...kernels.int8_gemm import int8_linear
 from ...kernels.linear_epilogue import linear_epilogue
 from ...kernels.quantize_rows import quantize_rows, rotate
+from ..memory.planner import indexed_device
 from .weights import QuantFormat, dequantize_weight, quantize_weight
 
 log = logging.getLogger(__name__)
@@ -199,11 +200,9 @@ def quantize_linears_(module: nn.Module, names, fmt: QuantFormat, quantize_activ
 
 def gemm_backend(device: torch.device, kind: str) -> str:
     """The W8A8 backend for quantised `kind` ("fp8"/"int8") weights on `device`, probed once per device."""
-    device = torch.device(device)
+    device = indexed_device(device)
     if device.type != "cuda":
         return "weight_only"
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), kind)
     if key not in _backends:
         _backends[key] = _probe(device, kind)
