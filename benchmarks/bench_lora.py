@@ -1,7 +1,8 @@
 """LoRA cost on the full-size random DiT (bf16, CUDA): the decode step without a LoRA and with a rank-64 LoRA on every
-block linear merged (eager and CUDA-graph replay; a merged LoRA must cost nothing per step), and the time to read +
-merge a LoRA and to switch (another LoRA, another strength, none), with the originals re-read from the checkpoint
-file and kept as CPU copies. Prints one JSON line per measurement.
+block linear merged (eager and CUDA-graph replay; a merged LoRA must cost nothing per step); the same LoRA as a
+low-rank side path beside fp8 weights (the quantised weights stay untouched) against fp8 without a LoRA; and the
+time to read + merge a LoRA and to switch (another LoRA, another strength, none), with the originals re-read from
+the checkpoint file and kept as CPU copies. Prints one JSON line per measurement.
 
     python benchmarks/bench_lora.py                      # H200: full size, 1024x1024 decode, both restore sources
     python benchmarks/bench_lora.py --tiny --device cpu  # smoke test of the script itself
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import torch
 from _common import emit, sync
-from bench_dit import TINY_CONFIG, build_models, case_inputs, timed
+from bench_dit import TINY_CONFIG, build_models, case_inputs, psnr, timed
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
 from qwen21_nodes.qwen21_core.lora.merge import FileOriginals, LoraMerger, MemoryOriginals, layer_shapes
 from qwen21_nodes.qwen21_core.lora.reading import read_lora
+from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 from safetensors.torch import save_file
 
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj",
@@ -72,6 +75,35 @@ def decode_times(model, device, iters, res, prefix: str) -> dict:
     return out, velocity.float()
 
 
+def side_path_step(model, lora_path, device, iters, res, merged_velocity, fmt: str) -> dict:
+    """The LoRA as side paths beside `fmt` weights (a quantised copy of `model`): the decode step against the same
+    weights without a LoRA, the time to read + attach it, and its velocity against the bf16 merge."""
+    quantized = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
+    base, base_v = decode_times(quantized, device, iters, res, f"{fmt}_no_lora")
+    merger = LoraMerger(quantized, MemoryOriginals())
+    sync(device)
+    start = time.perf_counter()
+    merger.apply([(read_lora(lora_path, layer_shapes(quantized)), 1.0)])
+    sync(device)
+    attach_s = round(time.perf_counter() - start, 3)
+    side, side_v = decode_times(quantized, device, iters, res, f"{fmt}_side_path")
+    merger.apply([])
+    _, removed_v = decode_times(quantized, device, 2, res, f"{fmt}_removed")
+    row = dict(what="lora_side_path_step", format=fmt, res=res, **base, **side, read_and_attach_s=attach_s)
+    for kind in ("eager", "graph"):
+        if f"{fmt}_no_lora_decode_{kind}_ms" in row:
+            row[f"{kind}_ratio_side_path_vs_none"] = round(
+                row[f"{fmt}_side_path_decode_{kind}_ms"] / row[f"{fmt}_no_lora_decode_{kind}_ms"], 3
+            )
+    row["psnr_side_path_vs_bf16_merged_db"] = round(psnr(side_v, merged_velocity), 2)
+    row["psnr_no_lora_vs_bf16_merged_db"] = round(psnr(base_v, merged_velocity), 2)  # what the LoRA changes
+    row["removal_restores_output"] = bool(torch.equal(removed_v, base_v))
+    del quantized, merger
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def same_weights(model, snapshot) -> bool:
     return all(torch.equal(p, snapshot[n]) for n, p in model.named_parameters())
 
@@ -111,6 +143,7 @@ def main() -> int:
     parser.add_argument("--res", type=int, default=1024, help="decode-step resolution (pixels)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--restore", choices=("both", "file", "memory"), default="both")
+    parser.add_argument("--side-path", default="fp8", help="quantised format for the side-path step ('' skips it)")
     parser.add_argument("--dir", default=None, help="where the random checkpoint and LoRAs go (default: a temp dir)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -140,6 +173,8 @@ def main() -> int:
         step["lora_changes_velocity"] = bool(not torch.equal(base_v, merged_v))
         step["bit_identical_after_remove"] = same_weights(model, snapshot)
         emit(**step)
+        if args.side_path:
+            emit(**side_path_step(model, lora_a, device, args.iters, res, merged_v, args.side_path))
 
         sources = ("file", "memory") if args.restore == "both" else (args.restore,)
         for source in sources:

@@ -2,7 +2,7 @@
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
-#   vae-placeholders vae-profile qk te load lora
+#   vae-placeholders vae-profile qk te load lora server-gpu
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,9 @@ for part in "$@"; do
       run tests_new 110 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" tests/test_kernel_quantize.py \
         tests/test_kernel_attention_merge.py tests/test_quant.py tests/test_memory.py tests/test_lora.py \
         tests/test_lora_node.py tests/test_transformer.py tests/test_decode_graphs.py ;;
+    tests-lora)  # the LoRA tests (GPU-marked ones included) and the quantised kernels on CUDA, 4 workers
+      run tests_lora "${TESTS_LIMIT:-150}" python3 -m pytest -v -p no:cacheprovider -n 4 --timeout 100 -k "not interpreter" tests/test_lora.py \
+        tests/test_lora_node.py tests/test_kernel_quantize.py tests/test_quant.py ;;
     tests-last)  # the GPU tests that failed or did not finish in the last tests-new run, one line per test
       run tests_last 70 python3 -m pytest -v -p no:cacheprovider -k "not interpreter and (1-256 or int8_gemm or gpu)" \
         tests/test_kernel_quantize.py tests/test_memory.py ;;
@@ -66,18 +69,31 @@ for part in "$@"; do
     dit-kv)  # K/V layouts, formats, placements, block streaming, 40-step latents with quantised caches
       run bench_dit_kv 170 python3 benchmarks/bench_dit.py --cases 1024_ref0_cfg1_b1 --kv --no-fp32 --bf16-only \
         --no-reference --sensitivity int8_convrot ;;
-    e2e) run bench_e2e 420 python3 benchmarks/bench_e2e.py ;;
+    e2e) run bench_e2e "${E2E_LIMIT:-420}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} ;;  # E2E_ARGS: --only, ...
     te-quant) run bench_te_quant 150 python3 benchmarks/bench_text_encoder.py --formats fp8,int8 --repeats 3 ;;
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
     vae-profile) run bench_vae_profile 150 python3 benchmarks/bench_vae.py --profile --sizes 1024 ;;
     vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;
-    vae-placeholders) run bench_vae_placeholders 420 python3 benchmarks/bench_vae.py --placeholders ;;
+    vae-placeholders) run bench_vae_placeholders "${VAE_LIMIT:-420}" python3 benchmarks/bench_vae.py --placeholders ${VAE_ARGS:-} ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
-    lora) run bench_lora 420 python3 benchmarks/bench_lora.py ;;
+    lora) run bench_lora "${LORA_LIMIT:-420}" python3 benchmarks/bench_lora.py ;;
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
       run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;
+    server-gpu)  # the server tests that need ComfyUI on a GPU (--lowvram, --novram): .carry/comfyui from
+      # benchmarks/comfyui_carry.sh; PyAV is replaced by a stand-in module, the frontend by an empty folder
+      rm -rf /tmp/comfyui /tmp/comfysite && mkdir -p /tmp/comfyui /tmp/comfysite/av/subtitles /tmp/frontend
+      tar xzf .carry/comfyui/comfyui.tar.gz -C /tmp/comfyui
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/comfysite .carry/comfyui/wheels/*.whl
+      stand_in='def __getattr__(name):  # a stand-in for PyAV: ComfyUI imports it at start, these tests never use it
+    return type(name, (), {})'
+      for module in av/__init__ av/container av/subtitles/__init__ av/subtitles/stream; do
+        echo "$stand_in" > "/tmp/comfysite/$module.py"
+      done
+      COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
+        PYTHONPATH=/tmp/comfysite:$PYTHONPATH run server_gpu "${SERVER_LIMIT:-240}" python3 -m pytest -v -p no:cacheprovider \
+        tests/test_comfyui_server.py -k lowvram ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -72,10 +72,16 @@ class Qwen21Model:
                 self.text_encoder.unload()
 
     def encode(self, **kwargs):
-        """pipe.encode with the text encoder (and the VAE, for condition images) placed first."""
-        self.vae.load()
-        with self._text_encoder_loaded():
-            return self.pipe.encode(**kwargs)
+        """pipe.encode with the text encoder (and the VAE, for condition images) placed first; an out-of-memory
+        error is retried once as sampling's is (an earlier run's idle caches and graphs released first)."""
+
+        def run():
+            self.vae.load()
+            with self._text_encoder_loaded():
+                return self.pipe.encode(**kwargs)
+
+        images = len(kwargs.get("images") or ())
+        return self._retry_out_of_memory(run, f"encoding the prompt with {images} condition images", 0)
 
     def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
         if true_cfg_scale > 1 and cond.negative_pending is not None:

@@ -215,8 +215,8 @@ class Qwen21Pipeline:
 
     def plan_sampling(self, cond, height, width, batch_size, true_cfg_scale, options) -> SamplingPlan:
         """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
-        (memory/planner.py). With `manage_weights` off (ComfyUI decides the weights' placement) only the K/V
-        placement is planned, around the blocks as they are."""
+        (memory/planner.py). With `manage_weights` off (a memory manager decides the weights' placement) only the
+        K/V placement is planned, around the blocks as they are."""
         tr = self.transformer
         caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
         if self.device.type != "cuda":
@@ -225,13 +225,18 @@ class Qwen21Pipeline:
         blocks = len(tr.transformer_blocks)
         block_bytes = tr.layer_bytes
         resident = tr.resident_blocks
-        free = device_free_bytes(self.device, self.vram_budget)
-        if not self.manage_weights:
-            # the blocks' memory is not ours to plan: only the K/V placement, in what is free now
-            plan = plan_sampling(free + blocks * block_bytes, caches, activations, block_bytes, blocks, 0,
-                                 options.kv_placement)  # fmt: skip
-            return SamplingPlan(plan.kv_placement, resident, plan.reason)
         slot_bytes = (streamer.slot_bytes if streamer is not None else 0) or 2 * block_bytes
+        # The previous run's idle caches come back to this one (its entry adopted, or evicted when an allocation
+        # runs out): counted as taken, a rerun with a new seed would move its K/V to host RAM.
+        free = device_free_bytes(self.device, self.vram_budget) + self.idle_cache_bytes()
+        if not self.manage_weights:
+            # the blocks' memory is not ours to plan: only the K/V placement, beside the blocks resident now
+            staging = slot_bytes if resident < blocks else 0
+            plan = plan_sampling(free + resident * block_bytes, caches, activations + staging, block_bytes, resident,
+                                 0, options.kv_placement)  # fmt: skip
+            placed = "all" if resident == blocks else f"{resident} of"
+            return SamplingPlan(plan.kv_placement, resident, f"K/V cache on {plan.kv_placement}, {placed} {blocks} "
+                                "blocks resident (placed by the memory manager)")  # fmt: skip
         return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
                              options.kv_placement)  # fmt: skip
 

@@ -222,6 +222,21 @@ def test_moved_weights_invalidate_all_entries(model, monkeypatch):
     assert "weights moved" in graphs.describe()
 
 
+def test_no_capture_is_tried_under_the_async_allocator(model, monkeypatch):
+    """ComfyUI turns on cudaMallocAsync by default; a capture there fails inside Triton and the failed capture's
+    memory aborts the process when freed (seen in a real ComfyUI on the H200), so no capture may even start."""
+    from qwen21_nodes.qwen21_core.dit import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "cuda_allocator_backend", lambda: "cudaMallocAsync")
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)
+    branch = _prefilled(graphs, _layout())
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
+    assert recorder.captures == 0
+    assert "cudaMallocAsync" in graphs.describe() and "--disable-cuda-malloc" in graphs.describe()
+
+
 def test_default_capture_needs_cuda(model):
     graphs = DecodeGraphs(model)
     branch = _prefilled(graphs, _layout())

@@ -179,6 +179,42 @@ def test_planner_keeps_everything_then_moves_the_cache_then_streams_blocks():
         plan_sampling(2 * GIB, **kw)
 
 
+def _planning_pipeline(monkeypatch, free: int, idle: int, resident: int, manage_weights: bool):
+    """Just what Qwen21Pipeline.plan_sampling reads, on a pretend CUDA device with `free` bytes free: a DiT of 32
+    half-GiB blocks, `resident` of them on the device, and a job with an 8 GiB GPU (1 GiB RAM) K/V cache."""
+    from qwen21_nodes.qwen21_core import pipeline
+
+    monkeypatch.setattr(pipeline, "device_free_bytes", lambda device, budget=None: free)
+    transformer = types.SimpleNamespace(transformer_blocks=[None] * 32, streamer=None, layer_bytes=GIB // 2,
+                                        resident_blocks=resident)  # fmt: skip
+    fake = types.SimpleNamespace(transformer=transformer, device=torch.device("cuda"), vram_budget=None,
+                                 manage_weights=manage_weights, idle_cache_bytes=lambda: idle,
+                                 _job_bytes=lambda *a: ({"gpu": 8 * GIB, "cpu": GIB}, GIB // 2))  # fmt: skip
+    return lambda: pipeline.Qwen21Pipeline.plan_sampling(fake, None, 1024, 1024, 1, 1.0, types.SimpleNamespace(
+        kv_placement="auto"))  # fmt: skip
+
+
+def test_a_rerun_counts_the_previous_runs_idle_cache_as_its_own(monkeypatch):
+    """At 24 GB with 4 references the first run's idle 8 GiB cache made the rerun put its K/V in host RAM (2.5x
+    slower, bench_e2e on the H200): the idle cache is adopted or evicted, so it counts as free."""
+    # 1.5 GiB free beside 32 resident blocks (16 GiB): the 8 GiB GPU cache fits only with the idle one counted
+    assert _planning_pipeline(monkeypatch, int(1.5 * GIB), 8 * GIB, 32, True)().kv_placement == "gpu"
+    without = _planning_pipeline(monkeypatch, int(1.5 * GIB), 0, 32, True)()
+    assert without.kv_placement == "cpu" and without.resident_blocks < 32
+
+
+def test_under_a_memory_manager_only_the_resident_blocks_count(monkeypatch):
+    """ComfyUI placed 20 of 32 blocks: the GPU cache must fit beside those 20 and the staging slots, not beside
+    the 32 a whole DiT would be (that over-count made a 24 GB rerun run out of memory)."""
+    plan = _planning_pipeline(monkeypatch, 9 * GIB, 0, 20, False)()  # 10 + 8 + 0.5 + 1 slots > 9 + 10 - 0.5
+    assert (plan.kv_placement, plan.resident_blocks) == ("cpu", 20)
+    assert "20 of 32 blocks resident (placed by the memory manager)" in plan.reason
+    roomy = _planning_pipeline(monkeypatch, 11 * GIB, 0, 20, False)()  # 19.5 <= 20.5
+    assert roomy.kv_placement == "gpu"
+    whole = _planning_pipeline(monkeypatch, 9 * GIB, 0, 32, False)()  # no staging: 16 + 8 + 0.5 <= 9 + 16 - 0.5
+    assert whole.kv_placement == "gpu" and "all 32 blocks resident" in whole.reason
+
+
 # ---- memory managers -----------------------------------------------------------------------------------------
 
 
@@ -337,6 +373,32 @@ def test_streamed_and_host_cached_decode_replays_like_resident_decode_on_the_gpu
             if kv.fmt == "bf16":
                 assert torch.equal(eager, want)  # streaming and host placement change nothing
             model.place("cuda")
+
+
+def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches(monkeypatch):
+    """bench_e2e at 24 GB (bf16): the text-to-image encode after a 4-reference edit ran out of memory beside the
+    edit's idle caches and graphs; encode now gets sampling's retry (caches released, a fifth less budget)."""
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    calls = []
+    attempts = iter([torch.OutOfMemoryError("CUDA out of memory"), "conditioning"])
+
+    def encode(**kwargs):
+        calls.append(("encode", kwargs["prompt"]))
+        outcome = next(attempts)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    handle = Qwen21Model.__new__(Qwen21Model)
+    handle.device = torch.device("cpu")
+    handle.offload_text_encoder = False
+    idle = types.SimpleNamespace(load=lambda *a: calls.append("load"), unload=lambda: None)
+    handle.vae = handle.text_encoder = idle
+    handle.pipe = types.SimpleNamespace(encode=encode, release=lambda: calls.append("release"), vram_budget=None)
+    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    assert handle.encode(prompt="a cat", images=[]) == "conditioning"
+    assert calls == ["load", "load", ("encode", "a cat"), "release", "load", "load", ("encode", "a cat")]
 
 
 def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):

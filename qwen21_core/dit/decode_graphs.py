@@ -60,6 +60,20 @@ class _Failed:
     in_use: bool = False
 
 
+ASYNC_ALLOCATOR_REASON = (
+    "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default; start ComfyUI with --disable-cuda-malloc for "
+    "CUDA-graph decode): Triton cannot launch on memory allocated inside a capture there, and a failed capture "
+    "aborts the process when its memory is freed"
+)
+
+
+def cuda_allocator_backend() -> str:
+    """The CUDA allocator in use: "native" or "cudaMallocAsync" (ComfyUI's cuda_malloc.py sets the latter)."""
+    if not torch.cuda.is_available():
+        return "native"
+    return torch.cuda.get_allocator_backend()
+
+
 def cuda_graph_capture(decode, static_x, static_t):
     """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
     stream = torch.cuda.Stream()
@@ -197,6 +211,8 @@ class DecodeGraphs:
             return "inside torch.compile tracing"
         if self.capture is cuda_graph_capture and self.transformer.device.type != "cuda":
             return "the model is not on CUDA"
+        if cuda_allocator_backend() == "cudaMallocAsync":  # checked before any capture: a failed one kills
+            return ASYNC_ALLOCATOR_REASON
         return None
 
     def _entry_for(self, branch: Branch) -> _Entry | None:
