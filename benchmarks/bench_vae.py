@@ -8,7 +8,7 @@ bf16 unless stated. Prints one JSON line per measurement.
     python benchmarks/bench_vae.py --meta-memory         # the same, estimated on the meta device (no GPU)
     python benchmarks/bench_vae.py --sweep-kernel        # launch shapes of both norm kernels at the decoder's shapes
     python benchmarks/bench_vae.py --cudnn-benchmark     # fast decode with cudnn.benchmark on vs off (own processes)
-    python benchmarks/bench_vae.py --placeholders        # both of the above: what settles the two PLACEHOLDER
+    python benchmarks/bench_vae.py --placeholders        # both of the above: what settled the two launch
                                                          # constants (vae/fast.py, kernels/rmsnorm_silu.py)
     python benchmarks/bench_vae.py --profile --sizes 1024  # where the time goes: top kernels, exact and fast
     python benchmarks/bench_vae.py --tiny --device cpu   # smoke test of the script itself

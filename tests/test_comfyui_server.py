@@ -154,8 +154,8 @@ def lowvram_server(request, tmp_path_factory, tiny_models):
     """A ComfyUI on the GPU whose memory manager loads models partially: --lowvram gives each model what is free
     beyond the run's estimate (the tiny models fit whole), --novram gives it almost nothing (every layer streams).
     Both with ComfyUI's default cudaMallocAsync allocator (decode graphs stay off under it), and --novram also with
-    the native one (--disable-cuda-malloc: the decode graphs capture while layers stream). ComfyUI refuses both beside --cpu and treats a CPU device as never
-    short of memory, so this needs a GPU."""
+    the native one (--disable-cuda-malloc: the decode graphs capture while layers stream). ComfyUI refuses both
+    beside --cpu and treats a CPU device as never short of memory, so this needs a GPU."""
     probe = subprocess.run([_python(), "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
                            text=True, timeout=120)  # fmt: skip
     if probe.stdout.strip() != "True":
@@ -307,13 +307,14 @@ def test_workflows_run_under_lowvram(lowvram_server, name):
     checks what they ask for); the workflows must run under them as they do without. Under --novram ComfyUI offers
     each model almost no memory, so the log must show both placed with streamed layers."""
     server = lowvram_server
+    run_start = len(server.log())  # the start-up may hold other packs' import tracebacks; the run may not
     prompt = tiny_prompt(WORKFLOWS_DIR / "api" / f"{name}.json", server.models)
     saver = find_node(prompt, "SaveImage")
     entry = server.wait(server.queue(prompt))
     assert entry["status"]["status_str"] == "success", failure_report(entry, server)
     assert len(entry["outputs"][saver]["images"]) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
     log = server.log()
-    assert "Traceback" not in log
+    assert "Traceback" not in log[run_start:], log[run_start:][-3000:]
     if "--novram" in server.process.args:
         placements = [line for line in log.splitlines() if "qwen21: " in line and " on cuda" in line]
         streamed = [line for line in placements if "layers resident" in line]

@@ -109,6 +109,38 @@ def test_streamer_moves_layers_between_host_and_device_without_changing_them():
         LayerStreamer([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)], torch.device("cpu"))
 
 
+def test_weights_made_under_inference_mode_stream(model):
+    """ComfyUI runs its nodes, the loader too, under torch.inference_mode, so the weights are inference tensors.
+    Pointing them at staging slots made a streamed layer fail at its next use ("Inference tensors do not track
+    version counter", our text encoder inside ComfyUI --novram on the H200): the parameters are replaced instead."""
+    from qwen21_nodes.qwen21_core.memory.streaming import place_with_streaming
+    from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder
+    from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder
+
+    with torch.inference_mode():  # as ComfyUI's loader node runs
+        stack = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        full, processor = build_tiny_text_encoder()
+        encoder = Qwen21TextEncoder(full.model.eval(), processor)
+    assert stack[0].weight.is_inference()
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        want = stack(x)
+        want_text = encoder.encode_prompts(["a cat"])[0].embeds
+    streamer = place_with_streaming(stack, stack, None, "cpu", 1, hooks_on=stack)
+    assert streamer.streamed == [1, 2, 3]
+    with torch.inference_mode():
+        assert torch.equal(stack(x), want)
+    with torch.no_grad():
+        assert torch.equal(stack(x), want)
+    assert place_with_streaming(stack, stack, streamer, "cpu", None) is None
+    with torch.inference_mode():
+        assert torch.equal(stack(x), want)  # and whole again
+        encoder.place("cpu", 0)
+        assert encoder.resident_layers == 0
+        assert torch.equal(encoder.encode_prompts(["a cat"])[0].embeds, want_text)
+        encoder.place("cpu")
+
+
 # ---- the K/V cache -----------------------------------------------------------------------------------------
 
 

@@ -54,6 +54,21 @@ def _layout(layer: nn.Module) -> tuple[list[tuple[str, int, torch.Size, torch.dt
     return entries, offset
 
 
+def point_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
+    """Make parameter `name` of `module` hold `data`. A parameter created under inference mode (ComfyUI loads
+    models inside it) is an inference tensor, and one given a normal tensor's data fails at its next use ("Inference
+    tensors do not track version counter"): such a parameter is replaced by a new one instead."""
+    param = module.get_parameter(name)
+    if param.is_inference() == data.is_inference():
+        param.data = data
+        return
+    replacement = nn.Parameter(data, requires_grad=False)
+    for sub in module.modules():  # every owner, so tied weights stay tied
+        for leaf, held in sub._parameters.items():
+            if held is param:
+                sub._parameters[leaf] = replacement
+
+
 def _view(flat: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
     count = int(torch.Size(shape).numel())
     size = count * torch.empty((), dtype=dtype).element_size()
@@ -114,7 +129,7 @@ class LayerStreamer:
             for index in list(self.host):
                 flat = self.host.pop(index)
                 for name, offset, shape, dtype in self.entries:
-                    self.layers[index].get_parameter(name).data = _view(flat, offset, shape, dtype).to(device)
+                    point_parameter(self.layers[index], name, _view(flat, offset, shape, dtype).to(device))
             for layer in self.layers:
                 layer.to(device)
         self.prefetcher = None
@@ -123,14 +138,14 @@ class LayerStreamer:
     def _make_resident(self, index: int) -> None:
         flat = self.host.pop(index)
         for name, offset, shape, dtype in self.entries:
-            self.layers[index].get_parameter(name).data = _view(flat, offset, shape, dtype).to(self.device)
+            point_parameter(self.layers[index], name, _view(flat, offset, shape, dtype).to(self.device))
 
     def _make_streamed(self, index: int) -> None:
         flat = torch.empty(self.layer_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for name, offset, shape, dtype in self.entries:
-            param = self.layers[index].get_parameter(name)
-            _view(flat, offset, shape, dtype).copy_(param.data)
-            param.data = torch.empty(0, dtype=dtype)  # released here; pointed at its slot by _refresh_slots
+            _view(flat, offset, shape, dtype).copy_(self.layers[index].get_parameter(name).data)
+            # released here; pointed at its slot by _refresh_slots
+            point_parameter(self.layers[index], name, torch.empty(0, dtype=dtype))
         self.host[index] = flat
 
     def _refresh_slots(self) -> None:
@@ -144,7 +159,7 @@ class LayerStreamer:
         for index in self.host:
             slot = self.prefetcher.buffers[self.prefetcher.slot_of(index)]
             for name, offset, shape, dtype in self.entries:
-                self.layers[index].get_parameter(name).data = _view(slot, offset, shape, dtype)
+                point_parameter(self.layers[index], name, _view(slot, offset, shape, dtype))
 
     # ---- the layer loop -----------------------------------------------------------------------------------
 
@@ -192,9 +207,9 @@ def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: Lay
         return None
     layer_params = {id(p) for layer in layers for p in layer.parameters()}
     with torch.no_grad(), torch.inference_mode(False):
-        for param in module.parameters():
+        for name, param in list(module.named_parameters()):
             if id(param) not in layer_params:
-                param.data = param.data.to(device)
+                point_parameter(module, name, param.data.to(device))
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
                 if buffer is not None:
