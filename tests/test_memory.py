@@ -138,7 +138,8 @@ def test_weights_made_under_inference_mode_stream(model):
         encoder.place("cpu", 0)
         assert encoder.resident_layers == 0
         assert torch.equal(encoder.encode_prompts(["a cat"])[0].embeds, want_text)
-        encoder.place("cpu")
+        encoder.place("cpu")  # whole again, inside inference mode as a ComfyUI full load is
+        assert torch.equal(encoder.encode_prompts(["a cat"])[0].embeds, want_text)
 
 
 # ---- the K/V cache -----------------------------------------------------------------------------------------
