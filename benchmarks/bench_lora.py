@@ -75,33 +75,40 @@ def decode_times(model, device, iters, res, prefix: str) -> dict:
     return out, velocity.float()
 
 
+def clock(fn, device):
+    """(fn(), seconds), synchronised around the call."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return result, round(time.perf_counter() - start, 3)
+
+
+def add_step_ratios(row: dict, without: str, with_lora: str, name: str) -> None:
+    """row[f"{kind}_ratio_{name}_vs_none"] = the `with_lora` decode step over the `without` one, per kind timed."""
+    for kind in ("eager", "graph"):
+        if f"{without}_decode_{kind}_ms" in row:
+            row[f"{kind}_ratio_{name}_vs_none"] = round(
+                row[f"{with_lora}_decode_{kind}_ms"] / row[f"{without}_decode_{kind}_ms"], 3
+            )
+
+
 def side_path_step(model, lora_path, device, iters, res, merged_velocity, fmt: str) -> dict:
     """The LoRA as side paths beside `fmt` weights (a quantised copy of `model`): the decode step against the same
     weights without a LoRA, the time to read + attach it, and its velocity against the bf16 merge."""
     quantized = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
     base, base_v = decode_times(quantized, device, iters, res, f"{fmt}_no_lora")
     merger = LoraMerger(quantized, MemoryOriginals())
-    sync(device)
-    start = time.perf_counter()
-    merger.apply([(read_lora(lora_path, layer_shapes(quantized)), 1.0)])
-    sync(device)
-    attach_s = round(time.perf_counter() - start, 3)
+    _, attach_s = clock(lambda: merger.apply([(read_lora(lora_path, layer_shapes(quantized)), 1.0)]), device)
     side, side_v = decode_times(quantized, device, iters, res, f"{fmt}_side_path")
     merger.apply([])
     _, removed_v = decode_times(quantized, device, 2, res, f"{fmt}_removed")
     row = dict(what="lora_side_path_step", format=fmt, res=res, **base, **side, read_and_attach_s=attach_s)
-    for kind in ("eager", "graph"):
-        if f"{fmt}_no_lora_decode_{kind}_ms" in row:
-            row[f"{kind}_ratio_side_path_vs_none"] = round(
-                row[f"{fmt}_side_path_decode_{kind}_ms"] / row[f"{fmt}_no_lora_decode_{kind}_ms"], 3
-            )
+    add_step_ratios(row, f"{fmt}_no_lora", f"{fmt}_side_path", "side_path")
     row["psnr_side_path_vs_bf16_merged_db"] = round(psnr(side_v, merged_velocity), 2)
     row["psnr_no_lora_vs_bf16_merged_db"] = round(psnr(base_v, merged_velocity), 2)  # what the LoRA changes
     row["removal_restores_output"] = bool(torch.equal(removed_v, base_v))
-    del quantized, merger
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return row  # the quantised copy goes with this frame
 
 
 def same_weights(model, snapshot) -> bool:
@@ -113,23 +120,15 @@ def switches(model, originals, lora_a_path, lora_b_path, snapshot, device) -> di
     merger = LoraMerger(model, originals)
     shapes = layer_shapes(model)
     out = {}
-
-    def clock(fn):
-        sync(device)
-        start = time.perf_counter()
-        result = fn()
-        sync(device)
-        return result, round(time.perf_counter() - start, 3)
-
-    lora_a, out["read_s"] = clock(lambda: read_lora(lora_a_path, shapes))
-    _, out["merge_s"] = clock(lambda: merger.apply([(lora_a, 1.0)]))
+    lora_a, out["read_s"] = clock(lambda: read_lora(lora_a_path, shapes), device)
+    _, out["merge_s"] = clock(lambda: merger.apply([(lora_a, 1.0)]), device)
     out["load_and_merge_s"] = round(out["read_s"] + out["merge_s"], 3)
     out["original_copies_gib"] = round(originals.nbytes / 2**30, 3)  # host memory held while the LoRA is merged
-    _, out["switch_strength_s"] = clock(lambda: merger.apply([(lora_a, 0.5)]))
-    lora_b, read_b = clock(lambda: read_lora(lora_b_path, shapes))
-    _, merge_b = clock(lambda: merger.apply([(lora_b, 1.0)]))
+    _, out["switch_strength_s"] = clock(lambda: merger.apply([(lora_a, 0.5)]), device)
+    lora_b, read_b = clock(lambda: read_lora(lora_b_path, shapes), device)
+    _, merge_b = clock(lambda: merger.apply([(lora_b, 1.0)]), device)
     out["switch_lora_s"] = round(read_b + merge_b, 3)
-    _, out["remove_s"] = clock(lambda: merger.apply([]))
+    _, out["remove_s"] = clock(lambda: merger.apply([]), device)
     out["bit_identical_after_remove"] = same_weights(model, snapshot)
     out["weights_touched"] = merger.last_stats.get("weights_restored")
     return out
@@ -165,16 +164,14 @@ def main() -> int:
         merged, merged_v = decode_times(model, device, args.iters, res, "merged")
         merger.apply([])
         step = dict(what="lora_decode_step", res=res, rank=args.rank, **base, **merged)
-        for kind in ("eager", "graph"):
-            if f"no_lora_decode_{kind}_ms" in step:
-                step[f"{kind}_ratio_merged_vs_none"] = round(
-                    step[f"merged_decode_{kind}_ms"] / step[f"no_lora_decode_{kind}_ms"], 3
-                )
+        add_step_ratios(step, "no_lora", "merged", "merged")
         step["lora_changes_velocity"] = bool(not torch.equal(base_v, merged_v))
         step["bit_identical_after_remove"] = same_weights(model, snapshot)
         emit(**step)
         if args.side_path:
             emit(**side_path_step(model, lora_a, device, args.iters, res, merged_v, args.side_path))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         sources = ("file", "memory") if args.restore == "both" else (args.restore,)
         for source in sources:
