@@ -286,7 +286,7 @@ def test_api_workflow_runs_and_images_come_back(server, path):
     saver = find_node(prompt, "SaveImage")
     prompt[saver]["inputs"]["filename_prefix"] = prefix
     entry = server.wait(server.queue(prompt))
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[-3000:]
+    assert entry["status"]["status_str"] == "success", failure_report(entry, server)
     images = entry["outputs"][saver]["images"]
     sampler = prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]
     assert len(images) == sampler["batch_size"]
