@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,7 +36,7 @@ from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig,
 from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan  # noqa: E402
 from qwen21_nodes.qwen21_core.memory.planner import indexed_device  # noqa: E402
 from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline  # noqa: E402
-from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_  # noqa: E402
+from qwen21_nodes.qwen21_core.quant.linear import QuantLinear, quantize_linears_  # noqa: E402
 from qwen21_nodes.qwen21_core.quant.weights import FORMATS  # noqa: E402
 from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder, decoder_linear_names  # noqa: E402
 from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE  # noqa: E402
@@ -54,10 +55,10 @@ CONFIGS = [
     ("fp8", 12, ("t2i", "edit4")),
     ("int8", None, ("t2i", "edit4")),
     ("int8", 24, ("t2i", "edit4")),
-    ("int8", 12, ("t2i",)),
-    ("int8", 16, ("t2i",)),
-    ("bf16", None, ("t2i", "edit4")),
+    ("int8", 16, ("t2i", "edit4")),
+    ("int8", 12, ("t2i", "edit4")),
     ("bf16", 16, ("t2i",)),
+    ("bf16", None, ("t2i", "edit4")),
 ]
 TINY_CONFIGS = [("bf16", None, ("t2i", "edit4")), ("fp8", None, ("t2i",))]
 
@@ -98,9 +99,14 @@ def quantized_parts(parts, precision, device):
     qdit = dit.to(device).quantized_copy(uniform_plan(fmt, dit.config.num_layers)).to("cpu")
     dit.to("cpu")
     text = copy.copy(full.model)  # shallow: only the quantised layers are new
+    # its own child table: a shallow copy shares `_modules`, and setting language_model would replace the float
+    # model's too (runs before this fix measured bf16 and int8 with the first quantised encoder)
+    text._modules = dict(full.model._modules)
     text.language_model = copy.deepcopy(full.model.language_model).to(device)
     quantize_linears_(text, decoder_linear_names(text), fmt, TEXT_ENCODER_QUANTIZES_ACTIVATIONS)  # as the loader
     text.language_model.to("cpu")
+    if any(isinstance(m, QuantLinear) for m in full.model.modules()):
+        raise RuntimeError(f"quantising the {precision} text encoder changed the float one")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return qdit, text, processor, vae
@@ -124,6 +130,50 @@ def cap_memory(device, cap_gib):
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0 if cap_gib is None else cap_gib * GIB / total, device)
     host.set_vram_budget(None if cap_gib is None else int(cap_gib * GIB))
+
+
+def cuda_census(owners: dict, top: int = 6, device_type: str = "cuda") -> dict:
+    """What holds CUDA memory now (to find a leak): the live CUDA tensors Python can see, by owner (a parameter or
+    buffer of a named model part, first two name levels) or else by shape and dtype, biggest first, in GiB. Tensors
+    only C++ holds (a CUDA graph's pool) are in allocated_gib but not in seen_gib."""
+    names = {}
+    for owner, module in owners.items():
+        for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
+            if tensor.device.type == device_type:
+                names[tensor.untyped_storage().data_ptr()] = f"{owner}." + ".".join(name.split(".")[:2])
+    groups, seen = {}, set()
+    with warnings.catch_warnings():  # isinstance on some deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if _is_tensor_on(obj, device_type)]
+    for obj in tensors:
+        try:
+            storage = obj.untyped_storage()
+        except (ReferenceError, RuntimeError):  # dead proxies; tensors without storage (meta, sparse)
+            continue
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        key = names.get(storage.data_ptr(), f"{tuple(obj.shape)} {obj.dtype}")
+        groups[key] = groups.get(key, 0) + storage.nbytes()
+    allocated = torch.cuda.memory_allocated() if device_type == "cuda" else 0
+    biggest = sorted(groups.items(), key=lambda item: -item[1])[:top]
+    return dict(allocated_gib=round(allocated / GIB, 2), seen_gib=round(sum(groups.values()) / GIB, 2),
+                biggest={key: round(nbytes / GIB, 3) for key, nbytes in biggest})  # fmt: skip
+
+
+def _is_tensor_on(obj, device_type: str) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and obj.device.type == device_type
+    except (ReferenceError, RuntimeError):
+        return False
+
+
+def model_parts(quantized: dict) -> dict:
+    """Every model part built so far, named for the census."""
+    owners = {}
+    for precision, (dit, text, _processor, vae) in quantized.items():
+        owners.update({f"{precision}.dit": dit, f"{precision}.text": text, f"{precision}.vae": vae})
+    return owners
 
 
 def reset(handle, device):
@@ -184,7 +234,7 @@ def classes_with(handle, output_dir, device, cached_encode=None):
     return classes if cached_encode is None else {**classes, "Qwen21Encode": CachedEncode}
 
 
-def run_config(parts, precision, cap, names, args, device, dtype, output_dir):
+def run_config(parts, precision, cap, names, args, device, dtype, output_dir, owners):
     reset(None, device)
     cap_memory(device, cap)
     handle = handle_for(parts, device, dtype)
@@ -197,10 +247,14 @@ def run_config(parts, precision, cap, names, args, device, dtype, output_dir):
                 prompt = workflow_prompt(name, handle, args, seed)
                 started = time.perf_counter()
                 row = dict(what="e2e", workflow=name, precision=precision, cap_gib=cap, run=run)
+                if device.type == "cuda":
+                    row["allocated_before_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
                 try:
                     result = execute(prompt, classes)
                 except Exception as error:  # noqa: BLE001 - report and go on: a failure is a result here
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    if device.type == "cuda":
+                        row["census"] = cuda_census(owners)
                     emit(**row)
                     break
                 sync(device)
@@ -226,6 +280,8 @@ def run_config(parts, precision, cap, names, args, device, dtype, output_dir):
     finally:
         reset(handle, device)
         cap_memory(device, None)
+        if device.type == "cuda" and torch.cuda.memory_allocated(device) > 64 * 2**20:  # something outlived its run
+            emit(what="e2e_leftover", precision=precision, cap_gib=cap, **cuda_census(owners))
 
 
 def diffusers_e2e(parts, args, device, dtype):
@@ -292,7 +348,8 @@ def main():
             continue
         if precision not in quantized:
             quantized[precision] = quantized_parts(parts, precision, device)
-        run_config(quantized[precision], precision, cap, names, args, device, dtype, args.output_dir)
+        run_config(quantized[precision], precision, cap, names, args, device, dtype, args.output_dir,
+                   model_parts(quantized))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
-#   vae-placeholders vae-profile qk te load lora server-gpu
+#   vae-placeholders vae-profile qk te load lora server-gpu tests-memory e2e
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +61,9 @@ for part in "$@"; do
     tests-last)  # the GPU tests that failed or did not finish in the last tests-new run, one line per test
       run tests_last 70 python3 -m pytest -v -p no:cacheprovider -k "not interpreter and (1-256 or int8_gemm or gpu)" \
         tests/test_kernel_quantize.py tests/test_memory.py ;;
+    tests-memory)  # the memory planner's, streaming's and decode graphs' GPU tests
+      run tests_memory "${TESTS_LIMIT:-120}" python3 -m pytest -v -p no:cacheprovider -k "not interpreter" \
+        tests/test_memory.py tests/test_decode_graphs.py ;;
     e2e-short) run bench_e2e 330 python3 benchmarks/bench_e2e.py --no-diffusers ;;
     dit-final)  # the quantised formats at every size beside bf16 and diffusers (bf16 MLP variant at 1024^2)
       run bench_dit_final 300 python3 benchmarks/bench_dit.py \

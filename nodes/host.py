@@ -257,6 +257,7 @@ class ManagedModules:
         self.streamable = streamable
         self.on_unload = on_unload
         self.full_bytes = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters())
+        self.name = "+".join(modules)  # for logs: "transformer", "text_encoder", "vae"
         self.patcher = None
         if not IN_COMFYUI:
             return
@@ -349,11 +350,13 @@ class LocalMemoryManager:
         for other in list(self.loaded):
             if free() >= managed.full_bytes:
                 break
+            log.info("memory budget: moving %s to the CPU to make room for %s", other.name, managed.name)
             self.offload(other)
-        if free() >= managed.full_bytes:
-            managed.place(device)
-        else:
-            managed.place(device, managed.resident_for(free()))
+        resident = None if free() >= managed.full_bytes else managed.resident_for(free())
+        log.info("memory budget: %s on %s (%s; %.2f GiB of weights, %.2f GiB more needed, %.2f GiB free)",
+                 managed.name, device, "whole" if resident is None else f"{resident} layers resident",
+                 managed.full_bytes / 2**30, memory_required / 2**30, free() / 2**30)  # fmt: skip
+        managed.place(device, resident)
         self.loaded.append(managed)
 
     def offload(self, managed: ManagedModules) -> None:

@@ -61,10 +61,10 @@ class Qwen21Model:
         return handle
 
     @contextlib.contextmanager
-    def _text_encoder_loaded(self):
-        """The text encoder placed by ComfyUI's memory manager for the block (and unloaded after it when
-        offload_text_encoder is on)."""
-        self.text_encoder.load()  # it runs on the pipeline's execution device; the DiT need not be there
+    def _text_encoder_loaded(self, activation_bytes: int):
+        """The text encoder placed by the memory manager for the block, with `activation_bytes` left free beside
+        it (and unloaded after it when offload_text_encoder is on)."""
+        self.text_encoder.load(activation_bytes)  # on the pipeline's execution device; the DiT need not be there
         try:
             yield
         finally:
@@ -75,19 +75,23 @@ class Qwen21Model:
         """pipe.encode with the text encoder (and the VAE, for condition images) placed first; an out-of-memory
         error is retried once as sampling's is (an earlier run's idle caches and graphs released first)."""
 
+        images = len(kwargs.get("images") or ())
+        text_encoder = self.pipe.text_encoder
+        tokens = text_encoder.estimated_tokens(kwargs.get("prompt", ""), images, kwargs.get("output_resolution", 1024))
+        needed = text_encoder.activation_bytes(tokens)
+
         def run():
             self.vae.load()
-            with self._text_encoder_loaded():
+            with self._text_encoder_loaded(needed):
                 return self.pipe.encode(**kwargs)
 
-        images = len(kwargs.get("images") or ())
-        return self._retry_out_of_memory(run, f"encoding the prompt with {images} condition images", 0)
+        return self._retry_out_of_memory(run, f"encoding the prompt with {images} condition images", needed)
 
     def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
         if true_cfg_scale > 1 and cond.negative_pending is not None:
             # The negative prompt is encoded only now that guidance needs it, once per conditioning; the
             # text encoder comes back for it even if it was offloaded after the positive prompt.
-            with self._text_encoder_loaded():
+            with self._text_encoder_loaded(self.pipe.text_encoder.activation_bytes(cond.negative_pending.length)):
                 self.pipe.encode_negative(cond)
         size = (height or cond.height, width or cond.width)
         placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)

@@ -95,6 +95,22 @@ def test_idle_entries_report_the_cache_bytes_a_new_generation_gets_back(model):
     assert graphs.idle_cache_bytes() == 0
 
 
+def test_idle_entries_also_give_back_their_graphs_private_pools(model, monkeypatch):
+    """The free estimate leaves CUDA-graph pools out (only their graph can use them), so the idle entries count
+    them back: a rerun adopts the entry, pool and all; a different job evicts it."""
+    from qwen21_nodes.qwen21_core.dit import decode_graphs
+
+    graphs = DecodeGraphs(model, capture=Recorder())
+    branch = _prefilled(graphs, _layout())
+    graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
+    (entry,) = graphs.entries.values()
+    entry.graph.pool = lambda: (7, 1)
+    monkeypatch.setattr(decode_graphs, "graph_pool_idle_bytes", lambda device: {(7, 1): 3000, (8, 1): 5})
+    assert graphs.idle_cache_bytes() == 0
+    graphs.release(branch)
+    assert graphs.idle_cache_bytes() == branch.cache.nbytes + 3000
+
+
 def test_the_stand_in_capture_replays_the_recorded_tensors_not_the_python_code(model):
     """What makes the replay checks here able to fail: a tensor rebound after capture is seen by eager decode
     but not by a replay (as on the GPU), and a replay after the rebinding is undone gives the captured result."""

@@ -227,6 +227,29 @@ def _planning_pipeline(monkeypatch, free: int, idle: int, resident: int, manage_
         kv_placement="auto"))  # fmt: skip
 
 
+def test_free_memory_leaves_out_what_cuda_graph_pools_hold(monkeypatch):
+    """Cached blocks count as free, except those in CUDA graphs' private pools: at 24 GB the text encoder was placed
+    beside the DiT's idle graphs on the strength of their pool memory, and ran out of memory."""
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    cuda = torch.cuda
+    segments = [
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 3 * GIB, "allocated_size": GIB},  # 2 GiB cached
+        {"device": 0, "segment_pool_id": (4, 1), "total_size": 2 * GIB, "allocated_size": GIB // 2},  # a graph's
+        {"device": 1, "segment_pool_id": (5, 1), "total_size": GIB, "allocated_size": 0},  # another GPU's
+    ]
+    for name, value in (("mem_get_info", lambda device: (10 * GIB, 80 * GIB)), ("memory_reserved", lambda d: 5 * GIB),
+                        ("memory_allocated", lambda d: int(1.5 * GIB)), ("memory_snapshot", lambda: segments),
+                        ("get_per_process_memory_fraction", lambda d: 1.0),
+                        ("get_allocator_backend", lambda: "native")):  # fmt: skip
+        monkeypatch.setattr(cuda, name, value)
+    device = torch.device("cuda", 0)
+    assert planner.graph_pool_idle_bytes(device) == {(4, 1): int(1.5 * GIB)}
+    assert planner.device_free_bytes(device) == 10 * GIB + int(3.5 * GIB) - int(1.5 * GIB)  # = 12 GiB
+    monkeypatch.setattr(cuda, "get_allocator_backend", lambda: "cudaMallocAsync")  # no graphs, no snapshot
+    assert planner.device_free_bytes(device) == int(13.5 * GIB)
+
+
 def test_a_rerun_counts_the_previous_runs_idle_cache_as_its_own(monkeypatch):
     """At 24 GB with 4 references the first run's idle 8 GiB cache made the rerun put its K/V in host RAM (2.5x
     slower, bench_e2e on the H200): the idle cache is adopted or evicted, so it counts as free."""
@@ -408,6 +431,32 @@ def test_streamed_and_host_cached_decode_replays_like_resident_decode_on_the_gpu
             model.place("cuda")
 
 
+@pytest.mark.gpu
+@gpu
+def test_a_captured_graphs_private_pool_is_not_counted_free_on_the_gpu():
+    """On a real allocator: memory a graph freed inside its capture stays in its pool, seen by graph_pool_idle_bytes
+    and left out of device_free_bytes (before, the free estimate counted it and the text encoder was placed into it)."""
+    from qwen21_nodes.qwen21_core.memory.planner import device_free_bytes, graph_pool_idle_bytes
+
+    x = torch.ones(1024, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.empty_cache()
+    before = device_free_bytes(torch.device("cuda"))
+    with torch.cuda.graph(graph, stream=stream):
+        scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        scratch.fill_(1)
+        del scratch
+        y = x * 2
+    graph.replay()
+    assert graph_pool_idle_bytes(torch.device("cuda")).get(tuple(graph.pool()), 0) >= 256 * 2**20
+    assert before - device_free_bytes(torch.device("cuda")) >= 256 * 2**20
+    assert torch.equal(y, x * 2)
+    del graph, y
+    torch.cuda.empty_cache()
+
+
 def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches(monkeypatch):
     """bench_e2e at 24 GB (bf16): the text-to-image encode after a 4-reference edit ran out of memory beside the
     edit's idle caches and graphs; encode now gets sampling's retry (caches released, a fifth less budget)."""
@@ -428,7 +477,10 @@ def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches
     handle.offload_text_encoder = False
     idle = types.SimpleNamespace(load=lambda *a: calls.append("load"), unload=lambda: None)
     handle.vae = handle.text_encoder = idle
-    handle.pipe = types.SimpleNamespace(encode=encode, release=lambda: calls.append("release"), vram_budget=None)
+    text_encoder = types.SimpleNamespace(estimated_tokens=lambda prompt, images, resolution: 10,
+                                         activation_bytes=lambda tokens: tokens * 1000)  # fmt: skip
+    handle.pipe = types.SimpleNamespace(encode=encode, release=lambda: calls.append("release"), vram_budget=None,
+                                        text_encoder=text_encoder)  # fmt: skip
     monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
     assert handle.encode(prompt="a cat", images=[]) == "conditioning"
     assert calls == ["load", "load", ("encode", "a cat"), "release", "load", "load", ("encode", "a cat")]

@@ -180,6 +180,23 @@ def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monk
     assert torch.equal(again["result"][0]["samples"], guided["result"][0]["samples"])
 
 
+def test_the_encoder_asks_the_memory_manager_for_room_for_its_activations(model, monkeypatch):
+    """Qwen21Encode loads the text encoder with its activations' estimate as memory_required (ComfyUI then keeps
+    that much free beside it, or streams layers); the estimate covers the real sequence and grows by each image's
+    <|image_pad|> tokens."""
+    asked = []
+    monkeypatch.setattr(model.text_encoder, "load", lambda memory_required=0: asked.append(memory_required))
+    text_encoder = model.pipe.text_encoder
+    image = torch.rand(1, 256, 256, 3)
+    plain, _, _ = Qwen21Encode().encode(model, "a red apple", "", 256)
+    two, _, _ = Qwen21Encode().encode(model, "a red apple", "", 256, image_1=image, image_2=image)
+    per_token = text_encoder.activation_bytes(1)
+    assert per_token == 36 * text_encoder.hidden_size * text_encoder.dtype.itemsize > 0
+    assert asked[1] - asked[0] >= 2 * (256 // 32) ** 2 * per_token  # each image: its pads and its markers
+    for cond, requested in ((plain, asked[0]), (two, asked[1])):
+        assert requested >= cond.positive.embeds.shape[0] * per_token
+
+
 def test_cancel_stops_inside_one_untiled_decode_and_the_next_decode_works(model):
     cond, _, _ = encode(model)
     latent = sample(model, cond)["result"][0]

@@ -111,6 +111,26 @@ def test_count_tokens_predicts_the_embedding_length(encoder, num_images):
     assert encoder.count_tokens("", []) == encoder.encode_prompts([""])[0].length
 
 
+def test_activation_estimate_counts_tokens_and_a_dequantised_weight(tiny, encoder):
+    """What the encoder asks the memory manager to leave free: per token, 36 hidden-sized vectors; with weight-only
+    quantised layers also the biggest weight's fp32 product and its bf16 copy (at 24 GB the encode ran out of
+    memory allocating exactly that fp32 product, 192 MiB for a 12288x4096 weight)."""
+    from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+    from qwen21_nodes.qwen21_core.text.encoder import decoder_linear_names
+
+    per_token = 36 * encoder.hidden_size * encoder.dtype.itemsize
+    assert encoder.activation_bytes(10) == 10 * per_token
+    assert encoder.estimated_tokens(PROMPT, 2, 256) >= encoder.count_tokens(PROMPT, [64, 64]) + 12  # + system turn
+    model, processor, _ = tiny
+    names = decoder_linear_names(model.model)
+    biggest = max(model.model.get_submodule(n).weight.numel() for n in names)
+    for quantize_activations, extra in ((False, biggest * (4 + encoder.dtype.itemsize)), (True, 0)):
+        quantised = copy.deepcopy(model.model)
+        quantize_linears_(quantised, names, FORMATS["fp8"], quantize_activations)
+        assert Qwen21TextEncoder(quantised, processor).activation_bytes(10) == 10 * per_token + extra
+
+
 def test_image_pad_count_follows_the_processor_limits(encoder):
     assert encoder.image_pad_count(96, 64) == 6
     min_pixels, _ = encoder.pixel_limits()

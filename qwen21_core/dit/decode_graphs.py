@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..memory.planner import graph_pool_idle_bytes
 from .kv_cache import KVCacheSpec
 from .transformer import Branch, QwenImage21Transformer
 
@@ -180,13 +181,13 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
 
     def idle_cache_bytes(self) -> int:
-        """Device bytes the idle entries' K/V caches hold: memory a new generation gets back, by adopting the
-        entry (same key) or by evicting it (an allocation that runs out evicts idle entries and retries)."""
-        return sum(
-            e.branch.cache.nbytes
-            for e in self.entries.values()
-            if isinstance(e, _Entry) and not e.in_use and e.branch.cache is not None and e.branch.cache.allocated
-        )
+        """Device bytes the idle entries hold, in their K/V caches and in their graphs' private pools (the free
+        estimate leaves those out): memory a new generation gets back, by adopting the entry (same key) or by
+        evicting it (an allocation that runs out evicts idle entries and retries)."""
+        idle = [e for e in self.entries.values() if isinstance(e, _Entry) and not e.in_use]
+        caches = sum(e.branch.cache.nbytes for e in idle if e.branch.cache is not None and e.branch.cache.allocated)
+        pools = graph_pool_idle_bytes(self.transformer.device) if idle else {}
+        return caches + sum(pools.get(tuple(e.graph.pool()), 0) for e in idle if hasattr(e.graph, "pool"))
 
     def describe(self) -> str:
         replays = sum(e.replays for e in self.entries.values() if isinstance(e, _Entry))

@@ -1,8 +1,9 @@
 """How much device memory there is to plan with, and where the DiT's blocks and prefix K/V go within it.
 
-Free memory is the smallest of: what the device reports free, what a per-process cap leaves
-(`torch.cuda.set_per_process_memory_fraction`, the stand-in for a smaller card) and an explicit budget
-(`--vram-budget`, or ComfyUI's decision), minus what this process already reserved against either.
+Free memory is the smallest of: what the device reports free (plus this process's cached blocks, but not those
+held in CUDA graphs' private pools), what a per-process cap leaves (`torch.cuda.set_per_process_memory_fraction`,
+the stand-in for a smaller card) and an explicit budget (`--vram-budget`, or ComfyUI's decision), minus what this
+process already allocated against either.
 
 `plan_sampling` decides, for one sample call, in this order (each step only when the previous does not fit):
 1. everything on the device: all DiT blocks resident, the prefix K/V on the GPU;
@@ -31,6 +32,20 @@ def indexed_device(device) -> torch.device:
     return device
 
 
+def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
+    """Per CUDA-graph private pool on `device`: its reserved bytes no tensor uses. Only that graph's replays can use
+    them (empty_cache cannot return them while the graph lives), so they are not free for anything else."""
+    device = indexed_device(device)
+    if device.type != "cuda" or torch.cuda.get_allocator_backend() != "native":  # no graphs under cudaMallocAsync
+        return {}
+    pools: dict[tuple[int, int], int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id") or (0, 0))
+        if pool != (0, 0) and segment.get("device") == device.index:
+            pools[pool] = pools.get(pool, 0) + segment["total_size"] - segment["allocated_size"]
+    return pools
+
+
 def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
     """Bytes this process can still allocate on `device` (see the module docstring); CPU: unlimited."""
     device = indexed_device(device)
@@ -38,7 +53,8 @@ def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
         return 2**62
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
-    free += reserved - torch.cuda.memory_allocated(device)  # cached blocks are ours to reuse
+    # cached blocks are ours to reuse, except those in CUDA graphs' private pools
+    free += reserved - torch.cuda.memory_allocated(device) - sum(graph_pool_idle_bytes(device).values())
     limits = [free]
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     if fraction < 1.0:

@@ -29,6 +29,7 @@ from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel, Qwen3VLP
 
 from ..conditioning import PromptEmbedding
 from ..memory.streaming import place_with_streaming
+from ..quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,13 @@ SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 IMAGE_SLOT = "<image{index}><|vision_start|><|image_pad|><|vision_end|>"
 IM_START = "<|im_start|>"
 IMAGE_PAD = "<|image_pad|>"
+
+# Peak activations of an encode, per token, in hidden-state vectors: four 1024^2 condition images (4120 more tokens)
+# raised the full-size encoder's peak from 16.4 to 17.4 GiB (BENCHMARKS "Text encoder"), 31.8 vectors of 4096 bf16
+# values per token; 36 leaves room for the allocator's rounding. SYSTEM_TURN_TOKENS bounds the system turn the
+# encoder runs but count_tokens leaves out (12 tokens with the Qwen tokenizer).
+ACTIVATION_VECTORS_PER_TOKEN = 36
+SYSTEM_TURN_TOKENS = 32
 
 # The released text encoder, Qwen3-VL-8B (its config.json), written down as facts so benchmarks can
 # build a full-size random-weight copy without downloading anything.
@@ -226,6 +234,21 @@ class Qwen21TextEncoder:
         self.place(device)
         self._device = self._text_model.embed_tokens.weight.device  # "cuda" -> "cuda:0": later checks compare equal
         return self
+
+    def activation_bytes(self, tokens: int) -> int:
+        """Device memory an encode of `tokens` tokens needs beyond the weights (the room a memory manager leaves):
+        the activations, plus for quantised weight-only layers the biggest weight's dequantised copy (its fp32
+        product and the bf16 result, alive together while the layer runs)."""
+        element = self._text_model.embed_tokens.weight.element_size()
+        weight_only = [m for m in self.model.modules() if isinstance(m, QuantLinear) and not m.quantize_activations]
+        dequantised = max((layer.in_features * layer.out_features for layer in weight_only), default=0)
+        return int(tokens) * ACTIVATION_VECTORS_PER_TOKEN * self.hidden_size * element + dequantised * (4 + element)
+
+    def estimated_tokens(self, prompt: str, num_images: int, output_resolution: int) -> int:
+        """The sequence an encode runs, before the images are resized: `count_tokens` with one <|image_pad|> token
+        per 32x32 pixels of each condition image at about output_resolution^2 pixels, plus the system turn."""
+        pads = [(int(output_resolution) // 32) ** 2] * int(num_images)
+        return self.count_tokens(prompt, pads) + SYSTEM_TURN_TOKENS
 
     def place(self, device, resident_layers: int | None = None) -> None:
         """All weights on `device`, or with only `resident_layers` of the language model's decoder layers there and
