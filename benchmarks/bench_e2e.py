@@ -20,8 +20,11 @@ import argparse
 import copy
 import gc
 import json
+import logging
 import os
+import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -253,6 +256,11 @@ def run_config(parts, precision, cap, names, args, device, dtype, output_dir, ow
                     result = execute(prompt, classes)
                 except Exception as error:  # noqa: BLE001 - report and go on: a failure is a result here
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    root = error
+                    while root.__cause__ is not None:
+                        root = root.__cause__
+                    row["root_error"] = f"{type(root).__name__}: {str(root)[:1200]}"
+                    traceback.print_exception(error, file=sys.stderr)  # into the log, for where it happened
                     if device.type == "cuda":
                         row["census"] = cuda_census(owners)
                     emit(**row)
@@ -329,6 +337,8 @@ def main():
     parser.add_argument("--no-diffusers", action="store_true")
     parser.add_argument("--output-dir", default="/tmp/e2e_out")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("qwen21_nodes").setLevel(logging.INFO)  # the memory manager's and planner's decisions
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.perf_counter()

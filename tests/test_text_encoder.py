@@ -230,6 +230,20 @@ def test_offload_frees_cuda_memory_and_to_brings_it_back(tiny):
     assert next(encoder.model.parameters()).device.type == "cpu"
 
 
+@pytest.mark.gpu
+def test_an_encode_keeps_a_streaming_placement_on_the_gpu(tiny):
+    """A memory manager's partial placement survives the encode when the encoder names its device "cuda" and the
+    weights sit on "cuda:0" (the full-size encoder at a 16 GB cap was placed whole again here, out of memory)."""
+    model, processor, _ = tiny
+    (want,) = Qwen21TextEncoder(copy.deepcopy(model), processor).to("cuda").encode_prompts([PROMPT])
+    encoder = Qwen21TextEncoder(copy.deepcopy(model), processor)
+    encoder.place("cuda", 1)
+    encoder._device = torch.device("cuda")  # as the node handle sets it: no index
+    (got,) = encoder.encode_prompts([PROMPT])
+    assert encoder.streamer is not None and encoder.resident_layers == 1
+    assert torch.equal(got.embeds, want.embeds)
+
+
 def test_the_written_down_8b_config_has_the_released_parameter_count():
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**copy.deepcopy(QWEN3_VL_8B_CONFIG)))

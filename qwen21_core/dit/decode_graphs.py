@@ -75,9 +75,21 @@ def cuda_allocator_backend() -> str:
     return torch.cuda.get_allocator_backend()
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream() -> torch.cuda.Stream:
+    """One side stream per device for the warm-up runs before a capture. A stream that runs a GEMM gets a cuBLAS
+    workspace that lives as long as the process, so a new stream per capture leaves memory behind at every capture."""
+    device = torch.cuda.current_device()
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
+
+
 def cuda_graph_capture(decode, static_x, static_t):
     """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
-    stream = torch.cuda.Stream()
+    stream = _warmup_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .planner import indexed_device
 from .prefetch import SlotPrefetcher
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: Lay
     hooks_on: for modules that run their layers through forward (the text encoder), the stack to attach the
     streamer's hooks to; the DiT drives its streamer from its own loop.
     """
-    device = torch.device(device)
+    device = indexed_device(device)  # "cuda" and "cuda:0" must compare equal below, or the streamer is rebuilt
     if resident is None or resident >= len(layers):
         if streamer is not None:
             streamer.move_all(device)

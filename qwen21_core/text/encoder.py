@@ -28,6 +28,7 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel, Qwen3VLProcessor
 
 from ..conditioning import PromptEmbedding
+from ..memory.planner import indexed_device
 from ..memory.streaming import place_with_streaming
 from ..quant.linear import QuantLinear
 
@@ -284,7 +285,10 @@ class Qwen21TextEncoder:
             torch.cuda.empty_cache()
 
     def _weights_on_device(self) -> None:
-        if self._text_model.embed_tokens.weight.device != self._device:
+        """Every weight on the encoding device, unless they are there already: a memory manager's placement (the
+        embeddings there, decoder layers streaming) counts as there. "cuda" and "cuda:0" are one device: told them
+        apart, this placed the whole encoder over a streaming one (at a 16 GB cap the encode ran out of memory)."""
+        if indexed_device(self._text_model.embed_tokens.weight.device) != indexed_device(self._device):
             self.place(self._device)
 
     @property
