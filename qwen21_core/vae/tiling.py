@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import stable_name
+from ..memory.planner import device_free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,12 @@ def live_tensor_peak(fn: Callable[[], object]) -> int:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory a pass may plan to use on `device`, or None where it is not tracked (CPU)."""
+    """Memory a pass may plan to use on `device`, or None where it is not tracked (CPU): the planner's free memory,
+    which also honours a per-process cap (without it, a decode at a 16 GB cap tried untiled, ran out of memory and
+    only then tiled)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int((free + cached_unused) * SAFETY)
+    return int(device_free_bytes(device) * SAFETY)
 
 
 # ---------------------------------------------------------------------------------------------------------
