@@ -47,18 +47,21 @@ class PrefixMemoryBudget:
     """What the DiT's prefix K/V cache costs per token, and how much memory is free for it.
 
     One prefix token stores K and V of `inner_dim` values in each of `num_layers` blocks, per CFG branch.
-    The pipeline passes its DiT config and the free memory it has left after weights and activations.
+    The pipeline passes its DiT config, the GPU memory it has left after weights and activations, and the host RAM
+    the cache may be pinned in (the sampler moves a prefix that does not fit the GPU there).
     """
 
     num_layers: int
     inner_dim: int
     dtype_bytes: int
     free_bytes: int
+    host_bytes: int = 0
 
     @classmethod
-    def for_transformer(cls, config: TransformerConfig, dtype: torch.dtype, free_bytes: int) -> PrefixMemoryBudget:
+    def for_transformer(cls, config: TransformerConfig, dtype: torch.dtype, free_bytes: int,
+                        host_bytes: int = 0) -> PrefixMemoryBudget:  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return cls(config.num_layers, config.inner_dim, itemsize, free_bytes)
+        return cls(config.num_layers, config.inner_dim, itemsize, free_bytes, host_bytes)
 
     def prefix_bytes(self, prefix_tokens: int) -> int:
         return prefix_tokens * self.num_layers * 2 * self.inner_dim * self.dtype_bytes
@@ -96,13 +99,14 @@ def _check_pad_counts(text_encoder, images: list[ConditionImage], output_resolut
 
 def _check_prefix_memory(budget: PrefixMemoryBudget, prefix_tokens: dict[str, int]) -> None:
     needed = sum(budget.prefix_bytes(tokens) for tokens in prefix_tokens.values())
-    if needed > budget.free_bytes:
+    if needed > budget.free_bytes + budget.host_bytes:
         branches = ", ".join(f"{name} {tokens} tokens" for name, tokens in prefix_tokens.items())
         negative = " true_cfg_scale 1 (no negative branch)," if "negative" in prefix_tokens else ""
         raise PrefixMemoryError(
             f"the prefix K/V cache needs {_gib(needed)} ({branches}; {budget.num_layers} layers x K,V x "
-            f"{budget.inner_dim} x {budget.dtype_bytes} bytes per token) but only {_gib(budget.free_bytes)} is free. "
-            f"Use fewer condition images, a smaller output_resolution,{negative} or free GPU memory."
+            f"{budget.inner_dim} x {budget.dtype_bytes} bytes per token) but only {_gib(budget.free_bytes)} is free "
+            f"on the GPU and {_gib(budget.host_bytes)} in RAM. Use fewer condition images, a smaller "
+            f"output_resolution,{negative} the sampler's kv_cache fp8 (half the size), or free GPU memory or RAM."
         )
 
 

@@ -26,7 +26,7 @@ from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
-from .memory.planner import SamplingPlan, device_free_bytes, plan_sampling
+from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .sampler import Sampler, SampleStats
@@ -125,15 +125,21 @@ class Qwen21Pipeline:
     # ---- encode -----------------------------------------------------------------------------------
 
     def _prefix_budget(self) -> PrefixMemoryBudget | None:
+        """Room for the prefix K/V cache, checked before encoding: the GPU's free memory (the text encoder's weights
+        counted as free when they leave after encoding) plus the RAM the sampler would move the cache to."""
         device = self.execution_device
         if device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(device)
-        if self.text_encoder_offload and self.text_encoder is not None and self.text_encoder.device == device:
-            free += sum(p.numel() * p.element_size() for p in self.text_encoder.model.parameters())
-        return PrefixMemoryBudget.for_transformer(
-            self.transformer.config, self.dtype, max(0, free - DECODE_HEADROOM_BYTES)
-        )
+        free = device_free_bytes(device, self.vram_budget)
+        encoder = self.text_encoder
+        leaves = self.text_encoder_offload and encoder is not None
+        if leaves and indexed_device(encoder.device) == indexed_device(device):
+            free += encoder.device_weight_bytes()
+        host = host_free_bytes()
+        if host is None:  # RAM unknown: do not refuse what RAM might hold
+            return None
+        return PrefixMemoryBudget.for_transformer(self.transformer.config, self.dtype,
+                                                  max(0, free - DECODE_HEADROOM_BYTES), host)  # fmt: skip
 
     def encode(
         self,

@@ -243,6 +243,51 @@ def test_prefix_memory_precheck_fails_before_encoding(encoder, vae, monkeypatch)
     assert calls == []  # nothing ran
 
 
+def test_a_prefix_too_big_for_the_gpu_passes_when_ram_can_hold_it(encoder, vae):
+    """The sampler moves a prefix cache that does not fit the GPU to pinned RAM, so the precheck counts both: a
+    two-image prefix (4.01 GiB) passes with 1 GiB free on the GPU and 4 GiB in RAM, and fails with 1 GiB in RAM."""
+    image = Image.new("RGB", (64, 64))
+    config = TransformerConfig()
+    roomy = PrefixMemoryBudget.for_transformer(config, torch.bfloat16, free_bytes=2**30, host_bytes=4 * 2**30)
+    cond = encode_conditioning(encoder, vae, "a cat", [image] * 2, output_resolution=1024, memory_budget=roomy)
+    assert roomy.prefix_bytes(cond.extra["prefix_tokens"]["positive"]) > roomy.free_bytes
+    tight = PrefixMemoryBudget.for_transformer(config, torch.bfloat16, free_bytes=2**30, host_bytes=2**30)
+    with pytest.raises(PrefixMemoryError, match=r"1.00 GiB is free on the GPU and 1.00 GiB in RAM.*kv_cache fp8"):
+        encode_conditioning(encoder, vae, "a cat", [image] * 2, output_resolution=1024, memory_budget=tight)
+
+
+def test_the_pipelines_precheck_counts_the_gpu_the_leaving_encoder_and_ram(monkeypatch):
+    from qwen21_nodes.qwen21_core import pipeline
+
+    monkeypatch.setattr(pipeline, "device_free_bytes", lambda device, budget=None: 10 * 2**30)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # "cuda" is "cuda:0" here
+    encoder = types.SimpleNamespace(device=torch.device("cuda", 0), device_weight_bytes=lambda: 3 * 2**30)
+    transformer = types.SimpleNamespace(config=TransformerConfig())
+    fake = types.SimpleNamespace(execution_device=torch.device("cuda"), vram_budget=None, text_encoder=encoder,
+                                 text_encoder_offload=True, transformer=transformer, dtype=torch.bfloat16)  # fmt: skip
+    monkeypatch.setattr(pipeline, "host_free_bytes", lambda: 20 * 2**30)
+    budget = pipeline.Qwen21Pipeline._prefix_budget(fake)
+    assert budget.free_bytes == 13 * 2**30 - pipeline.DECODE_HEADROOM_BYTES and budget.host_bytes == 20 * 2**30
+    fake.text_encoder_offload = False  # the encoder stays: its weights are not free
+    assert pipeline.Qwen21Pipeline._prefix_budget(fake).free_bytes == 10 * 2**30 - pipeline.DECODE_HEADROOM_BYTES
+    monkeypatch.setattr(pipeline, "host_free_bytes", lambda: None)  # RAM unknown: no precheck rather than a false one
+    assert pipeline.Qwen21Pipeline._prefix_budget(fake) is None
+
+
+def test_host_free_ram_reads_psutil_or_proc_meminfo(monkeypatch):
+    import sys
+
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    if not __import__("os").path.exists("/proc/meminfo"):
+        pytest.skip("needs Linux's /proc/meminfo to compare against")
+    with_psutil = planner.host_free_bytes()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # as if not installed
+    from_meminfo = planner.host_free_bytes()
+    assert from_meminfo is not None and abs(from_meminfo - (with_psutil or from_meminfo)) < 2**30  # both read one value
+    assert from_meminfo == max(0, planner._meminfo_available_bytes() - planner.HOST_RESERVE_BYTES)
+
+
 def test_negative_prompt_counts_against_prefix_memory_only_when_encoded(encoder, vae, monkeypatch):
     """At cfg 1 the negative branch never exists, so encode checks the positive prefix alone; the lazy encode
     for true CFG checks both, before running the VLM."""

@@ -64,6 +64,32 @@ def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
     return max(0, min(limits))
 
 
+HOST_RESERVE_BYTES = 4 * 2**30  # RAM left to the OS, ComfyUI and the models it parks there
+
+
+def host_free_bytes() -> int | None:
+    """RAM a host-placed K/V cache may still pin: what the OS calls available, less HOST_RESERVE_BYTES; None where
+    it cannot be read (no psutil, which ComfyUI requires, and no /proc/meminfo)."""
+    try:
+        import psutil  # optional: a ComfyUI requirement, not ours
+    except ImportError:
+        available = _meminfo_available_bytes()
+    else:
+        available = psutil.virtual_memory().available
+    return None if available is None else max(0, int(available) - HOST_RESERVE_BYTES)
+
+
+def _meminfo_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingPlan:
     kv_placement: str  # "gpu" | "cpu"
