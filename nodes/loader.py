@@ -42,7 +42,7 @@ WEIGHT_DTYPE_TOOLTIP = (
 )
 TEXT_ENCODER_DTYPE_TOOLTIP = (
     "same: follow weight_dtype. Otherwise the text encoder's own precision; auto keeps its file's format. fp8 / "
-    "int8: its language model's Linears stored 8-bit, 8.71 GiB of weights instead of 16.4 GiB on an H200 "
+    "int8: its language model's Linears stored 8-bit, 8.71 GiB of weights instead of 15.17 GiB on an H200 "
     "(BENCHMARKS: Text encoder), multiplied in bf16 with each weight dequantised as its layer runs (as native "
     "ComfyUI runs fp8 text encoders: quantising the activations too made the embeddings drift)."
 )
