@@ -352,10 +352,11 @@ class LocalMemoryManager:
                 break
             log.info("memory budget: moving %s to the CPU to make room for %s", other.name, managed.name)
             self.offload(other)
-        resident = None if free() >= managed.full_bytes else managed.resident_for(free())
+        room = free()  # one reading (each takes an allocator snapshot)
+        resident = None if room >= managed.full_bytes else managed.resident_for(room)
         log.info("memory budget: %s on %s (%s; %.2f GiB of weights, %.2f GiB more needed, %.2f GiB free)",
                  managed.name, device, "whole" if resident is None else f"{resident} layers resident",
-                 managed.full_bytes / 2**30, memory_required / 2**30, free() / 2**30)  # fmt: skip
+                 managed.full_bytes / 2**30, memory_required / 2**30, room / 2**30)  # fmt: skip
         managed.place(device, resident)
         self.loaded.append(managed)
 
