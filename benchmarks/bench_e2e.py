@@ -119,7 +119,7 @@ def handle_for(parts, device, dtype) -> Qwen21Model:
     dit, text, processor, vae = parts
     pipe = Qwen21Pipeline(dit, vae, Qwen21TextEncoder(text, processor), QWEN21_SCHEDULER, text_encoder_offload=True)
     pipe.execution_device = device
-    pipe.text_encoder._device = device
+    pipe.text_encoder.device = device
     return Qwen21Model(pipe, offload_text_encoder=True, device=device)
 
 

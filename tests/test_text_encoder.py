@@ -238,7 +238,7 @@ def test_an_encode_keeps_a_streaming_placement_on_the_gpu(tiny):
     (want,) = Qwen21TextEncoder(copy.deepcopy(model), processor).to("cuda").encode_prompts([PROMPT])
     encoder = Qwen21TextEncoder(copy.deepcopy(model), processor)
     encoder.place("cuda", 1)
-    encoder._device = torch.device("cuda")  # as the node handle sets it: no index
+    encoder.device = torch.device("cuda")  # named as the benchmark names it: no index
     (got,) = encoder.encode_prompts([PROMPT])
     assert encoder.streamer is not None and encoder.resident_layers == 1
     assert torch.equal(got.embeds, want.embeds)

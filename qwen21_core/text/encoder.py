@@ -227,6 +227,13 @@ class Qwen21TextEncoder:
         """Where encoding runs (the weights may sit on `offload_device` in between)."""
         return self._device
 
+    @device.setter
+    def device(self, device: str | torch.device) -> None:
+        """Name where encoding runs without moving the weights (a memory manager places them). Kept with its index:
+        told apart from the weights' "cuda:0", a plain "cuda" made the encode place the whole encoder over a
+        streaming placement (at a 16 GB cap it ran out of memory)."""
+        self._device = indexed_device(device)
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -286,9 +293,8 @@ class Qwen21TextEncoder:
 
     def _weights_on_device(self) -> None:
         """Every weight on the encoding device, unless they are there already: a memory manager's placement (the
-        embeddings there, decoder layers streaming) counts as there. "cuda" and "cuda:0" are one device: told them
-        apart, this placed the whole encoder over a streaming one (at a 16 GB cap the encode ran out of memory)."""
-        if indexed_device(self._text_model.embed_tokens.weight.device) != indexed_device(self._device):
+        embeddings there, decoder layers streaming) counts as there."""
+        if self._text_model.embed_tokens.weight.device != self._device:
             self.place(self._device)
 
     @property
