@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests skip on machines without CUDA, saying why."""
+"""Shared pytest setup: GPU tests skip on machines without CUDA, saying why; stand-ins for torch.cuda's memory
+queries."""
 
 import pytest
 import torch
@@ -11,3 +12,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fake_cuda_memory(monkeypatch):
+    """Stand-ins for torch.cuda's memory queries, so the free-memory arithmetic runs without a GPU. Call it with
+    what the device reports: free and total (mem_get_info), reserved, allocated, the per-process fraction, the
+    allocator snapshot's segments and the allocator backend."""
+
+    def install(*, free, total, reserved, allocated, fraction=1.0, segments=(), backend="native"):
+        answers = {
+            "mem_get_info": lambda device=None: (free, total),
+            "memory_reserved": lambda device=None: reserved,
+            "memory_allocated": lambda device=None: allocated,
+            "memory_snapshot": lambda: list(segments),
+            "get_per_process_memory_fraction": lambda device=None: fraction,
+            "get_allocator_backend": lambda: backend,
+        }
+        for name, answer in answers.items():
+            monkeypatch.setattr(torch.cuda, name, answer)
+
+    return install

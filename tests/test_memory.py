@@ -227,26 +227,21 @@ def _planning_pipeline(monkeypatch, free: int, idle: int, resident: int, manage_
         kv_placement="auto"))  # fmt: skip
 
 
-def test_free_memory_leaves_out_what_cuda_graph_pools_hold(monkeypatch):
+def test_free_memory_leaves_out_what_cuda_graph_pools_hold(monkeypatch, fake_cuda_memory):
     """Cached blocks count as free, except those in CUDA graphs' private pools: at 24 GB the text encoder was placed
     beside the DiT's idle graphs on the strength of their pool memory, and ran out of memory."""
     from qwen21_nodes.qwen21_core.memory import planner
 
-    cuda = torch.cuda
     segments = [
         {"device": 0, "segment_pool_id": (0, 0), "total_size": 3 * GIB, "allocated_size": GIB},  # 2 GiB cached
         {"device": 0, "segment_pool_id": (4, 1), "total_size": 2 * GIB, "allocated_size": GIB // 2},  # a graph's
         {"device": 1, "segment_pool_id": (5, 1), "total_size": GIB, "allocated_size": 0},  # another GPU's
     ]
-    for name, value in (("mem_get_info", lambda device: (10 * GIB, 80 * GIB)), ("memory_reserved", lambda d: 5 * GIB),
-                        ("memory_allocated", lambda d: int(1.5 * GIB)), ("memory_snapshot", lambda: segments),
-                        ("get_per_process_memory_fraction", lambda d: 1.0),
-                        ("get_allocator_backend", lambda: "native")):  # fmt: skip
-        monkeypatch.setattr(cuda, name, value)
+    fake_cuda_memory(free=10 * GIB, total=80 * GIB, reserved=5 * GIB, allocated=int(1.5 * GIB), segments=segments)
     device = torch.device("cuda", 0)
     assert planner.graph_pool_idle_bytes(device) == {(4, 1): int(1.5 * GIB)}
     assert planner.device_free_bytes(device) == 10 * GIB + int(3.5 * GIB) - int(1.5 * GIB)  # = 12 GiB
-    monkeypatch.setattr(cuda, "get_allocator_backend", lambda: "cudaMallocAsync")  # no graphs, no snapshot
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")  # no graphs, no snapshot
     assert planner.device_free_bytes(device) == int(13.5 * GIB)
 
 

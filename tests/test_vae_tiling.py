@@ -146,20 +146,11 @@ def test_auto_never_tiles_on_cpu(vae):
     assert vae.last_decode_info["tiled"] is False
 
 
-def test_available_memory_honours_a_per_process_cap(monkeypatch):
+def test_available_memory_honours_a_per_process_cap(fake_cuda_memory):
     """The decode plans with the planner's free memory: under a 16 GB cap on an 80 GB card with 60 GB free it
     plans with what the cap leaves, not with the 60 GB (it went untiled, ran out of memory and only then tiled)."""
     gib = 2**30
-    fake = {
-        "mem_get_info": lambda device: (60 * gib, 80 * gib),
-        "memory_reserved": lambda device: 15 * gib,
-        "memory_allocated": lambda device: 14 * gib,
-        "memory_snapshot": lambda: [],
-        "get_per_process_memory_fraction": lambda device: 0.2,
-        "get_allocator_backend": lambda: "native",
-    }
-    for name, value in fake.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    fake_cuda_memory(free=60 * gib, total=80 * gib, reserved=15 * gib, allocated=14 * gib, fraction=0.2)
     assert vae_tiling.available_bytes(torch.device("cuda", 0)) == int(2 * gib * vae_tiling.SAFETY)  # 16 - 14 GiB
 
 
