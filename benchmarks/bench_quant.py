@@ -86,7 +86,7 @@ def gemms(m, shapes, device):
             if backend == "triton_int8":
                 from qwen21_nodes.kernels.int8_gemm import chosen_config
 
-                row["triton_config"] = chosen_config(m, n, k, False)
+                row["triton_config"] = chosen_config(m, n, k, False, device)
                 row["int_mm_with_dequant_ms"] = round(bench(lambda: layer.project(q, s, "int_mm").dense(torch.bfloat16),
                                                             device), 4)  # fmt: skip
                 row["int_mm_ms"] = round(bench(lambda: torch._int_mm(q, layer.qweight.t()), device), 4)

@@ -2,7 +2,7 @@
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
-#   vae-placeholders vae-profile qk te load lora server-gpu tests-memory e2e
+#   vae-placeholders vae-profile qk te load lora server-gpu tests-memory e2e tune cold overhead tests-kernels-gpu
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,12 @@ for part in "$@"; do
     tests-memory)  # the memory planner's, streaming's and decode graphs' GPU tests
       run tests_memory "${TESTS_LIMIT:-120}" python3 -m pytest -v -p no:cacheprovider -k "not interpreter" \
         tests/test_memory.py tests/test_decode_graphs.py ;;
+    tune) run tune_kernels "${TUNE_LIMIT:-300}" python3 benchmarks/tune_kernels.py --out "$OUT/tuned" ;;
+    cold) run bench_cold_start "${COLD_LIMIT:-400}" python3 benchmarks/bench_cold_start.py ;;
+    overhead) run bench_overhead "${OVERHEAD_LIMIT:-200}" python3 benchmarks/bench_cold_start.py --launch-overhead ;;
+    tests-kernels-gpu)  # the launch-configuration, warm-up and quantised-kernel tests on CUDA
+      run tests_kernels_gpu "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+        tests/test_launch_configs.py tests/test_kernel_warmup.py tests/test_kernel_quantize.py tests/test_quant.py ;;
     e2e-short) run bench_e2e 330 python3 benchmarks/bench_e2e.py --no-diffusers ;;
     dit-final)  # the quantised formats at every size beside bf16 and diffusers (bf16 MLP variant at 1024^2)
       run bench_dit_final 300 python3 benchmarks/bench_dit.py \

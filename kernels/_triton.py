@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -40,9 +41,20 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and INTERPRETER_ACTIVE
 
 
-def jit(fn):
-    """`triton.jit`, or the plain function where Triton is missing (then it is never launched)."""
-    return triton.jit(fn) if TRITON_AVAILABLE else fn
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """`triton.jit`, or the plain function where Triton is missing (then it is never launched).
+
+    do_not_specialize: integer arguments that vary with the prompt or image size (row and token counts). Triton
+    otherwise compiles one variant per "divisible by 16" / "equal to 1" class of each integer argument, so a new
+    prompt length could cost a compile; a count only bounds loops and masks, so specialising on it gains nothing.
+    """
+
+    def wrap(function):
+        if not TRITON_AVAILABLE:
+            return function
+        return triton.jit(function, do_not_specialize=list(do_not_specialize))
+
+    return wrap if fn is None else wrap(fn)
 
 
 def pixel_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -75,11 +87,18 @@ class SelfTests:
     def __init__(self, module: str):
         self.module = module
         self._passed: dict[tuple[str, str, torch.dtype], bool] = {}
+        self._locks: dict[tuple[str, str, torch.dtype], threading.Lock] = {}
 
     def passed(self, check: str, device: torch.device, dtype: torch.dtype, run: Callable[[], bool]) -> bool:
         """The cached result of `run()` (under no_grad) for this check, device and dtype; an exception
         (a compile or launch failure) counts as failed, so callers keep torch's ops."""
         key = (check, _device_key(device), dtype)
+        if key in self._passed:  # the hot path: asked at every VAE conv
+            return self._passed[key]
+        with self._locks.setdefault(key, threading.Lock()):  # one run per key, also when threads ask at once
+            return self._run_once(key, check, device, dtype, run)
+
+    def _run_once(self, key, check, device, dtype, run) -> bool:
         if key not in self._passed:
             try:
                 with torch.no_grad():

@@ -28,7 +28,7 @@ def merge_reference(out_p, lse_p, out_t, lse_t) -> torch.Tensor:
     return (out_t.float() + (out_p.float() - out_t.float()) * weight).to(out_t.dtype)
 
 
-@jit
+@jit(do_not_specialize=("N",))  # token counts vary: one compile for all (see _triton.jit)
 def _merge_kernel(
     op_ptr, lp_ptr, ot_ptr, lt_ptr, out_ptr, N, H, D,
     op_sb, op_sn, op_sh, op_sd, lp_sb, lp_sn, lp_sh, ot_sb, ot_sn, ot_sh, ot_sd, lt_sb, lt_sn, lt_sh,

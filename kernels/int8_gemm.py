@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 from .linear_epilogue import (
     OUT_DTYPES,
     add_gated_residual,
@@ -25,19 +26,42 @@ from .linear_epilogue import (
     residual_problem,
 )
 
-# Candidate tile shapes for the H200 (both operands K-major int8); bench_quant reports the chosen one per shape.
-CONFIGS = [
+# Candidate tile shapes (both operands K-major int8), (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the tuner's and the
+# autotuner's search space (benchmarks/tune_kernels.py writes the chosen one per shape into kernels/tuned/).
+CANDIDATES = [
     (128, 256, 128, 3, 8),
     (256, 128, 128, 3, 8),
     (128, 128, 128, 4, 8),
     (128, 256, 64, 4, 8),
     (64, 256, 128, 4, 4),
     (128, 128, 64, 5, 4),
-]  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+    (64, 128, 128, 4, 4),
+    (64, 64, 128, 4, 4),
+    (32, 128, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+]
 INTERPRETER_CONFIG = (16, 32, 32, 1, 4)
 
 
-@jit
+def _config(block_m, block_n, block_k, stages, warps) -> LaunchConfig:
+    return LaunchConfig.of(warps, stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+
+
+def _rule(key: dict) -> LaunchConfig:
+    """Any card with int8 tensor cores (SM 7.5+): 48 KiB of shared memory at most, a row tile no taller than needed."""
+    return _config(64 if key["M_BUCKET"] <= 64 else 128, 128, 64, 3, 4)
+
+
+def _candidates(key: dict) -> list[LaunchConfig]:
+    """CANDIDATES without row tiles more than twice the rows (their extra rows are wasted work)."""
+    return [_config(*c) for c in CANDIDATES if c[0] <= max(16, 2 * key["M_BUCKET"])]
+
+
+TUNED = TunedKernel("int8_gemm", ("M_BUCKET", "N", "K", "RESIDUAL"), _rule, _candidates)
+
+
+# M, M_BUCKET and rows_per_batch change with the prompt: not specialised on, so a new length never compiles anew
+@jit(do_not_specialize=("M", "M_BUCKET", "rows_per_batch"))
 def _int8_gemm_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, residual_ptr, gate_ptr, out_ptr, M, N, K, M_BUCKET,
     a_stride, b_stride, residual_stride, gate_stride, rows_per_batch, out_stride,
@@ -80,34 +104,16 @@ def _int8_gemm_kernel(
     tl.store(out_ptr + rows64[:, None] * out_stride + cols[None, :], value, mask=mask)
 
 
-_tuned = None
+def chosen_config(m: int, n: int, k: int, residual: bool, device: torch.device) -> str:
+    """The launch configuration this problem runs with on `device`, and where it came from (for benchmarks)."""
+    from .launch_configs import architecture
+
+    config, source = TUNED.lookup(architecture(device), _key(m, n, k, residual))
+    return f"{config} ({source})"
 
 
-def _autotuned():
-    """The kernel behind triton.autotune over CONFIGS, keyed by the problem shape (tuned once per shape)."""
-    global _tuned
-    if _tuned is None:
-        configs = [
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
-            for m, n, k, s, w in CONFIGS
-        ]
-        # keyed by a power-of-two bucket of M, so prompts of every length do not each trigger a new tuning
-        _tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "RESIDUAL"])(_int8_gemm_kernel)
-    return _tuned
-
-
-def _bucket(m: int) -> int:
-    return min(triton.next_power_of_2(m), 16384)
-
-
-def chosen_config(m: int, n: int, k: int, residual: bool) -> str | None:
-    """The tile shape autotuning picked for this problem (for the benchmark's report), if tuned already."""
-    if _tuned is None:
-        return None
-    for key, config in _tuned.cache.items():
-        if tuple(key[:4]) == (_bucket(m), n, k, residual):
-            return str(config)
-    return None
+def _key(m: int, n: int, k: int, residual: bool) -> dict:
+    return {"M_BUCKET": m_bucket(m), "N": n, "K": k, "RESIDUAL": bool(residual)}
 
 
 def _unsupported(q, scale, weight, weight_scale, residual, gate, rows_per_batch, out_dtype) -> str | None:
@@ -153,18 +159,19 @@ def int8_linear(
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    key = _key(m, n, k, residual is not None)
     args = (q, weight, scale, weight_scale, out if residual is None else residual, out if gate is None else gate, out,
-            m, n, k, _bucket(m), q.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
+            m, n, k, key["M_BUCKET"], q.stride(0), weight.stride(0), 0 if residual is None else residual.stride(0),
             0 if gate is None else gate.stride(0), rows_per_batch, out.stride(0))  # fmt: skip
+    constexprs = dict(RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype])
     if INTERPRETER_ACTIVE:
-        bm, bn, bk, _stages, warps = INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _int8_gemm_kernel[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype], BLOCK_M=bm,
-                                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps)  # fmt: skip
+        config = _config(*INTERPRETER_CONFIG)
+        _int8_gemm_kernel[_grid(m, n, config)](*args, **constexprs, **config.as_dict())
         return out
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _autotuned()[grid](*args, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype])
+    TUNED.launch(_int8_gemm_kernel, lambda config: _grid(m, n, config), args, constexprs, key, q.device)
     return out
+
+
+def _grid(m: int, n: int, config: LaunchConfig) -> tuple[int]:
+    meta = config.meta_dict()
+    return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)

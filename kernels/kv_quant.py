@@ -35,7 +35,7 @@ def dequantize_kv_reference(q: torch.Tensor, scale: torch.Tensor, out: torch.Ten
     return out.copy_(q.float() * scale[..., None])
 
 
-@jit
+@jit(do_not_specialize=("rows",))  # prefix lengths vary: one compile for all (see _triton.jit)
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)

@@ -64,7 +64,7 @@ def add_gated_residual(value, rows, cols, mask, residual_ptr, residual_stride, g
     return (residual.to(tl.float32) + product.to(tl.float32)).to(OUT_DTYPE)
 
 
-@jit
+@jit(do_not_specialize=("M", "rows_per_batch"))  # row counts vary: one compile for all (_triton.jit)
 def _linear_epilogue_kernel(
     y_ptr, y_stride, row_scale_ptr, col_scale_ptr, residual_ptr, residual_stride, gate_ptr, gate_stride,
     rows_per_batch, out_ptr, out_stride, M, N,

@@ -86,7 +86,7 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@jit
+@jit(do_not_specialize=("seq_len",))  # prompt lengths vary: one compile for all (see _triton.jit)
 def _qk_norm_rope_kernel(
     qkv_ptr,  # [B, S, 3, H, D]: q, k, v along dim 2
     q_weight_ptr,  # [D]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -38,7 +39,7 @@ MIN_SCALE = 1e-30  # a zero row quantises to zeros with this scale (no division 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Launch shape. Rows up to WHOLE_ROW_LIMIT wide are quantised in one pass, whole rows in registers (one read of
-# the input); the rows per program and warps are tuned on first use per row width and mode (WHOLE_ROW_SHAPES).
+# the input); the rows per program and warps come from kernels/launch_configs.py (the tuned table, else `_rule`).
 # Wider rows go in chunks of CHUNK_K, with the activation recomputed per pass.
 WHOLE_ROW_LIMIT = 16384
 CHUNK_M = 8
@@ -52,17 +53,27 @@ def _fits(block_m: int, warps: int, block_k: int) -> bool:
     return 8 <= block_m * block_k // (32 * warps) <= 128
 
 
-_tuned = {}
+def _block_k(key: dict) -> int:
+    return max(triton.next_power_of_2(key["K"]), 256 if key["ROTATE"] else 16)
 
 
-def _whole_row_kernel(block_k: int):
-    """_quantize_rows_kernel behind triton.autotune over the launch shapes that suit this row width."""
-    if block_k not in _tuned:
-        shapes = [(m, w) for m, w in WHOLE_ROW_SHAPES if _fits(m, w, block_k)] or [(1, 16)]
-        configs = [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in shapes]
-        key = ["K", "M_BUCKET", "PRE", "DEQUANT", "ROTATE", "OUT_INT8"]
-        _tuned[block_k] = triton.autotune(configs=configs, key=key)(_quantize_rows_kernel)
-    return _tuned[block_k]
+def _candidates(key: dict) -> list[LaunchConfig]:
+    block_k = _block_k(key)
+    shapes = [(m, w) for m, w in WHOLE_ROW_SHAPES if _fits(m, w, block_k)] or [(1, 16)]
+    return [LaunchConfig.of(w, 3, BLOCK_M=m) for m, w in shapes]
+
+
+def _rule(key: dict) -> LaunchConfig:
+    """One row per program, 16 to 32 values per thread (the middle of `_fits`), at most 16 warps."""
+    block_k = _block_k(key)
+    warps = max(1, min(16, block_k // (32 * 16)))
+    block_m = 1
+    while not _fits(block_m, warps, block_k) and block_m < 4:
+        block_m *= 2
+    return LaunchConfig.of(warps, 3, BLOCK_M=block_m)
+
+
+TUNED = TunedKernel("quantize_rows", ("K", "M_BUCKET", "PRE", "DEQUANT", "ROTATE", "OUT_INT8"), _rule, _candidates)
 
 
 _PRE_NONE, _PRE_LAYER_NORM, _PRE_SWIGLU = 0, 1, 2
@@ -212,7 +223,8 @@ def _store_quantized(q_ptr, q_stride, rows, row_mask, cols, K, y, scale, OUT_INT
         tl.store(destination, tl.minimum(tl.maximum(values, -QMAX), QMAX).to(tl.float8e4nv), mask=mask)
 
 
-@jit
+# M, M_BUCKET and rows_per_batch change with the prompt: not specialised on (see _triton.jit)
+@jit(do_not_specialize=("M", "M_BUCKET", "rows_per_batch"))
 def _quantize_rows_kernel(
     x_ptr, x_stride, row_scale_ptr, col_scale_ptr, mod_ptr, mod_stride, rows_per_batch, h16_ptr,
     q_ptr, q_stride, scale_ptr, M, K, M_BUCKET, inv_k, eps,
@@ -362,10 +374,11 @@ def quantize_rows(
         x, 1, 0.0)  # fmt: skip
     pre = _PRE_LAYER_NORM if layer_norm is not None else _PRE_SWIGLU if swiglu else _PRE_NONE
     h16 = hadamard(16, x.device) if rotation else scale
-    block_k = max(triton.next_power_of_2(k), 256 if rotation else 16)
+    block_k = _block_k({"K": k, "ROTATE": bool(rotation)})
     whole_row = block_k <= WHOLE_ROW_LIMIT
+    bucket = m_bucket(m)
     args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
-            min(triton.next_power_of_2(m), 16384), 1.0 / k, float(eps))  # fmt: skip
+            bucket, 1.0 / k, float(eps))  # fmt: skip
     modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
                  MIN_SCALE=MIN_SCALE, ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
     if not whole_row:
@@ -376,7 +389,8 @@ def quantize_rows(
         _quantize_rows_kernel[(triton.cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,
                                                          WHOLE_ROW=True, num_warps=warps)  # fmt: skip
     else:
-        _whole_row_kernel(block_k)[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](
-            *args, **modes, BLOCK_K=block_k, WHOLE_ROW=True
-        )
+        key = {"K": k, "M_BUCKET": bucket, "PRE": pre, "DEQUANT": dequant is not None, "ROTATE": bool(rotation),
+               "OUT_INT8": fmt == "int8"}  # fmt: skip
+        TUNED.launch(_quantize_rows_kernel, lambda config: (triton.cdiv(m, config.meta_dict()["BLOCK_M"]),), args,
+                     {**modes, "BLOCK_K": block_k, "WHOLE_ROW": True}, key, x.device)  # fmt: skip
     return q, scale

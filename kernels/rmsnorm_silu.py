@@ -182,7 +182,7 @@ def _rmsnorm_silu_kernel(
         tl.store(y_base + offsets * y_stride_c, y.to(x_raw.dtype), mask=mask)
 
 
-@jit
+@jit(do_not_specialize=("W",))  # the row width only splits pixel indices: one compile for every size
 def _eager_tail_kernel(
     x_ptr,  # [B, C, P] via strides
     norm_ptr,  # [B, P] fp32 via strides: max(||x||, eps)

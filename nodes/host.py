@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..qwen21_core.errors import stable_name
+from ..qwen21_core.memory.manager import LocalMemoryManager
 from ..qwen21_core.memory.planner import indexed_device
 from ..qwen21_core.memory.streaming import StreamableStack
 
@@ -242,7 +243,8 @@ class ManagedModules:
     `streamable` (the DiT, the text encoder) is the object that can run with only part of its layer stack on the
     device (`place(device, resident_layers)`, `layer_bytes`, `num_layers`, `device_weight_bytes()`): for it a
     partial load is honoured, the other layers stream from pinned host RAM. Other modules load whole.
-    Without ComfyUI and without a budget this is inert: the pipeline places its own weights.
+    `evictable` False keeps the local manager from moving them off for another model (the text encoder with
+    offload_text_encoder "never"); ComfyUI's manager has no such setting.
     """
 
     def __init__(
@@ -258,6 +260,7 @@ class ManagedModules:
         self.on_unload = on_unload
         self.full_bytes = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters())
         self.name = "+".join(modules)  # for logs: "transformer", "text_encoder", "vae"
+        self.evictable = True
         self.patcher = None
         if not IN_COMFYUI:
             return
@@ -277,7 +280,7 @@ class ManagedModules:
         if self.patcher is not None:
             comfy_mm.load_models_gpu([self.patcher], memory_required=int(memory_required),
                                      force_full_load=self.streamable is None)  # fmt: skip
-        elif LOCAL.budget is not None:
+        else:
             LOCAL.load(self, int(memory_required))
 
     def unload(self) -> None:
@@ -288,8 +291,13 @@ class ManagedModules:
                     comfy_mm.current_loaded_models.pop(index).model_unload()
                     comfy_mm.soft_empty_cache()
                     return
-        elif LOCAL.budget is not None:
+        else:
             LOCAL.offload(self)
+
+    def released(self) -> None:
+        """The modules left the device (the local manager calls it; ComfyUI's detach callback does the same)."""
+        if self.on_unload is not None:
+            self.on_unload()
 
     # ---- placement (the local manager and the ComfyUI patcher both come through here) ------------------------
 
@@ -326,51 +334,7 @@ class ManagedModules:
         return max(0, min(s.num_layers, (weight_budget - fixed) // s.layer_bytes))
 
 
-class LocalMemoryManager:
-    """ComfyUI's memory policy in small, for the runner and benchmarks with a VRAM budget (`--vram-budget`):
-    before a component runs, the least recently used others move to the CPU until it fits; a streamable one
-    that still does not fit runs with part of its layers streaming."""
-
-    def __init__(self):
-        self.budget: int | None = None
-        self.loaded: list[ManagedModules] = []  # least recently used first
-
-    def load(self, managed: ManagedModules, memory_required: int) -> None:
-        from ..qwen21_core.memory.planner import HEADROOM_BYTES, device_free_bytes
-
-        device = managed.load_device
-        if device.type != "cuda":
-            return
-        if managed in self.loaded:
-            self.loaded.remove(managed)
-
-        def free():
-            return device_free_bytes(device, self.budget) + managed.device_bytes() - memory_required - HEADROOM_BYTES
-
-        for other in list(self.loaded):
-            if free() >= managed.full_bytes:
-                break
-            log.info("memory budget: moving %s to the CPU to make room for %s", other.name, managed.name)
-            self.offload(other)
-        room = free()  # one reading (each takes an allocator snapshot)
-        resident = None if room >= managed.full_bytes else managed.resident_for(room)
-        log.info("memory budget: %s on %s (%s; %.2f GiB of weights, %.2f GiB more needed, %.2f GiB free)",
-                 managed.name, device, "whole" if resident is None else f"{resident} layers resident",
-                 managed.full_bytes / 2**30, memory_required / 2**30, room / 2**30)  # fmt: skip
-        managed.place(device, resident)
-        self.loaded.append(managed)
-
-    def offload(self, managed: ManagedModules) -> None:
-        managed.place(offload_device())
-        if managed in self.loaded:
-            self.loaded.remove(managed)
-        if managed.on_unload is not None:
-            managed.on_unload()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-LOCAL = LocalMemoryManager()
+LOCAL = LocalMemoryManager()  # outside ComfyUI: places our models (qwen21_core/memory/manager.py)
 
 
 def set_vram_budget(budget_bytes: int | None) -> None:

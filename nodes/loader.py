@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
+from ..qwen21_core.memory.manager import TEXT_ENCODER_OFFLOAD, evictable, text_encoder_offload
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from ..qwen21_core.quant.plan import WeightFormats
 from . import host
@@ -48,6 +49,16 @@ TEXT_ENCODER_DTYPE_TOOLTIP = (
 )
 
 
+OFFLOAD_TOOLTIP = (
+    "When the text encoder leaves the GPU. auto: it stays after encoding while the GPU has the room, so a changed "
+    "prompt does not move it, and leaves only when the diffusion model or another model needs the room; then it "
+    "comes back from a copy kept in pinned RAM (as much RAM as its weights). always: off right after every encode "
+    "(most room for the diffusion model; every new prompt moves it back). never: it stays (the diffusion model "
+    "streams blocks from RAM instead; inside ComfyUI its memory manager can still move it off). Workflows saved with "
+    "the older on/off switch keep their meaning: on = always, off = never."
+)
+
+
 def _device_choices() -> list[str]:
     return ["auto", "cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
 
@@ -77,21 +88,18 @@ def _common_inputs() -> dict:
             },
         ),
         "offload_text_encoder": (
-            "BOOLEAN",
+            list(TEXT_ENCODER_OFFLOAD),
             {
-                "default": True,
-                "tooltip": "On: move the text encoder to CPU RAM right after encoding, leaving the VRAM to the "
-                "DiT. Each new prompt then moves it back and off again: 12.2 s for that round trip of the 8B "
-                "encoder on an H200 host (BENCHMARKS: Text encoder); a true_cfg_scale > 1 run pays it once more, "
-                "for the negative prompt, the first time. Off: keep it on the GPU for instant re-encoding "
-                "(inside ComfyUI its memory manager still moves it off when another model needs the room).",
+                "default": "auto",
+                "tooltip": OFFLOAD_TOOLTIP,
             },
         ),
     }
 
 
-def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool,
+def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto",
           text_encoder_dtype: str = "same") -> Qwen21Model:  # fmt: skip
+    offload_text_encoder = text_encoder_offload(offload_text_encoder)  # an older workflow's boolean included
     target = host.torch_device() if device == "auto" else torch.device(device)
     if weight_dtype not in PRECISIONS or text_encoder_dtype not in TEXT_ENCODER_PRECISIONS:
         got = f"{weight_dtype!r} and {text_encoder_dtype!r}"
@@ -107,8 +115,8 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool,
         source,
         device=target,
         dtype=dtype,
-        # Inside ComfyUI the memory manager places the text encoder; Qwen21Model offloads it on request.
-        text_encoder_offload=offload_text_encoder and not host.IN_COMFYUI,
+        # a memory manager places the text encoder (ComfyUI's or ours, memory/manager.py), not the pipeline
+        text_encoder_offload=evictable(offload_text_encoder),
         weight_formats=formats,
     )
     return Qwen21Model(pipe, offload_text_encoder=offload_text_encoder)
@@ -135,6 +143,16 @@ class _PipelineLoader:
     RETURN_NAMES = ("model",)
     OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
     FUNCTION = "load"
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, offload_text_encoder):
+        """Accept a saved workflow's boolean for offload_text_encoder (the input was an on/off switch before it
+        became a choice); ComfyUI then skips its own list check for this input, so the choices are checked here."""
+        try:
+            text_encoder_offload(offload_text_encoder)
+        except ValueError as error:
+            return str(error)
+        return True
 
 
 class Qwen21ModelLoader(_PipelineLoader):

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ..qwen21_core.memory.manager import evictable, offload_after_encode, text_encoder_offload
 from . import host
 from .preview import fit_latent_rgb
 
@@ -27,18 +28,24 @@ CONDITIONING_TYPE = "QWEN21_CONDITIONING"
 
 
 class Qwen21Model:
-    def __init__(self, pipe, offload_text_encoder: bool, device: torch.device | None = None):
+    """offload_text_encoder: "auto", "always" or "never" (or an older workflow's boolean): when the text encoder
+    leaves the GPU, decided by the memory manager (qwen21_core/memory/manager.py)."""
+
+    def __init__(self, pipe, offload_text_encoder="auto", device: torch.device | None = None):
         self.pipe = pipe
-        self.offload_text_encoder = offload_text_encoder
+        self.offload_text_encoder = text_encoder_offload(offload_text_encoder)
         # where everything runs (the pipeline's, unless given); ComfyUI may park modules elsewhere between runs
         self.device = device = torch.device(device) if device is not None else pipe.device
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release,
                                                streamable=pipe.transformer)  # fmt: skip
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device,
                                                 streamable=pipe.text_encoder)  # fmt: skip
+        self.text_encoder.evictable = evictable(self.offload_text_encoder)
         self.vae = host.ManagedModules({"vae": pipe.vae}, device)
-        # a memory manager (ComfyUI's, or the local one under a budget) places the DiT's blocks
-        pipe.manage_weights = not (host.IN_COMFYUI or host.LOCAL.budget is not None)
+        # a memory manager places the weights (ComfyUI's, or the local one): not the pipeline's own policy
+        pipe.manage_weights = False
+        # the encoder's weights may leave the device for the DiT: they count as free in the prefix-memory check
+        pipe.text_encoder_offload = evictable(self.offload_text_encoder)
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
@@ -63,12 +70,12 @@ class Qwen21Model:
     @contextlib.contextmanager
     def _text_encoder_loaded(self, activation_bytes: int):
         """The text encoder placed by the memory manager for the block, with `activation_bytes` left free beside
-        it (and unloaded after it when offload_text_encoder is on)."""
+        it; unloaded after it only with offload_text_encoder "always" (else it stays until the room is needed)."""
         self.text_encoder.load(activation_bytes)  # on the pipeline's execution device; the DiT need not be there
         try:
             yield
         finally:
-            if self.offload_text_encoder:
+            if offload_after_encode(self.offload_text_encoder):
                 self.text_encoder.unload()
 
     def encode(self, **kwargs):
@@ -119,13 +126,11 @@ class Qwen21Model:
             log.warning("out of GPU memory while %s; retrying once with a smaller memory budget", what)
         self.pipe.release()
         saved = (host.LOCAL.budget, self.pipe.vram_budget)
-        free = host.device_capacity_bytes(self.device)
         if host.IN_COMFYUI:
             host.comfy_mm.free_memory(int(needed * 1.2), self.device)
-        elif host.LOCAL.budget is not None:
-            host.LOCAL.budget = int(host.LOCAL.budget * 0.8)
-        else:
-            self.pipe.vram_budget = int(free * 0.8)
+        else:  # the local manager places fewer blocks, and the planner keeps more of the cache in host RAM
+            budget = host.LOCAL.budget if host.LOCAL.budget is not None else host.device_capacity_bytes(self.device)
+            host.LOCAL.budget = self.pipe.vram_budget = int(budget * 0.8)
         try:
             return run()
         except torch.OutOfMemoryError as error:

@@ -30,6 +30,7 @@ from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, in
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .sampler import Sampler, SampleStats
+from .warmup import KernelWarmup, warmup_enabled
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Qwen21Pipeline:
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
+        self.kernel_warmup: KernelWarmup | None = None
 
     @classmethod
     def from_pretrained(
@@ -104,7 +106,7 @@ class Qwen21Pipeline:
             load_text_encoder=load_text_encoder,
             weight_formats=weight_formats,
         )
-        return cls(
+        pipe = cls(
             parts.transformer,
             parts.vae,
             parts.text_encoder,
@@ -113,10 +115,32 @@ class Qwen21Pipeline:
             text_encoder_offload=text_encoder_offload,
             sources=parts.sources,
         )
+        pipe.start_kernel_warmup()
+        return pipe
 
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    # ---- kernel warm-up -----------------------------------------------------------------------------------
+
+    def start_kernel_warmup(self) -> KernelWarmup | None:
+        """Compile the DiT's and the VAE's Triton kernels in background threads (qwen21_core/warmup.py), so the
+        first image does not wait for them. Nothing on a CPU, without Triton or with QWEN21_KERNEL_WARMUP=0."""
+        from ..kernels._triton import TRITON_AVAILABLE
+        from .dit.kernel_warmup import dit_warmup_jobs
+        from .vae.kernel_warmup import vae_warmup_jobs
+
+        device = indexed_device(self.execution_device)
+        if self.kernel_warmup is not None or device.type != "cuda" or not TRITON_AVAILABLE or not warmup_enabled():
+            return self.kernel_warmup
+        parts = {"dit": dit_warmup_jobs(self.transformer, device), "vae": vae_warmup_jobs(self.vae, device)}
+        self.kernel_warmup = KernelWarmup(parts, device).start()
+        return self.kernel_warmup
+
+    def _wait_for_kernels(self, *parts: str) -> None:
+        if self.kernel_warmup is not None:
+            self.kernel_warmup.wait(*parts)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,6 +177,8 @@ class Qwen21Pipeline:
     ) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
+        if images is not None and len(images):
+            self._wait_for_kernels("vae")  # condition images go through the VAE encoder
         with self._text_encoder_placed():
             return encode_conditioning(
                 self.text_encoder,
@@ -294,6 +320,7 @@ class Qwen21Pipeline:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
+        self._wait_for_kernels("dit")  # the VAE's warm-up may go on: graph captures are thread-local
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
         if self.manage_weights:
@@ -355,6 +382,7 @@ class Qwen21Pipeline:
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
         device = self.vae_device
+        self._wait_for_kernels("vae")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
@@ -379,6 +407,7 @@ class Qwen21Pipeline:
                 raise ValueError(f"mask {list(masks.shape)} does not match image size {list(images.shape[1:3])}")
             alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
             images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
+        self._wait_for_kernels("vae")
         return self.vae.encode(images.to(self.vae_device), **options)
 
     @property

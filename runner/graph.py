@@ -9,6 +9,7 @@ dependency order, with the same V1 node classes ComfyUI loads.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -156,6 +157,7 @@ def _node_problems(node_id: str, node: dict, prompt: dict, node_classes: dict) -
     node_class = node_classes[class_type]
     inputs = node.get("inputs", {})
     problems = []
+    custom = _custom_validation(node_class)
     for name, (section, input_type, options) in input_specs(node_class).items():
         where = f"node {node_id} ({class_type}) input {name!r}"
         if name not in inputs:
@@ -164,7 +166,9 @@ def _node_problems(node_id: str, node: dict, prompt: dict, node_classes: dict) -
             continue
         value = inputs[name]
         if not is_link(value):
-            if (problem := _check_value(where, value, input_type, options)) is not None:
+            # as ComfyUI: an input the node's VALIDATE_INPUTS takes is checked there, not against its widget
+            problem = _check_value(where, value, input_type, options) if name not in custom else None
+            if problem is not None:
                 problems.append(problem)
             continue
         source_id, output_index = value
@@ -188,7 +192,18 @@ def _node_problems(node_id: str, node: dict, prompt: dict, node_classes: dict) -
     for name in inputs:
         if name not in input_specs(node_class):
             log.warning("node %s (%s): ignoring unknown input %r", node_id, class_type, name)
+    values = {name: inputs[name] for name in custom if name in inputs and not is_link(inputs[name])}
+    if values:
+        verdict = node_class.VALIDATE_INPUTS(**values)
+        if verdict is not True:
+            problems.append(f"node {node_id} ({class_type}) inputs {sorted(values)}: {verdict}")
     return problems
+
+
+def _custom_validation(node_class) -> set[str]:
+    """The inputs a node's VALIDATE_INPUTS checks itself (ComfyUI then skips its own check of them)."""
+    validate = getattr(node_class, "VALIDATE_INPUTS", None)
+    return set(inspect.getfullargspec(validate).args) - {"cls", "self"} if validate is not None else set()
 
 
 def _needed_nodes(prompt: dict, node_classes: dict) -> list[str]:

@@ -68,13 +68,16 @@ def test_interrupt_flag_stops_progress_once(caplog):
     progress.update(2)  # the request was consumed: the next run is not interrupted
 
 
-def test_managed_modules_are_inert_outside_comfyui():
+def test_outside_comfyui_the_local_manager_places_and_releases():
+    """Outside ComfyUI our own manager (memory/manager.py) places the modules: nothing to do for a CPU device at
+    load; an explicit unload moves them to the offload device and releases what hangs off them."""
     layer = torch.nn.Linear(2, 2)
     released = []
     managed = host.ManagedModules({"layer": layer}, torch.device("cpu"), on_unload=lambda: released.append(1))
     managed.load(10**12)
+    assert managed.patcher is None and released == [] and managed not in host.LOCAL.loaded
     managed.unload()
-    assert managed.patcher is None and released == []
+    assert released == [1]
     assert layer.weight.device.type == "cpu"
 
 

@@ -70,7 +70,7 @@ T2I_PROMPT = (
 
 def _loader(**inputs) -> dict:
     values = {"diffusion_model": DIFFUSION_MODEL, "text_encoder": TEXT_ENCODER, "vae": VAE}
-    values.update(weight_dtype="auto", text_encoder_dtype="same", device="auto", offload_text_encoder=True)
+    values.update(weight_dtype="auto", text_encoder_dtype="same", device="auto", offload_text_encoder="auto")
     values.update(inputs)
     return {"class_type": "Qwen21ModelLoader", "inputs": values, "_meta": {"title": "Load Qwen-Image-2.1"}}
 
@@ -165,7 +165,7 @@ def workflows() -> dict[str, tuple[dict, str]]:
                         "weight_dtype": "auto",
                         "text_encoder_dtype": "same",
                         "device": "auto",
-                        "offload_text_encoder": True,
+                        "offload_text_encoder": "auto",
                     },
                     "_meta": {"title": "Load Qwen-Image-2.1 turbo"},
                 },  # fmt: skip

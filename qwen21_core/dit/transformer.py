@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
+from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer, place_with_streaming
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
@@ -283,6 +284,7 @@ class QwenImage21Transformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
         self.streamer: LayerStreamer | None = None  # set by stream_blocks: some blocks stream from host RAM
+        self.host_copy: HostCopy | None = None  # the weights' pinned home off the GPU (memory/host_copy.py)
         self.weights_id: tuple = ()  # what is merged into the weights (a LoRA stack, lora/merge.py); () = as loaded
 
     # ---- block streaming ----------------------------------------------------------------------------
@@ -295,7 +297,10 @@ class QwenImage21Transformer(nn.Module):
     def place(self, device, resident_layers: int | None = None) -> None:
         """All weights on `device`, or with only `resident_layers` blocks there and the rest streaming
         (memory/streaming.py): how a budget, or ComfyUI's partial load, maps onto this model."""
-        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident_layers)
+        if self.host_copy is None:
+            self.host_copy = HostCopy(self.transformer_blocks, pin=torch.cuda.is_available())
+        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident_layers,
+                                             home=self.host_copy, version=self.weights_id)  # fmt: skip
 
     @property
     def resident_blocks(self) -> int:

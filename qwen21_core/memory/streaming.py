@@ -11,6 +11,10 @@ too; resident and streamed layers compute with the same kernels on the same valu
 While streaming, a streamed layer's parameters point at whatever its slot holds: only the layer loop may read
 them. Anything else that reads or writes weights (LoRA merges, a move to another device) calls `set_resident`
 or `move_all` first.
+
+The host buffers belong to the module's `HostCopy` (memory/host_copy.py), kept for the life of the model: a layer
+that stops streaming keeps its host buffer, so streaming it again, or moving the whole module off the GPU
+(`place_with_streaming` to the CPU), copies nothing when the weights did not change since.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .host_copy import HostCopy, layout, view
 from .planner import indexed_device
 from .prefetch import SlotPrefetcher
 
@@ -42,19 +47,6 @@ class StreamableStack(Protocol):
     def device_weight_bytes(self) -> int: ...
 
 
-_ALIGN = 256  # bytes: every tensor in a flat layer buffer starts on this boundary (vectorised loads, any dtype)
-
-
-def _layout(layer: nn.Module) -> tuple[list[tuple[str, int, torch.Size, torch.dtype]], int]:
-    """[(parameter name, byte offset, shape, dtype)] of a layer in its flat buffer, and the buffer size."""
-    entries, offset = [], 0
-    for name, param in layer.named_parameters():
-        entries.append((name, offset, param.shape, param.dtype))
-        nbytes = param.numel() * param.element_size()
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return entries, offset
-
-
 def point_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
     """Make parameter `name` of `module` hold `data`. A parameter created under inference mode (ComfyUI loads
     models inside it) is an inference tensor, and one given a normal tensor's data fails at its next use ("Inference
@@ -70,25 +62,38 @@ def point_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
                 sub._parameters[leaf] = replacement
 
 
-def _view(flat: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
-    count = int(torch.Size(shape).numel())
-    size = count * torch.empty((), dtype=dtype).element_size()
-    return flat[offset : offset + size].view(dtype).view(shape)
+def point_layer(layer: nn.Module, entries, flat: torch.Tensor, device: torch.device | None = None) -> None:
+    """The layer's parameters as views of its flat host buffer, or as copies of them on `device` (asynchronous from
+    pinned memory: the copies run in stream order before anything that reads them)."""
+    for name, offset, shape, dtype in entries:
+        data = view(flat, offset, shape, dtype)
+        point_parameter(layer, name, data if device is None else data.to(device, non_blocking=True))
+
+
+def layers_to_host(layers: list[nn.Module], home: HostCopy, version) -> None:
+    """Every layer as views of its host buffer (refreshed from the layer where stale): its device copy is dropped."""
+    with torch.no_grad(), torch.inference_mode(False):
+        for index, layer in enumerate(layers):
+            point_layer(layer, home.entries, home.layer_flat(index, layer, version))
+    _finish_host_copies()
 
 
 class LayerStreamer:
-    def __init__(self, layers: list[nn.Module], device: torch.device, slots: int = 2):
+    def __init__(self, layers: list[nn.Module], device: torch.device, slots: int = 2, home: HostCopy | None = None,
+                 version=()):  # fmt: skip
         if not layers:
             raise ValueError("a streamer needs at least one layer")
         self.layers = list(layers)
         self.device = torch.device(device)
-        self.entries, self.layer_bytes = _layout(self.layers[0])
+        self.entries, self.layer_bytes = layout(self.layers[0])
         for index, layer in enumerate(self.layers[1:], start=1):
-            if _layout(layer) != (self.entries, self.layer_bytes):
+            if layout(layer) != (self.entries, self.layer_bytes):
                 raise ValueError(f"layer {index} differs in its parameters from layer 0: layers must share one shape")
         self.slots = slots
         self.resident = len(self.layers)  # everything where it is until set_resident says otherwise
-        self.host: dict[int, torch.Tensor] = {}  # streamed layer -> its pinned flat buffer
+        self.home = home or HostCopy(self.layers, pin=self.device.type == "cuda")
+        self.version = version  # of the weights (see HostCopy): the host buffers of an older one are refreshed
+        self.host: dict[int, torch.Tensor] = {}  # streamed layer -> its host buffer (the home's)
         self.prefetcher: SlotPrefetcher | None = None
 
     # ---- placement -------------------------------------------------------------------------------------
@@ -113,8 +118,8 @@ class LayerStreamer:
             for index in range(count):
                 if index in self.host:
                     self._make_resident(index)
-                else:
-                    self.layers[index].to(self.device)  # from wherever it was (an offloaded model's CPU copy)
+                else:  # from wherever it was (an offloaded model's host copy: pinned, so asynchronous)
+                    self.layers[index].to(self.device, non_blocking=self.device.type == "cuda")
             for index in range(count, len(self.layers)):
                 if index not in self.host:
                     self._make_streamed(index)
@@ -124,28 +129,31 @@ class LayerStreamer:
                  count * self.layer_bytes / 2**30, len(self.host))  # fmt: skip
 
     def move_all(self, device: torch.device) -> None:
-        """Every layer whole on `device` (no streaming): for moving the model off the GPU and back."""
+        """Every layer whole on `device` (no streaming); to the CPU, the layers become views of their host buffers
+        (copied there first only where stale)."""
         device = torch.device(device)
         with torch.no_grad(), torch.inference_mode(False):
-            for index in list(self.host):
-                flat = self.host.pop(index)
-                for name, offset, shape, dtype in self.entries:
-                    point_parameter(self.layers[index], name, _view(flat, offset, shape, dtype).to(device))
-            for layer in self.layers:
-                layer.to(device)
+            if device.type == "cpu":
+                layers_to_host(self.layers, self.home, self.version)
+                self.host.clear()
+            else:
+                for index in list(self.host):
+                    self._point_at(index, self.host.pop(index), device)
+                for layer in self.layers:
+                    layer.to(device, non_blocking=True)
         self.prefetcher = None
         self.resident = len(self.layers) if device == self.device else 0
 
+    def _point_at(self, index: int, flat: torch.Tensor, device: torch.device | None = None) -> None:
+        point_layer(self.layers[index], self.entries, flat, device)
+
     def _make_resident(self, index: int) -> None:
-        flat = self.host.pop(index)
-        for name, offset, shape, dtype in self.entries:
-            point_parameter(self.layers[index], name, _view(flat, offset, shape, dtype).to(self.device))
+        self._point_at(index, self.host.pop(index), self.device)
 
     def _make_streamed(self, index: int) -> None:
-        flat = torch.empty(self.layer_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        for name, offset, shape, dtype in self.entries:
-            _view(flat, offset, shape, dtype).copy_(self.layers[index].get_parameter(name).data)
-            # released here; pointed at its slot by _refresh_slots
+        flat = self.home.layer_flat(index, self.layers[index], self.version)  # copies only when missing or stale
+        for name, _offset, _shape, dtype in self.entries:
+            # released here (the host buffer holds the values); pointed at its slot by _refresh_slots
             point_parameter(self.layers[index], name, torch.empty(0, dtype=dtype))
         self.host[index] = flat
 
@@ -160,7 +168,7 @@ class LayerStreamer:
         for index in self.host:
             slot = self.prefetcher.buffers[self.prefetcher.slot_of(index)]
             for name, offset, shape, dtype in self.entries:
-                point_parameter(self.layers[index], name, _view(slot, offset, shape, dtype))
+                point_parameter(self.layers[index], name, view(slot, offset, shape, dtype))
 
     # ---- the layer loop -----------------------------------------------------------------------------------
 
@@ -191,36 +199,72 @@ class LayerStreamer:
 
 
 def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: LayerStreamer | None, device,
-                         resident: int | None, hooks_on: nn.Module | None = None) -> LayerStreamer | None:  # fmt: skip
+                         resident: int | None, hooks_on: nn.Module | None = None, home: HostCopy | None = None,
+                         version=()) -> LayerStreamer | None:  # fmt: skip
     """Put `module` on `device` with only `resident` of its `layers` there (the others streaming); resident None:
     everything whole on `device`. Returns the streamer now in use (None when not streaming). (On a CPU device the
     "streaming" copies within RAM: pointless in use, but the same bookkeeping, which the CPU tests check.)
 
     hooks_on: for modules that run their layers through forward (the text encoder), the stack to attach the
     streamer's hooks to; the DiT drives its streamer from its own loop.
+    home, version: the module's host copy (memory/host_copy.py) and its weights' version. Given a home, moving to the
+    CPU only points the weights at their host copy (refreshed where stale) and coming back copies from pinned
+    memory; without one, `.to()` copies as torch does.
     """
     device = indexed_device(device)  # "cuda" and "cuda:0" must compare equal below, or the streamer is rebuilt
+    to_host = device.type == "cpu" and home is not None
     if resident is None or resident >= len(layers):
         if streamer is not None:
-            streamer.move_all(device)
+            streamer.move_all("cpu" if to_host else device)
             streamer.detach_hooks()
-        module.to(device)
+        elif to_host:
+            layers_to_host(list(layers), home, version)
+        else:
+            with torch.no_grad(), torch.inference_mode(False):
+                for layer in layers:  # from the host copy (pinned): asynchronous
+                    layer.to(device, non_blocking=device.type == "cuda")
+        _place_rest(module, layers, device, home if to_host else None, version)
         return None
-    layer_params = {id(p) for layer in layers for p in layer.parameters()}
-    with torch.no_grad(), torch.inference_mode(False):
-        for name, param in list(module.named_parameters()):
-            if id(param) not in layer_params:
-                point_parameter(module, name, param.data.to(device))
-        for sub in module.modules():
-            for name, buffer in sub._buffers.items():
-                if buffer is not None:
-                    sub._buffers[name] = buffer.to(device)
+    _place_rest(module, layers, device, None, version)
     if streamer is None or streamer.device != device:
         if streamer is not None:
             streamer.move_all("cpu")
             streamer.detach_hooks()
-        streamer = LayerStreamer(list(layers), device)
+        streamer = LayerStreamer(list(layers), device, home=home, version=version)
         if hooks_on is not None:
             streamer.hooks = streamer.attach_hooks(hooks_on)
+    streamer.version = version
     streamer.set_resident(resident)
     return streamer
+
+
+def _place_rest(module: nn.Module, layers: nn.ModuleList, device: torch.device, home: HostCopy | None,
+                version) -> None:  # fmt: skip
+    """The module's parameters and buffers outside `layers` on `device`: to the host copy when given one (views of
+    it, refreshed where stale), else copied (asynchronously where the source is pinned)."""
+    layer_tensors = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    with torch.no_grad(), torch.inference_mode(False):
+        for name, param in list(module.named_parameters()):
+            if id(param) not in layer_tensors:
+                point_parameter(module, name, _moved(param.data, name, device, home, version))
+        for sub_name, sub in module.named_modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and id(buffer) not in layer_tensors:
+                    full = f"{sub_name}.{name}" if sub_name else name
+                    sub._buffers[name] = _moved(buffer, full, device, home, version)
+    if home is not None:
+        _finish_host_copies()
+
+
+def _moved(tensor: torch.Tensor, name: str, device: torch.device, home: HostCopy | None, version) -> torch.Tensor:
+    if home is not None:
+        return home.tensor(name, tensor, version)
+    # asynchronous only towards the GPU: a device-to-pageable copy returns before its data is there
+    return tensor.to(device, non_blocking=device.type == "cuda")
+
+
+def _finish_host_copies() -> None:
+    """Device-to-host copies into pinned memory are asynchronous: wait for them before the host reads the values
+    (the device copies they came from are freed in stream order, which is safe either way)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()

@@ -28,6 +28,7 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel, Qwen3VLProcessor
 
 from ..conditioning import PromptEmbedding
+from ..memory.host_copy import HostCopy
 from ..memory.planner import indexed_device
 from ..memory.streaming import place_with_streaming
 from ..quant.linear import QuantLinear
@@ -179,6 +180,7 @@ class Qwen21TextEncoder:
         if not hasattr(self._text_model, "norm"):
             raise TypeError(f"{type(model).__name__} has no final norm at .language_model.norm; not a Qwen3-VL model?")
         self.streamer = None  # set by place(): decoder layers streaming from host RAM
+        self.host_copy: HostCopy | None = None  # the weights' pinned home off the GPU (memory/host_copy.py)
         self._im_start_id = self._special_token_id(IM_START)
         self._image_pad_id = self._special_token_id(IMAGE_PAD)
         self._identity: str | None = None
@@ -262,8 +264,11 @@ class Qwen21TextEncoder:
         """All weights on `device`, or with only `resident_layers` of the language model's decoder layers there and
         the others streaming from pinned host RAM one layer ahead (memory/streaming.py): how a budget, or
         ComfyUI's partial load, maps onto the encoder. The vision tower and the embeddings stay whole."""
-        self.streamer = place_with_streaming(self.model, self._text_model.layers, self.streamer, device,
-                                             resident_layers, hooks_on=self._text_model)  # fmt: skip
+        if self.host_copy is None:
+            self.host_copy = HostCopy(self._text_model.layers, pin=torch.cuda.is_available())
+        layers = self._text_model.layers
+        self.streamer = place_with_streaming(self.model, layers, self.streamer, device, resident_layers,
+                                             hooks_on=self._text_model, home=self.host_copy)  # fmt: skip
 
     @property
     def layer_bytes(self) -> int:

@@ -1,0 +1,260 @@
+"""What a fresh process waits for before its first image, and what the eager step's launches cost.
+
+    python benchmarks/bench_cold_start.py                  # H200: the cold-start matrix (child processes)
+    python benchmarks/bench_cold_start.py --launch-overhead  # 512^2 eager step per format, where the CPU time goes
+    python benchmarks/bench_cold_start.py --tiny --device cpu  # smoke test of the script itself
+
+Cold start: each configuration runs in its own child process with its own Triton cache folder (TRITON_CACHE_DIR):
+"empty" is a fresh machine, "warm" the same folder again (a restart). A child builds the full-size DiT (random
+weights, quantised as the loader does) and the VAE on the GPU, then, as a user would: load -> (the background kernel
+warm-up starts, unless --warmup off) -> a pause standing in for encoding -> the first 1024^2 DiT step (prefill and
+decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a second. One JSON line per child:
+`cold_start` with those times, the warm-up's parts and every Triton compile it saw (count, seconds, by kernel).
+
+Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) and replayed
+from a CUDA graph (GPU time alone), the 128-token prefill, and a cProfile of eager steps (where the host time goes).
+"""
+
+# ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from _common import emit, random_dit, sync
+
+HERE = Path(__file__).resolve().parent
+ENCODE_PAUSE_S = 0.5  # stands in for the first encode, which the warm-up overlaps
+
+
+def build(fmt: str, device, tiny: bool):
+    from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dit = random_dit(TINY_TRANSFORMER if tiny else TransformerConfig(), device, dtype)
+    if fmt != "bf16":
+        dit = dit.quantized_copy(uniform_plan(FORMATS[fmt], dit.config.num_layers))
+    vae = QwenImage21VAE(TINY_VAE if tiny else VAEConfig()).to(device, dtype).eval()
+    pipe = Qwen21Pipeline(dit, vae, None, QWEN21_SCHEDULER)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return pipe
+
+
+class CompileLog:
+    """Every Triton compile in this process (Triton's post-compile hook, where this Triton has one)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []
+        self.available = False
+        try:
+            import triton
+
+            runtime = triton.knobs.runtime
+        except (ImportError, AttributeError):
+            return
+        self.available = True
+        self._started: dict = {}
+        runtime.jit_cache_hook = self._before
+        runtime.jit_post_compile_hook = self._after
+
+    def _name(self, kwargs) -> str:
+        fn = kwargs.get("fn")
+        return str(getattr(fn, "name", None) or getattr(getattr(fn, "jit_function", None), "__name__", "?"))
+
+    def _before(self, **kwargs):
+        self._started[kwargs.get("key")] = time.perf_counter()
+        return False
+
+    def _after(self, **kwargs):
+        started = self._started.pop(kwargs.get("key"), time.perf_counter())
+        self.events.append((self._name(kwargs), time.perf_counter() - started))
+        return False
+
+    def summary(self) -> dict:
+        if not self.available:
+            return {"compiles": None}
+        by_kernel = Counter(name for name, _ in self.events)
+        return {"compiles": len(self.events), "compile_s": round(sum(s for _, s in self.events), 2),
+                "by_kernel": dict(by_kernel.most_common())}  # fmt: skip
+
+
+def first_calls(args, device):
+    """One child: load, warm-up, first DiT step, second decode, first and second VAE decode."""
+    from bench_dit import case_inputs
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+
+    compiles = CompileLog()
+    started = time.perf_counter()
+    pipe = build(args.format, device, args.tiny)
+    sync(device)
+    row = dict(what="cold_start", format=args.format, warmup=args.warmup, cache=args.cache,
+               autotune=os.environ.get("QWEN21_AUTOTUNE", "") == "1", build_s=round(time.perf_counter() - started, 1))
+    load_done = time.perf_counter()
+    if args.warmup == "on":
+        pipe.start_kernel_warmup()
+    time.sleep(0 if args.tiny else ENCODE_PAUSE_S)
+    res = 64 if args.tiny else 1024
+    dit = pipe.transformer
+    mask, embeds, cond, x, shapes, target = case_inputs(res, 0, 1, dit.config, device, dit.dtype, seed=1)
+    t = torch.full((1,), 0.5, device=device, dtype=dit.dtype)
+    layout = build_layout(mask, shapes, target)
+    with torch.inference_mode():
+        step_started = time.perf_counter()
+        row["waited_for_warmup_s"] = round(pipe.kernel_warmup.wait("dit") if pipe.kernel_warmup else 0.0, 2)
+        branch = dit.new_branch(layout, 1)
+        dit.prefill(branch, embeds, cond)
+        dit.decode(branch, x, t)
+        sync(device)
+        row["first_step_s"] = round(time.perf_counter() - step_started, 2)
+        row["first_step_from_load_s"] = round(time.perf_counter() - load_done, 2)
+        step_started = time.perf_counter()
+        dit.decode(branch, x, t)
+        sync(device)
+        row["second_decode_ms"] = round((time.perf_counter() - step_started) * 1e3, 1)
+        branch.release()
+        latents = torch.randn(1, 64 if not args.tiny else pipe.vae.config.z_dim, res // 16, res // 16, device=device)
+        for label in ("vae_first_s", "vae_second_s"):
+            step_started = time.perf_counter()
+            pipe.decode(latents)
+            sync(device)
+            row[label] = round(time.perf_counter() - step_started, 3)
+    row["first_image_parts_s"] = round(row["first_step_s"] + row["vae_first_s"], 2)
+    if pipe.kernel_warmup is not None:
+        pipe.kernel_warmup.wait()
+        row["warmup_parts_s"] = pipe.kernel_warmup.seconds
+        row["warmup_failures"] = pipe.kernel_warmup.failures
+    row.update(compiles.summary())
+    emit(**row)
+
+
+CHILDREN = [  # (format, warm-up, cache folder, cache state, extra environment)
+    ("fp8", "off", "fp8_nowarm", "empty", {}),
+    ("fp8", "on", "fp8_warm", "empty", {}),
+    ("fp8", "on", "fp8_warm", "warm", {}),
+    ("int8_convrot", "on", "i8r", "empty", {}),
+    ("int8_convrot", "on", "i8r", "warm", {}),
+    ("fp8", "off", "fp8_autotune", "empty", {"QWEN21_AUTOTUNE": "1"}),
+    ("bf16", "on", "bf16", "empty", {}),
+]
+
+
+def orchestrate(args):
+    root = Path(tempfile.mkdtemp(prefix="qwen21_cold_"))
+    children = CHILDREN[:2] if args.tiny else CHILDREN
+    for fmt, warmup, folder, state, extra in children:
+        cache = root / folder
+        if state == "empty" and cache.exists():
+            raise RuntimeError(f"{cache} should be empty for this child")
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), **extra)
+        command = [sys.executable, str(HERE / "bench_cold_start.py"), "--child", "--format", fmt, "--warmup", warmup,
+                   "--cache", state, "--device", args.device] + (["--tiny"] if args.tiny else [])  # fmt: skip
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        for line in lines:
+            sys.stdout.write(line + "\n")
+        if done.returncode != 0 or not lines:
+            emit(what="cold_start", format=fmt, warmup=warmup, cache=state, error=done.stderr[-3000:],
+                 returncode=done.returncode)  # fmt: skip
+        sys.stdout.flush()
+        emit(what="cold_start_child", format=fmt, cache=state, process_s=round(time.perf_counter() - started, 1))
+
+
+# ---- launch overhead ------------------------------------------------------------------------------------------
+
+
+def launch_overhead(args, device):
+    from bench_dit import case_inputs, timed
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+
+    base = random_dit(TINY_TRANSFORMER if args.tiny else TransformerConfig(), device, dtype)
+    res = 64 if args.tiny else 512
+    mask, embeds, cond, x, shapes, target = case_inputs(res, 0, 1, base.config, device, dtype, seed=5)
+    t = torch.full((1,), 0.5, device=device, dtype=dtype)
+    layout = build_layout(mask, shapes, target)
+    formats = ["bf16", "fp8", "int8_convrot", "int8"] if device.type == "cuda" else ["bf16", "fp8"]
+    for fmt in formats:
+        model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], base.config.num_layers))
+        row = dict(what="launch_overhead", format=fmt, res=res, prefix_tokens=layout.prefix_len)
+        with torch.inference_mode():
+            branch = model.new_branch(layout, 1)
+            row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)
+            row["decode_eager_ms"] = round(timed(lambda: model.decode(branch, x, t), device, 20), 2)
+            sync(device)
+            host_started = time.perf_counter()
+            for _ in range(5):
+                model.decode(branch, x, t)
+            row["decode_host_ms"] = round((time.perf_counter() - host_started) * 1e3 / 5, 2)  # launches queued only
+            sync(device)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(3):
+                model.decode(branch, x, t)
+            sync(device)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+            row["profile_tottime_top"] = [line for line in text.getvalue().splitlines() if line.strip()][-24:]
+            branch.release()
+            if device.type == "cuda":
+                graphs = DecodeGraphs(model)
+                gbranch = graphs.new_branch(layout, 1, "auto", "positive")
+                model.prefill(gbranch, embeds, cond)
+                graphs(gbranch, x, t)
+                row["decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, 20), 2)
+                row["graph_status"] = graphs.describe()
+                graphs.clear()
+        emit(**row)
+        if model is not base:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--launch-overhead", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--format", default="fp8")
+    parser.add_argument("--warmup", default="on", choices=("on", "off"))
+    parser.add_argument("--cache", default="empty")
+    parser.add_argument("--child-timeout", type=int, default=240)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.child:
+        if args.warmup == "off":
+            os.environ["QWEN21_KERNEL_WARMUP"] = "0"
+        first_calls(args, device)
+    elif args.launch_overhead:
+        launch_overhead(args, device)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Compile the Triton kernels a DiT step launches before the first step needs them.
+
+One block's step math (modulated LayerNorm + QKV projection, QK-norm + RoPE into a cache-like buffer, the split
+prefix/target attention with its merge kernel, the output projection and the MLP with their fused quantisation
+and epilogues) runs on a few rows of dummy input, the projections once per M bucket (kernels/launch_configs.py
+`forced_bucket`): each bucket's tuned configuration compiles then, whatever the real row counts will be. Row and
+token counts are not specialised on (kernels/_triton.py `jit`), so these few rows compile exactly the variants real
+prompts use.
+
+It runs on a copy of block 0 on the execution device, so it may run in a background thread while the model itself
+is loaded, offloaded, streamed or merged with a LoRA (qwen21_core/warmup.py); values are meaningless, only the
+compiles count.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ...kernels.kv_quant import dequantize_kv, quantize_kv
+from ...kernels.launch_configs import all_buckets, forced_bucket
+from ...kernels.qk_norm_rope import qk_norm_rope
+from .attention import shared_prefix_decode_attention
+from .transformer import EAGER, Modulation, QwenImage21Transformer
+
+WARMUP_ROWS = 16  # the smallest tensor-core row tile
+# The buckets of a 1024^2 image (4096 target rows) and of a typical prompt (a few hundred tokens) first: the first
+# image needs them, the others only sizes and reference counts met later.
+FIRST_BUCKETS = (4096, 256, 512)
+
+
+def bucket_order() -> list[int]:
+    return [*FIRST_BUCKETS, *(b for b in all_buckets() if b not in FIRST_BUCKETS)]
+
+
+def dit_warmup_jobs(transformer: QwenImage21Transformer, device: torch.device) -> list[Callable[[], None]]:
+    """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py): QK-norm+RoPE
+    and the attention merge once, the K/V-cache formats once, and for every M bucket the QKV projection and the
+    block's finish (output projection and MLP) apart, so no job compiles more than a few kernels."""
+    copied: list = []
+    lock = threading.Lock()
+    config = transformer.config
+
+    def block():
+        with lock:
+            if not copied:
+                with torch.inference_mode(False):
+                    copied.append(copy.deepcopy(transformer.transformer_blocks[0]).to(device))
+        return copied[0]
+
+    def job(part: str, bucket: int = FIRST_BUCKETS[0]):
+        return lambda: warm_up(block(), config, part, bucket)
+
+    jobs = [job("attention")]
+    for bucket in bucket_order():
+        jobs += [job("qkv", bucket), job("finish", bucket)]
+    jobs.append(lambda: warm_up_kv_formats(config, device, transformer.dtype))
+    return jobs
+
+
+@torch.no_grad()
+def warm_up(block, config, part: str, bucket: int) -> None:
+    """One piece of `block`'s step math on WARMUP_ROWS dummy rows, with `bucket`'s launch configurations: "qkv" (the
+    modulated QKV projection), "attention" (QK-norm + RoPE into a cache-like buffer, the split attention and its
+    merge) or "finish" (the output projection and the MLP with their gated residuals)."""
+    device = next(block.parameters()).device
+    dtype = block.attn.norm_q_weight.dtype
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    gen = torch.Generator(device=device).manual_seed(bucket)
+    x = torch.randn(1, WARMUP_ROWS, config.inner_dim, device=device, generator=gen).to(dtype)
+    ones = torch.ones(1, 1, config.inner_dim, device=device, dtype=dtype)
+    mod = Modulation(ones, ones, ones, ones)
+    with forced_bucket(bucket):
+        if part == "qkv":
+            block._qkv(x, mod.scale1, EAGER)
+        elif part == "finish":
+            block._finish(x, x.unflatten(-1, (heads, head_dim)), mod, EAGER)
+        elif part == "attention":
+            qkv = torch.randn(1, WARMUP_ROWS, 3, heads, head_dim, device=device, generator=gen).to(dtype)
+            cos = torch.ones(WARMUP_ROWS, head_dim // 2, device=device)
+            # K/V written into a slice of a longer buffer, as into the prefix cache
+            cache = torch.empty(2, 1, 2 * WARMUP_ROWS, heads, head_dim, device=device, dtype=dtype)
+            q, k, v = qk_norm_rope(qkv, block.attn.norm_q_weight, block.attn.norm_k_weight, cos, torch.zeros_like(cos),
+                                   block.eps, k_out=cache[0, :, :WARMUP_ROWS], v_out=cache[1, :, :WARMUP_ROWS],
+                                   min_tokens=0)  # fmt: skip
+            shared_prefix_decode_attention(q, k, v, k, v)
+        else:
+            raise ValueError(f"unknown warm-up part {part!r}")
+
+
+@torch.no_grad()
+def warm_up_kv_formats(config, device: torch.device, dtype: torch.dtype) -> None:
+    """The dequantiser of the fp8/int8 K/V cache formats (kv_cache option), for this model's head size."""
+    x = torch.randn(WARMUP_ROWS, config.num_attention_heads, config.attention_head_dim, device=device, dtype=dtype)
+    for fmt in ("fp8", "int8"):
+        values, scale = quantize_kv(x, fmt)
+        dequantize_kv(values, scale, torch.empty_like(x))

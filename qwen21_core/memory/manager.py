@@ -1,0 +1,109 @@
+"""Where the DiT, the text encoder and the VAE live outside ComfyUI, and when the text encoder leaves the GPU: the one
+place that decides their residency (inside ComfyUI its memory manager decides, on the same terms).
+
+`LocalMemoryManager` is ComfyUI's policy in small: before a model runs, the least recently used others that may be
+evicted move off the device until it fits; a streamable one (DiT blocks, text-encoder layers) that still does not
+fit runs with part of its layers streaming from host RAM. "Fits" is the device's free memory (memory/planner.py:
+a per-process cap and a `--vram-budget` included) plus what the model already holds there, less what the run
+needs beside its weights (`memory_required`: the K/V cache and activations of a sampling run, an encode's
+activations).
+
+The text encoder's residency (`TEXT_ENCODER_OFFLOAD`, the loaders' `offload_text_encoder`):
+- "auto" (default): it stays on the GPU after encoding and leaves only when another model needs the room (it is
+  evictable, least recently used first): on a card where the run's sampling fits beside it a changed prompt never
+  moves it; on a small card it leaves for the DiT and comes back from its pinned host copy (memory/host_copy.py);
+- "always": it leaves right after every encode (the old default: the most room for the DiT, a move per prompt);
+- "never": it is not evicted by this manager (the DiT streams blocks instead); inside ComfyUI its manager can still
+  move it off when another model needs the room.
+Saved workflows from before this choice have a boolean: True meant "always", False "never".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from . import planner
+
+log = logging.getLogger(__name__)
+
+TEXT_ENCODER_OFFLOAD = ("auto", "always", "never")
+
+
+def text_encoder_offload(value) -> str:
+    """The residency choice from a loader input: one of TEXT_ENCODER_OFFLOAD, or a saved workflow's boolean."""
+    if isinstance(value, bool):
+        return "always" if value else "never"
+    if value in TEXT_ENCODER_OFFLOAD:
+        return value
+    raise ValueError(f"offload_text_encoder must be one of {list(TEXT_ENCODER_OFFLOAD)} (or true / false from an "
+                     f"older workflow), got {value!r}")  # fmt: skip
+
+
+def offload_after_encode(choice: str) -> bool:
+    return choice == "always"
+
+
+def evictable(choice: str) -> bool:
+    """Whether a memory manager may move the text encoder off to make room for another model."""
+    return choice != "never"
+
+
+class Managed(Protocol):
+    """What the manager needs of a model (nodes/host.py ManagedModules provides it)."""
+
+    name: str
+    load_device: torch.device
+    full_bytes: int
+    evictable: bool
+
+    def device_bytes(self) -> int: ...
+
+    def resident_for(self, weight_budget: int) -> int | None: ...
+
+    def place(self, device, resident_layers: int | None = None) -> None: ...
+
+    def released(self) -> None: ...
+
+
+class LocalMemoryManager:
+    def __init__(self, offload_device: torch.device | str = "cpu"):
+        self.budget: int | None = None  # bytes our models and caches may use on the device; None: what it has
+        self.offload_device = torch.device(offload_device)
+        self.loaded: list[Managed] = []  # least recently used first
+
+    def load(self, managed: Managed, memory_required: int) -> None:
+        """Put `managed` on its device (partly, if even after evictions it does not fit whole), `memory_required`
+        bytes left free beside its weights."""
+        device = managed.load_device
+        if device.type != "cuda":
+            return
+        if managed in self.loaded:
+            self.loaded.remove(managed)
+
+        def room():
+            free = planner.device_free_bytes(device, self.budget)
+            return free + managed.device_bytes() - memory_required - planner.HEADROOM_BYTES
+
+        for other in [m for m in self.loaded if m.evictable and m.load_device == device]:
+            if room() >= managed.full_bytes:
+                break
+            log.info("memory manager: moving %s off %s to make room for %s", other.name, device, managed.name)
+            self.offload(other)
+        free = room()  # one reading (each takes an allocator snapshot)
+        resident = None if free >= managed.full_bytes else managed.resident_for(free)
+        log.info("memory manager: %s on %s (%s; %.2f GiB of weights, %.2f GiB more needed, %.2f GiB free)",
+                 managed.name, device, "whole" if resident is None else f"{resident} layers resident",
+                 managed.full_bytes / 2**30, memory_required / 2**30, free / 2**30)  # fmt: skip
+        managed.place(device, resident)
+        self.loaded.append(managed)
+
+    def offload(self, managed: Managed) -> None:
+        managed.place(self.offload_device)
+        if managed in self.loaded:
+            self.loaded.remove(managed)
+        managed.released()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

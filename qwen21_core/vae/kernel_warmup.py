@@ -1,0 +1,51 @@
+"""Compile the Triton kernels a VAE decode and encode launch, before the first image needs them.
+
+The exact decode's kernels are used only after self-tests proved them bit-identical to torch on the device
+(kernels/rmsnorm_silu.py, kernels/bias_residual.py); those run here first. Then a decode of 2x2 and of 4x4 latents
+and an encode of a 32x32 image: the pixel counts of the first decoder stages are multiples of 16 for some image
+sizes and not for others (the only integer classes these kernels specialise on), and the two latent sizes cover
+both, so every real size finds its variants compiled.
+
+Like the DiT's, it runs on a copy (the VAE is small), so the model itself stays free to be used or moved, and as
+small jobs on the warm-up's thread pool (qwen21_core/warmup.py): the self-tests apart from the decodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ...kernels import bias_residual, rmsnorm_silu
+from .model import QwenImage21VAE
+
+LATENT_SIDES = (2, 4)
+
+
+def vae_warmup_jobs(vae: QwenImage21VAE, device: torch.device) -> list[Callable[[], None]]:
+    """Independent jobs for a thread pool: each self-test, the small decodes, the small encode (one shared copy of
+    the VAE: its exact path keeps no state between calls)."""
+    copied: list = []
+    lock = threading.Lock()
+    dtype = vae.dtype
+
+    def model():
+        with lock:
+            if not copied:
+                with torch.inference_mode(False):
+                    copied.append(copy.deepcopy(vae).to(device))
+        return copied[0]
+
+    def decode():
+        for side in LATENT_SIDES:
+            model().decode(torch.zeros(1, vae.config.z_dim, side, side, device=device), tiling="off")
+
+    return [
+        lambda: rmsnorm_silu.eager_kernel_verified(device, dtype),
+        lambda: rmsnorm_silu.direct_norm_verified(device, dtype),
+        lambda: bias_residual.epilogue_verified(device, dtype),
+        decode,
+        lambda: model().encode(torch.zeros(1, 32, 32, 4, device=device), tiling="off"),
+    ]

@@ -1,0 +1,124 @@
+"""Kernel warm-up in the background, from the moment a model is loaded.
+
+The first image in a fresh process used to wait for every Triton kernel to compile on first use (68 s on a fresh
+H200 machine, notes/session_h200.md). `KernelWarmup` compiles them in background threads instead, while the user
+is still loading, typing or encoding: the DiT's kernels for every M bucket (dit/kernel_warmup.py) and the VAE's
+(vae/kernel_warmup.py). Triton's compiler releases the GIL for most of its work, so several threads compile at
+once. With compiled kernels on disk (a restart) each job only loads them.
+
+`wait(part)` blocks until a part is done: the sampler waits for the DiT's before its first step (a kernel compiled
+twice is wasted time), the VAE for its own before decoding. Decode-graph captures are thread-local
+(dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails is logged and
+the rest of its part skipped: those kernels then compile on first use, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WARMUP_ENV = "QWEN21_KERNEL_WARMUP"  # "0" turns the warm-up off (kernels then compile on first use)
+MAX_THREADS = 8
+
+
+def warmup_enabled() -> bool:
+    return os.environ.get(WARMUP_ENV, "").strip() != "0"
+
+
+class KernelWarmup:
+    """Runs named parts, each a list of independent jobs, on one thread pool: every job is queued at start, in order
+    (the first part's first), and a part is done when all its jobs are. Jobs are small (a few compiles each), so the
+    compiles of one part spread over the threads instead of queueing behind each other."""
+
+    def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None):
+        self.device = device
+        self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
+        self.jobs = {name: len(jobs) for name, jobs in parts.items()}
+        self.seconds: dict[str, float] = {}
+        self.failures: dict[str, str] = {}
+        self._parts = parts
+        self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
+        self._left = dict(self.jobs)
+        self._lock = threading.Lock()
+        self._started_at = 0.0
+
+    def start(self) -> KernelWarmup:
+        if self._started_at:
+            return self
+        self._started_at = time.perf_counter()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qwen21-warmup")
+        for name, jobs in self._parts.items():
+            if not jobs:
+                self._finish(name)
+            for job in jobs:
+                pool.submit(self._job, name, job)
+        pool.shutdown(wait=False)  # the threads end when the queue is empty
+        self._parts = {}  # the jobs (and the model copies they hold) go once they ran
+        return self
+
+    def _job(self, name: str, job: Callable[[], None]) -> None:
+        try:
+            if name not in self.failures:  # after a failure the part's kernels compile on first use instead
+                stream = _side_stream(self.device)
+                with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                    job()
+                if stream is not None:
+                    stream.synchronize()
+        except Exception as error:  # noqa: BLE001 - a warm-up never fails a run
+            self.failures.setdefault(name, f"{type(error).__name__}: {error}")
+            log.warning("kernel warm-up %s failed (%s); its kernels compile on first use instead", name, error)
+        finally:
+            with self._lock:
+                self._left[name] -= 1
+                last = self._left[name] == 0
+            if last:
+                self._finish(name)
+
+    def _finish(self, name: str) -> None:
+        self.seconds[name] = round(time.perf_counter() - self._started_at, 3)
+        self._done[name].set()
+        failed = f", failed: {self.failures[name]}" if name in self.failures else ""
+        log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
+                 self.seconds[name], failed)  # fmt: skip
+
+    def wait(self, *names: str) -> float:
+        """Block until the named parts (all when none are named) are done; returns the seconds waited."""
+        if not self._started_at:
+            return 0.0
+        started = time.perf_counter()
+        for name in names or tuple(self.jobs):
+            event = self._done.get(name)
+            if event is not None:
+                event.wait()
+        waited = time.perf_counter() - started
+        if waited > 0.05:
+            log.info("waited %.2f s for the kernel warm-up (%s)", waited, ", ".join(names or self.jobs))
+        return waited
+
+    def done(self, name: str) -> bool:
+        return self._done[name].is_set()
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """One stream per device for every warm-up job (off the compute stream; a stream per job would each keep a
+    cuBLAS workspace for the life of the process)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        if index not in _streams:
+            _streams[index] = torch.cuda.Stream(index)
+        return _streams[index]

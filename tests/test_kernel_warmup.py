@@ -1,0 +1,161 @@
+"""The background kernel warm-up: parts run side by side, a failing job is logged and never raised, waiting blocks
+until a part is done; the DiT's and the VAE's warm-up jobs run the real step math on copies (CPU here: torch's
+references; on the GPU the same calls compile the Triton kernels, checked by the GPU test)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from qwen21_nodes.kernels import launch_configs
+from qwen21_nodes.qwen21_core.dit.kernel_warmup import bucket_order, dit_warmup_jobs
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
+from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
+from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+from qwen21_nodes.qwen21_core.warmup import KernelWarmup
+
+
+def test_parts_run_side_by_side_and_wait_blocks_until_done():
+    gate = threading.Event()
+    ran = []
+
+    def slow():
+        gate.wait(5)
+        ran.append("slow")
+
+    warmup = KernelWarmup({"a": [slow], "b": [lambda: ran.append("b1"), lambda: ran.append("b2")]},
+                          torch.device("cpu"), threads=2).start()  # fmt: skip
+    warmup.wait("b")  # b does not wait for a
+    assert sorted(ran) == ["b1", "b2"] and not warmup.done("a")
+    gate.set()
+    warmup.wait()
+    assert sorted(ran) == ["b1", "b2", "slow"] and warmup.done("a")
+    assert set(warmup.seconds) == {"a", "b"}
+
+
+def test_a_failing_job_is_logged_and_never_raises(caplog):
+    ran = []
+
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    with caplog.at_level(logging.WARNING):
+        warmup = KernelWarmup({"dit": [broken], "vae": [lambda: ran.append(2)]}, torch.device("cpu"), threads=1)
+        warmup.start().wait()
+    assert ran == [2]  # the other part ran
+    assert "no compiler here" in warmup.failures["dit"] and "compile on first use" in caplog.text
+    assert warmup.done("dit") and warmup.done("vae")
+
+
+def test_wait_before_start_returns_at_once():
+    warmup = KernelWarmup({"dit": [lambda: time.sleep(10)]}, torch.device("cpu"))
+    assert warmup.wait() == 0.0
+
+
+def test_bucket_order_starts_with_the_first_images_buckets_and_covers_all():
+    order = bucket_order()
+    assert order[:3] == [4096, 256, 512]
+    assert sorted(order) == launch_configs.all_buckets()
+
+
+def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch):
+    torch.manual_seed(0)
+    model = QwenImage21Transformer(TINY_TRANSFORMER).eval()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    seen = []
+    real = launch_configs.forced_bucket
+
+    def spy(bucket):
+        seen.append(bucket)
+        return real(bucket)
+
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.dit.kernel_warmup.forced_bucket", spy)
+    jobs = dit_warmup_jobs(model, torch.device("cpu"))
+    for job in jobs:
+        job()
+    # the attention kernels once (at the first bucket), the QKV projection and the finish per bucket; K/V formats
+    assert seen == [4096] + [b for b in bucket_order() for _ in ("qkv", "finish")]
+    assert len(jobs) == len(seen) + 1
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+def test_forced_bucket_is_per_thread_and_restored():
+    kernel = launch_configs.TunedKernel("toy", ("M_BUCKET",), rule=lambda key: launch_configs.LaunchConfig.of(
+        key["M_BUCKET"] // 16), candidates=lambda key: [])  # fmt: skip
+    launched = []
+
+    class Fn:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["num_warps"])
+
+    def launch(rows):
+        key = {"M_BUCKET": launch_configs.m_bucket(rows)}
+        kernel.launch(Fn(), lambda config: (1,), (), {}, key, torch.device("cpu"))
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
+    try:
+        with launch_configs.forced_bucket(4096):
+            launch(16)
+            other = threading.Thread(target=launch, args=(16,))
+            other.start()
+            other.join()
+        launch(16)
+    finally:
+        monkeypatch.undo()
+    assert launched == [256, 1, 1]  # forced in this thread only, and gone after the block
+
+
+@pytest.mark.slow
+def test_vae_job_decodes_and_encodes_on_a_copy():
+    torch.manual_seed(0)
+    vae = QwenImage21VAE(TINY_VAE).eval()
+    before = [p.clone() for p in vae.parameters()]
+    for job in vae_warmup_jobs(vae, torch.device("cpu")):
+        job()
+    assert all(torch.equal(a, b) for a, b in zip(before, vae.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8_convrot", "bf16"])
+def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
+    """The point of the warm-up: a prefill and decode of sizes and prompt lengths it never saw (rows and tokens are
+    not specialised on; each bucket's configuration was compiled) launch only kernels that are already compiled."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook to count compiles with")
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = QwenImage21Transformer(TINY_TRANSFORMER).to(device, torch.bfloat16).eval()
+    if fmt != "bf16":
+        model = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
+    for job in dit_warmup_jobs(model, device):
+        job()
+    torch.cuda.synchronize()
+    compiled = []
+    runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(kwargs.get("fn"))
+    try:
+        config = model.config
+        with torch.inference_mode():
+            for text, side in ((37, 6), (300, 20), (129, 34)):
+                mask = torch.zeros(text, dtype=torch.bool)
+                layout = build_layout(mask, [], (side, side))
+                embeds = torch.randn(text, config.context_in_dim, device=device, dtype=torch.bfloat16)
+                x = torch.randn(1, side * side, config.in_channels, device=device, dtype=torch.bfloat16)
+                branch = model.new_branch(layout, 1)
+                model.prefill(branch, embeds, None)
+                model.decode(branch, x, torch.full((1,), 0.5, device=device, dtype=torch.bfloat16))
+                branch.release()
+        torch.cuda.synchronize()
+    finally:
+        runtime.jit_post_compile_hook = None
+    assert compiled == []

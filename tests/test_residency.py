@@ -1,0 +1,228 @@
+"""Where the text encoder lives (qwen21_core/memory/manager.py): it stays on the GPU while the run fits beside it,
+leaves when the DiT needs the room, never leaves under "never", always leaves under "always"; older workflows'
+boolean keeps its meaning; inside ComfyUI our nodes leave the eviction to ComfyUI's memory manager. Plus the host
+copy the weights move to and from (memory/host_copy.py): made once, refreshed only when the weights changed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
+from qwen21_nodes.qwen21_core.memory import manager as memory_manager
+from qwen21_nodes.qwen21_core.memory import planner
+from qwen21_nodes.qwen21_core.memory.manager import LocalMemoryManager, text_encoder_offload
+
+GIB = 2**30
+
+
+class Stack:
+    """A streamable stand-in on a pretend GPU: records its placements, reports what it holds there."""
+
+    def __init__(self, layers=8, layer_bytes=GIB, fixed=GIB):
+        self.num_layers, self.layer_bytes, self.fixed = layers, layer_bytes, fixed
+        self.placed: list[tuple[str, int | None]] = []
+
+    def place(self, device, resident_layers=None):
+        self.placed.append((torch.device(device).type, resident_layers))
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.placed) and self.placed[-1][0] == "cuda"
+
+    def device_weight_bytes(self):
+        if not self.on_gpu:
+            return 0
+        resident = self.placed[-1][1]
+        return self.fixed + (self.num_layers if resident is None else resident) * self.layer_bytes
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A pretend 24 GiB GPU: free memory is 24 GiB less what the stacks hold there."""
+    stacks: list[Stack] = []
+    def free(device, budget=None):
+        return 24 * GIB - sum(s.device_weight_bytes() for s in stacks)
+
+    monkeypatch.setattr(planner, "device_free_bytes", free)
+    local = LocalMemoryManager()
+    monkeypatch.setattr(host, "LOCAL", local)
+
+    def managed(name, layers, evictable=True):
+        stack = Stack(layers=layers)
+        stacks.append(stack)
+        m = host.ManagedModules({name: torch.nn.Linear(1, 1)}, torch.device("cuda"), streamable=stack)
+        m.full_bytes = stack.fixed + layers * stack.layer_bytes
+        m.device_bytes = stack.device_weight_bytes
+        m.evictable = evictable
+        return m, stack
+
+    return managed
+
+
+def test_the_encoder_stays_when_sampling_fits_beside_it(gpu):
+    encoder, encoder_stack = gpu("text_encoder", 8)  # 9 GiB
+    dit, dit_stack = gpu("transformer", 6)  # 7 GiB
+    host.LOCAL.load(encoder, GIB)
+    host.LOCAL.load(dit, 2 * GIB)  # 9 + 7 + 2 + 0.5 headroom <= 24
+    assert encoder_stack.placed == [("cuda", None)] and dit_stack.placed == [("cuda", None)]
+    host.LOCAL.load(encoder, GIB)  # the next prompt: already there, nothing moves
+    assert encoder_stack.placed == [("cuda", None), ("cuda", None)]
+
+
+def test_the_encoder_leaves_when_the_dit_needs_the_room(gpu):
+    encoder, encoder_stack = gpu("text_encoder", 8)  # 9 GiB
+    dit, dit_stack = gpu("transformer", 12)  # 13 GiB
+    host.LOCAL.load(encoder, GIB)
+    host.LOCAL.load(dit, 4 * GIB)  # 9 + 13 + 4 + 0.5 > 24: the encoder makes room, the DiT stays whole
+    assert encoder_stack.placed[-1] == ("cpu", None) and dit_stack.placed[-1] == ("cuda", None)
+    host.LOCAL.load(encoder, GIB)  # the next prompt: it comes back beside the DiT (24 - 13 - 1 - 0.5 >= 9)
+    assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cuda", None)
+    host.LOCAL.load(encoder, 3 * GIB)  # an encode with 4 references: the DiT (least recently used) makes room
+    assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cpu", None)
+
+
+def test_never_keeps_the_encoder_and_the_dit_streams_instead(gpu):
+    encoder, encoder_stack = gpu("text_encoder", 8, evictable=False)
+    dit, dit_stack = gpu("transformer", 12)
+    host.LOCAL.load(encoder, GIB)
+    host.LOCAL.load(dit, 4 * GIB)
+    assert encoder_stack.placed == [("cuda", None)]  # not evicted
+    # 24 - 9 held + 0 own - 4 needed - 0.5 = 10.5 GiB for the DiT: fixed 1 + two 1 GiB staging slots, 7 layers
+    assert dit_stack.placed[-1] == ("cuda", 7)
+
+
+def test_choices_and_older_workflows_boolean():
+    assert [text_encoder_offload(v) for v in ("auto", "always", "never", True, False)] == [
+        "auto", "always", "never", "always", "never"]  # fmt: skip
+    with pytest.raises(ValueError, match="offload_text_encoder must be one of"):
+        text_encoder_offload("sometimes")
+    for loader in (Qwen21ModelLoader, Qwen21DiffusersLoader):
+        assert loader.INPUT_TYPES()["required"]["offload_text_encoder"][1]["default"] == "auto"
+        assert loader.VALIDATE_INPUTS(offload_text_encoder=True) is True
+        assert loader.VALIDATE_INPUTS(offload_text_encoder="never") is True
+        assert "must be one of" in loader.VALIDATE_INPUTS(offload_text_encoder="sometimes")
+
+
+def _handle(monkeypatch, choice):
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    text = types.SimpleNamespace(model=torch.nn.Linear(2, 2), estimated_tokens=lambda *a: 10,
+                                 activation_bytes=lambda tokens: tokens * 100)  # fmt: skip
+    pipe = types.SimpleNamespace(transformer=torch.nn.Linear(2, 2), text_encoder=text, vae=torch.nn.Linear(2, 2),
+                                 sources={}, release=lambda: None, device=torch.device("cpu"),
+                                 encode=lambda **kwargs: "conditioning")  # fmt: skip
+    handle = Qwen21Model(pipe, offload_text_encoder=choice)
+    events = []
+    monkeypatch.setattr(handle.text_encoder, "load", lambda required=0: events.append(("load", required)))
+    monkeypatch.setattr(handle.text_encoder, "unload", lambda: events.append(("unload",)))
+    monkeypatch.setattr(handle.vae, "load", lambda required=0: None)
+    return handle, events
+
+
+@pytest.mark.parametrize("choice, leaves", [("auto", False), ("never", False), ("always", True), (True, True)])
+def test_an_encode_unloads_the_encoder_only_when_asked_to_always(monkeypatch, choice, leaves):
+    handle, events = _handle(monkeypatch, choice)
+    assert handle.encode(prompt="a cat") == "conditioning"
+    assert events == [("load", 1000)] + ([("unload",)] if leaves else [])
+    assert handle.text_encoder.evictable == (text_encoder_offload(choice) != "never")
+    assert handle.pipe.manage_weights is False  # a memory manager places the weights, not the pipeline
+
+
+def test_inside_comfyui_the_encoder_is_a_model_comfyui_may_unload(monkeypatch):
+    """With "auto" our nodes never unload the encoder themselves: it is registered with ComfyUI's memory manager
+    (load_models_gpu), which moves it off when the DiT asks for more room than is free."""
+    loaded, unloaded = [], []
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+            self.model = model
+
+        def add_callback(self, *_):
+            pass
+
+    fake_mm = types.SimpleNamespace(
+        load_models_gpu=lambda models, memory_required, force_full_load: loaded.append((models[0], memory_required)),
+        current_loaded_models=[],
+        soft_empty_cache=lambda: None,
+    )  # fmt: skip
+    monkeypatch.setattr(host, "IN_COMFYUI", True)
+    monkeypatch.setattr(host, "comfy_mm", fake_mm)
+    monkeypatch.setattr(host, "comfy_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
+    monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(host, "_streaming_patcher_class", lambda: Patcher)
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    text = types.SimpleNamespace(model=torch.nn.Linear(2, 2), estimated_tokens=lambda *a: 10,
+                                 activation_bytes=lambda tokens: 4096)  # fmt: skip
+    pipe = types.SimpleNamespace(transformer=torch.nn.Linear(2, 2), text_encoder=text, vae=torch.nn.Linear(2, 2),
+                                 sources={}, release=lambda: None, device=torch.device("cpu"),
+                                 encode=lambda **kwargs: "conditioning")  # fmt: skip
+    handle = Qwen21Model(pipe, offload_text_encoder="auto")
+    handle.text_encoder.unload = lambda: unloaded.append("text_encoder")
+    handle.encode(prompt="a cat")
+    assert (handle.text_encoder.patcher, 4096) in loaded and unloaded == []
+
+
+# ---- the host copy ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_offload_and_reload_go_through_one_pinned_host_copy_refreshed_only_after_a_change():
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+
+    torch.manual_seed(0)
+    dit = QwenImage21Transformer(TINY_TRANSFORMER).to("cuda", torch.bfloat16)
+    want = {name: p.detach().clone() for name, p in dit.named_parameters()}
+    dit.place("cpu")
+    home = dit.host_copy
+    assert all(flat.is_pinned() for flat in home.flats.values())
+    assert all(p.device.type == "cpu" for p in dit.parameters())
+    buffers = {i: f.data_ptr() for i, f in home.flats.items()}
+    dit.place("cuda")
+    assert all(p.device.type == "cuda" for p in dit.parameters())
+    assert all(torch.equal(p, want[name]) for name, p in dit.named_parameters())
+    # a LoRA merge changes the weights on the GPU and names them: the next offload refreshes the host copy
+    with torch.no_grad():
+        dit.transformer_blocks[0].attn.to_out.weight.add_(1)
+    dit.weights_id = ("a LoRA",)
+    dit.place("cpu")
+    assert {i: f.data_ptr() for i, f in home.flats.items()} == buffers  # the same buffers, refreshed in place
+    dit.place("cuda")
+    changed = "transformer_blocks.0.attn.to_out.weight"
+    assert torch.equal(dit.get_parameter(changed), want[changed] + 1)
+    dit.place("cuda", 1)  # streaming from the same host copy
+    assert dit.streamer.host[1].data_ptr() == buffers[1]
+
+
+def test_manager_is_the_only_eviction_policy():
+    """nodes/host.py holds no policy of its own: its local manager is memory/manager.py's."""
+    assert host.LocalMemoryManager is memory_manager.LocalMemoryManager
+    assert not hasattr(host, "plan_sampling")
+
+
+def test_the_runner_accepts_an_older_workflows_boolean_and_names_a_bad_choice(tmp_path):
+    import json
+
+    from qwen21_nodes.runner.cli import WORKFLOWS_DIR, node_classes
+    from qwen21_nodes.runner.graph import WorkflowError, validate
+
+    prompt = json.loads((WORKFLOWS_DIR / "api" / "text_to_image.json").read_text())
+    loader = next(node for node in prompt.values() if node["class_type"] == "Qwen21ModelLoader")
+    assert loader["inputs"]["offload_text_encoder"] == "auto"  # what the shipped workflows say now
+    classes = node_classes(str(tmp_path), str(tmp_path))
+
+    def problems(value):
+        loader["inputs"]["offload_text_encoder"] = value
+        try:
+            validate(prompt, classes)
+        except WorkflowError as error:  # no model files here: those inputs are reported too
+            return [p for p in error.problems if "offload_text_encoder" in p]
+        return []
+
+    assert problems(True) == [] and problems(False) == [] and problems("never") == []  # as saved before, and now
+    (bad,) = problems("sometimes")
+    assert "must be one of ['auto', 'always', 'never']" in bad
