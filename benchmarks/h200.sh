@@ -3,6 +3,7 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-quant dit-quant-1024 dit-quant-profile quant vae vae-mem
 #   vae-placeholders vae-profile qk te load lora server-gpu tests-memory e2e tune cold overhead tests-kernels-gpu
+#   session session-turbo tests-gpu-all
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +71,13 @@ for part in "$@"; do
     tests-kernels-gpu)  # the launch-configuration, warm-up and quantised-kernel tests on CUDA
       run tests_kernels_gpu "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
         tests/test_launch_configs.py tests/test_kernel_warmup.py tests/test_kernel_quantize.py tests/test_quant.py ;;
+    session) run bench_session "${SESSION_LIMIT:-560}" python3 benchmarks/bench_session.py --log-dir "$OUT" \
+      --child-timeout "${SESSION_LIMIT:-560}" ${SESSION_ARGS:-} ;;
+    session-turbo) run bench_session_turbo "${TURBO_LIMIT:-200}" python3 benchmarks/bench_session.py --turbo ;;
+    tests-gpu-all)  # every GPU-marked test, and the kernel tests on CUDA
+      run tests_gpu_all "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -m gpu tests
+      run tests_kernels_cuda "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+        -k "not interpreter" tests/test_kernel_quantize.py tests/test_launch_configs.py ;;
     e2e-short) run bench_e2e 330 python3 benchmarks/bench_e2e.py --no-diffusers ;;
     dit-final)  # the quantised formats at every size beside bf16 and diffusers (bf16 MLP variant at 1024^2)
       run bench_dit_final 300 python3 benchmarks/bench_dit.py \

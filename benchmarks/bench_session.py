@@ -1,0 +1,352 @@
+"""The session: what a user waits for, from the first image in a fresh process to the last, through the node classes.
+
+    python benchmarks/bench_session.py                          # H200: the sessions in SESSIONS (child processes)
+    python benchmarks/bench_session.py --only fp8:none:empty,fp8:none:warm
+    python benchmarks/bench_session.py --turbo                  # fp8 + a LoRA, 8 steps, changed prompts
+    python benchmarks/bench_session.py --tiny --device cpu      # smoke test of the script itself
+
+A session is one process (a child of this script) with full-size random weights built in memory as bench_e2e.py
+builds them (the DiT, the Qwen3-VL-8B text encoder, the VAE; quantised as the loader does), the loader's defaults
+(offload_text_encoder "auto"), and the example workflows run by the in-process runner with the same node classes
+ComfyUI loads, 40 steps. In order: the first image (1024^2 text-to-image), changed prompts at 1024^2, 1344x768,
+768x1344 and 1536^2, an edit with 1 reference and one with 4, back to seen shapes, a seed-only rerun (the encoder's
+output reused, as ComfyUI's cache does), a LoRA (rank 64 on every block Linear) switched on and its strength
+changed, and a mixed tail of changed prompts. Every prompt but the rerun is new text, so the encoder runs each time.
+
+Kernel cache: "empty" is a new TRITON_CACHE_DIR (a fresh machine), "warm" the one an earlier session filled (a
+restart). A cap (24 / 16 / 12 GiB) is `set_per_process_memory_fraction` plus the same budget given to the memory
+manager, as bench_e2e.py does; capped sessions of one precision share a process (sequential, state reset between
+them) to save the build, which `shared_process` says.
+
+Output, one JSON line each: `session_prompt` per prompt, `session_summary` per session (see the issue's fields:
+first_image_s, steady_image_s, changed_prompt_ratio, new_shape_extra_s, prompts, errors; plus load_s, the
+allocated-memory bound and the warm-up's timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import emit, sync  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+BASE_PROMPT = "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep"
+DETAILS = ["on a knitted blanket", "beside a steaming teapot", "under a paper lantern", "next to a globe",
+           "among potted ferns", "in soft morning fog", "with snow outside", "with a chess board", "by candlelight",
+           "with a violin case", "in autumn colours", "with neon reflections"]  # fmt: skip
+# (label, workflow, width, height, references): the shapes a session meets
+SHAPES = {
+    "t2i_1024": ("text_to_image.json", 1024, 1024, 0),
+    "t2i_1344x768": ("text_to_image.json", 1344, 768, 0),
+    "t2i_768x1344": ("text_to_image.json", 768, 1344, 0),
+    "t2i_1536": ("text_to_image.json", 1536, 1536, 0),
+    "edit_1ref": ("edit_1_reference.json", 1024, 1024, 1),
+    "edit_4ref": ("edit_4_references.json", 1024, 1024, 4),
+}
+# --tiny: the tiny model at small sizes of the same aspects (multiples of 32)
+TINY_SIZES = {"t2i_1024": (128, 128), "t2i_1344x768": (192, 96), "t2i_768x1344": (96, 192), "t2i_1536": (160, 160),
+              "edit_1ref": (128, 128), "edit_4ref": (128, 128)}  # fmt: skip
+TAIL = ["t2i_1024", "t2i_1344x768", "edit_1ref", "t2i_768x1344", "t2i_1024", "edit_4ref", "t2i_1536", "edit_1ref",
+        "t2i_1024", "t2i_1344x768"]  # fmt: skip
+CAPPED_TAIL = 4
+# (precision, cap GiB or None, kernel cache) of each session, most needed first; sessions in one group share a
+# process (the first of a group with an "empty" cache gets a new cache folder)
+SESSIONS = [
+    [("fp8", None, "empty")],
+    [("fp8", None, "warm"), ("fp8", 24, "warm"), ("fp8", 16, "warm"), ("fp8", 12, "warm")],
+    [("int8_convrot", None, "empty"), ("int8_convrot", 24, "warm"), ("int8_convrot", 12, "warm")],
+    [("bf16", None, "warm"), ("bf16", 24, "warm")],
+]
+
+
+def plan(tail: int) -> list[dict]:
+    """The session's prompts: shape, whether the text changed, LoRA strength (None: no LoRA)."""
+    steps = [("t2i_1024", True, None), ("t2i_1024", True, None), ("t2i_1024", True, None),
+             ("t2i_1344x768", True, None), ("t2i_768x1344", True, None), ("t2i_1536", True, None),
+             ("edit_1ref", True, None), ("edit_4ref", True, None), ("t2i_1024", True, None),
+             ("edit_1ref", True, None), ("t2i_1024", False, None), ("t2i_1024", True, 1.0), ("t2i_1024", True, 0.6),
+             ("t2i_1024", True, None)]  # fmt: skip
+    steps += [(TAIL[i % len(TAIL)], True, None) for i in range(tail)]
+    return [{"label": label, "changed": changed, "lora": lora} for label, changed, lora in steps]
+
+
+# ---- one session ------------------------------------------------------------------------------------------
+
+
+def session_prompt(spec: dict, index: int, args, lora_name: str | None) -> dict:
+    from qwen21_nodes.runner.cli import WORKFLOWS_DIR
+    from qwen21_nodes.runner.graph import load_prompt
+
+    workflow, width, height, _refs = SHAPES[spec["label"]]
+    if args.tiny:
+        width, height = TINY_SIZES[spec["label"]]
+    prompt = load_prompt(json.loads((WORKFLOWS_DIR / "api" / workflow).read_text()))
+    text = f"{BASE_PROMPT} {DETAILS[index % len(DETAILS)]}, take {index}"
+    for node in prompt.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "Qwen21Encode":
+            inputs["prompt"] = text
+            inputs["output_resolution"] = max(width, height)
+        if node["class_type"] == "Qwen21Sampler":
+            inputs.update(seed=1000 + index, steps=args.steps, width=width, height=height)
+    if spec["lora"] is not None:
+        model_users = [n for n in prompt.values() if n["inputs"].get("model") == ["1", 0]]
+        prompt["90"] = {"class_type": "Qwen21LoraLoader",
+                        "inputs": {"model": ["1", 0], "lora_name": lora_name, "strength": spec["lora"]}}  # fmt: skip
+        for node in model_users:
+            node["inputs"]["model"] = ["90", 0]
+    return prompt
+
+
+def run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs: list[dict]) -> None:
+    from bench_e2e import cap_memory, classes_with
+    from qwen21_nodes.nodes import host
+    from qwen21_nodes.runner.graph import execute
+
+    reset(handle, device)
+    cap_memory(device, cap)
+    load_started = time.perf_counter()
+    handle = place_as_loaded(handle, cap, device)
+    load_s = round(time.perf_counter() - load_started, 2)
+    classes = classes_with(handle, output_dir, device)
+    previous_text, seen, rows = None, {}, []
+    kind = dict(precision=precision, cap_gib=cap, kernel_cache=cache)
+    for index, spec in enumerate(specs):
+        prompt = session_prompt(spec, index if spec["changed"] else index - 1, args, lora_name)
+        run_classes = classes
+        if not spec["changed"] and previous_text is not None:  # ComfyUI's cache: the encoder's output reused
+            run_classes = classes_with(handle, output_dir, device, cached_encode=previous_text)
+        shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
+        row = dict(what="session_prompt", **kind, i=index, label=shape, first_of_shape=shape not in seen,
+                   changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        try:
+            result = execute(prompt, run_classes)
+            sync(device)
+        except Exception as error:  # noqa: BLE001 - a failure is a result here; the session goes on
+            root = error
+            while root.__cause__ is not None:
+                root = root.__cause__
+            row["error"] = f"{type(root).__name__}: {str(root)[:400]}"
+            traceback.print_exception(error, file=sys.stderr)
+            emit(**row)
+            rows.append(row)
+            seen[shape] = True
+            continue
+        row["total_s"] = round(time.perf_counter() - started, 3)
+        phases = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
+                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s"}  # fmt: skip
+        for node_id, seconds in result.seconds.items():
+            name = phases.get(prompt[node_id]["class_type"])
+            if name:
+                row[name] = round(row.get(name, 0) + seconds, 3)
+        encode_id = next(n for n, node in prompt.items() if node["class_type"] == "Qwen21Encode")
+        previous_text = result.outputs[encode_id]
+        if device.type == "cuda":
+            row["allocated_after_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+        stats = handle.pipe.last_sample_stats
+        row["plan"] = stats.get("plan")
+        row["decode_graph"] = stats.get("decode_graph")
+        row["text_encoder_on_gpu"] = handle.text_encoder.device_bytes() > 0
+        seen[shape] = True
+        emit(**row)
+        rows.append(row)
+    warmup = handle.pipe.kernel_warmup
+    emit(**summary(rows, kind, load_s, warmup))
+    host.LOCAL.loaded.clear()
+
+
+def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    steady = [r for r in ok[1:] if r["label"] == "t2i_1024" and r["changed_prompt"]]
+    shapes: dict[str, list[dict]] = {}
+    for row in ok:
+        shapes.setdefault(row["label"], []).append(row)
+    # a new shape's extra wait: its first image against its later ones (not the session's first image, and not the
+    # LoRA prompts, whose first includes the merge)
+    extras = {label: round(rs[0]["total_s"] - statistics.median(r["total_s"] for r in rs[1:]), 3)
+              for label, rs in shapes.items()
+              if rs[0]["first_of_shape"] and len(rs) > 1 and rs[0] is not ok[0] and ":lora" not in label}  # fmt: skip
+    allocated = [r["allocated_after_gib"] for r in ok if "allocated_after_gib" in r]
+    out = dict(what="session_summary", **kind, load_s=load_s,
+               first_image_s=ok[0]["total_s"] if ok and ok[0]["i"] == 0 else None,
+               steady_image_s=round(statistics.median(r["total_s"] for r in steady), 3) if steady else None,
+               changed_prompt_ratio=round(statistics.median(
+                   r["total_s"] / (r["sample_s"] + r["decode_s"]) for r in steady), 3) if steady else None,
+               steady_encode_s=round(statistics.median(r["encode_s"] for r in steady), 3) if steady else None,
+               new_shape_extra_s=max(extras.values()) if extras else None, new_shape_extras=extras,
+               prompts=len(rows), errors=len(rows) - len(ok),
+               allocated_after_max_gib=max(allocated) if allocated else None,
+               allocated_after_last_gib=allocated[-1] if allocated else None)  # fmt: skip
+    if out["first_image_s"] and out["steady_image_s"]:
+        out["first_over_steady"] = round(out["first_image_s"] / out["steady_image_s"], 2)
+    if warmup is not None:
+        out["warmup_parts_s"] = warmup.seconds
+        out["warmup_failures"] = warmup.failures
+    return out
+
+
+# ---- placing the in-memory model as a loader would ------------------------------------------------------------
+
+
+def place_as_loaded(handle, cap, device):
+    """As a loader leaves the weights: uncapped, everything on the GPU (from_pretrained loads to the device);
+    capped, in the weights' pinned host copies, for the memory manager to place on first use. The kernel warm-up
+    starts here, as from_pretrained starts it."""
+    pipe = handle.pipe
+    if device.type == "cuda":
+        if cap is None:
+            pipe.transformer.place(device)
+            pipe.text_encoder.place(device)
+            pipe.vae.to(device)
+        else:
+            pipe.transformer.place("cpu")
+            pipe.text_encoder.place("cpu")
+            pipe.vae.to("cpu")
+        sync(device)
+    pipe.start_kernel_warmup()
+    return handle
+
+
+def reset(handle, device):
+    from qwen21_nodes.nodes import host
+
+    host.LOCAL.loaded.clear()
+    host.LOCAL.budget = None
+    if handle is not None:
+        handle.pipe.release()
+        handle.pipe.set_loras(())
+        handle.pipe.transformer.place("cpu")
+        handle.pipe.text_encoder.place("cpu")
+        handle.pipe.vae.to("cpu")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def child(args, specs: list[dict]) -> None:
+    from bench_e2e import build_parts, handle_for, quantized_parts
+    from bench_lora import write_lora
+    from qwen21_nodes.nodes import host
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("qwen21_nodes").setLevel(logging.INFO)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sessions = [tuple(part.split(":")) for part in args.child.split(",")]
+    precision = sessions[0][0]
+    if any(s[0] != precision for s in sessions):
+        raise SystemExit("a child runs sessions of one precision")
+    started = time.perf_counter()
+    qparts = quantized_parts(build_parts(args, device, dtype), precision, device)
+    gc.collect()
+    models = Path(tempfile.mkdtemp(prefix="qwen21_session_models_"))
+    (models / "loras").mkdir()
+    lora_name = "session_lora.safetensors"
+    write_lora(models / "loras" / lora_name, qparts[0], 64, seed=3)
+    host.set_models_dir(models)
+    handle = handle_for(qparts, device, dtype, offload_text_encoder="auto")  # the loader's default
+    emit(what="session_setup", precision=precision, build_s=round(time.perf_counter() - started, 1),
+         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
+         triton_cache=os.environ.get("TRITON_CACHE_DIR"), shared_process=len(sessions) > 1,
+         steps=args.steps)  # fmt: skip
+    output_dir = tempfile.mkdtemp(prefix="qwen21_session_out_")
+    for _precision, cap, cache in sessions:
+        cap = None if cap in ("none", "") else int(cap)
+        # capped sessions: the same prompts with a shorter tail (their targets are on the changed-prompt images)
+        count = len(specs) if cap is None else len(specs) - args.tail + min(args.tail, CAPPED_TAIL)
+        run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs[:count])
+
+
+# ---- the orchestrator -----------------------------------------------------------------------------------------
+
+
+def orchestrate(args) -> int:
+    """Each group of SESSIONS in its own child process; a group whose first session's kernel cache is "empty" gets a
+    new Triton cache folder, the others the folder the last child filled."""
+    groups = SESSIONS if not args.tiny else [[("fp8", None, "empty"), ("fp8", 24, "warm")]]
+    wanted = [part for part in args.only.split(",") if part]
+    root = Path(tempfile.mkdtemp(prefix="qwen21_session_cache_"))
+    cache, failures = None, 0
+    for number, group in enumerate(groups):
+        chosen = [s for s in group if not wanted or _label(s) in wanted]
+        if not chosen:
+            continue
+        if chosen[0][2] == "empty" or cache is None:
+            cache = root / f"cache_{number}"
+        command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
+                   "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail)]  # fmt: skip
+        command += ["--tiny"] if args.tiny else []
+        done = subprocess.run(command, env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), capture_output=True,
+                              text=True, timeout=args.child_timeout)  # fmt: skip
+        for line in done.stdout.splitlines():
+            if line.startswith("{"):
+                sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        if args.log_dir:
+            Path(args.log_dir, f"session_{number}_{chosen[0][0]}.log").write_text(done.stderr)
+        if done.returncode != 0:
+            failures += 1
+            emit(what="session_child", sessions=[_label(s) for s in chosen], returncode=done.returncode,
+                 error=done.stderr[-3000:])  # fmt: skip
+    return failures
+
+
+def _label(session) -> str:
+    precision, cap, cache = session
+    return f"{precision}:{'none' if cap is None else cap}:{cache}"
+
+
+def turbo_plan(count: int) -> list[dict]:
+    """fp8 + a LoRA at 8 steps (the turbo LoRA workflow's setting), changed prompts at 1024^2: the aim is a changed-
+    prompt image in under a second. A random rank-64 LoRA stands in for the turbo LoRA (its cost is its merge)."""
+    return [{"label": "t2i_1024", "changed": True, "lora": 1.0} for _ in range(count)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", default="", help="sessions precision:cap:cache, e.g. fp8:none:empty,fp8:24:warm")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tail", type=int, default=20, help="the mixed tail's length")
+    parser.add_argument("--turbo", action="store_true", help="fp8 + LoRA, 8 steps, changed 1024^2 prompts")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--child-timeout", type=int, default=560)
+    parser.add_argument("--log-dir", default="")
+    args = parser.parse_args()
+    if args.tiny:
+        args.steps = min(args.steps, 2)
+        args.tail = min(args.tail, 2)
+    if args.turbo:
+        args.steps = min(args.steps, 8)
+        args.child = args.child or "fp8:none:warm"
+        child(args, turbo_plan(8 + args.tail // 4))
+        return 0
+    if args.child:
+        child(args, plan(args.tail))
+        return 0
+    return 1 if orchestrate(args) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
