@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -113,12 +114,14 @@ def session_prompt(spec: dict, index: int, args, lora_name: str | None) -> dict:
     return prompt
 
 
-def run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs: list[dict]) -> None:
+def run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs: list[dict],
+                fresh: bool) -> None:  # fmt: skip
     from bench_e2e import cap_memory, classes_with
     from qwen21_nodes.nodes import host
     from qwen21_nodes.runner.graph import execute
 
-    reset(handle, device)
+    if not fresh:
+        reset(handle, device)
     cap_memory(device, cap)
     load_started = time.perf_counter()
     handle = place_as_loaded(handle, cap, device)
@@ -243,8 +246,43 @@ def reset(handle, device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def build(precision: str, args, device, dtype):
+    """(DiT, text encoder model, processor, VAE) of one precision, built and quantised where they run (the GPU): one
+    precision per process, so nothing is kept twice and nothing crosses to the CPU (bench_e2e.py builds several
+    precisions from one float copy instead)."""
+    from bench_e2e import build_parts
+    from qwen21_nodes.qwen21_core.checkpoints.loading import TEXT_ENCODER_QUANTIZES_ACTIVATIONS
+    from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+    from qwen21_nodes.qwen21_core.text.encoder import decoder_linear_names
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+
+    if args.tiny:
+        dit, full, processor, vae = build_parts(args, device, dtype)
+    else:
+        from _common import random_dit
+        from bench_text_encoder import build_full_size
+
+        full, processor = build_full_size(device, dtype)
+        dit = random_dit(TransformerConfig(), device, dtype)
+        torch.manual_seed(0)
+        vae = QwenImage21VAE(VAEConfig()).to(device, dtype).eval()
+    text = full.model
+    if precision != "bf16":
+        fmt = FORMATS[precision]
+        dit = dit.quantized_copy(uniform_plan(fmt, dit.config.num_layers))  # the float blocks are dropped with `dit`
+        quantize_linears_(text, decoder_linear_names(text), fmt, TEXT_ENCODER_QUANTIZES_ACTIVATIONS)  # as the loader
+    del full
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dit, text, processor, vae
+
+
 def child(args, specs: list[dict]) -> None:
-    from bench_e2e import build_parts, handle_for, quantized_parts
+    from bench_e2e import handle_for
     from bench_lora import write_lora
     from qwen21_nodes.nodes import host
 
@@ -257,24 +295,24 @@ def child(args, specs: list[dict]) -> None:
     if any(s[0] != precision for s in sessions):
         raise SystemExit("a child runs sessions of one precision")
     started = time.perf_counter()
-    qparts = quantized_parts(build_parts(args, device, dtype), precision, device)
-    gc.collect()
+    parts = build(precision, args, device, dtype)
     models = Path(tempfile.mkdtemp(prefix="qwen21_session_models_"))
     (models / "loras").mkdir()
     lora_name = "session_lora.safetensors"
-    write_lora(models / "loras" / lora_name, qparts[0], 64, seed=3)
+    write_lora(models / "loras" / lora_name, parts[0], 64, seed=3)
     host.set_models_dir(models)
-    handle = handle_for(qparts, device, dtype, offload_text_encoder="auto")  # the loader's default
+    handle = handle_for(parts, device, dtype, offload_text_encoder="auto")  # the loader's default
     emit(what="session_setup", precision=precision, build_s=round(time.perf_counter() - started, 1),
          device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
          triton_cache=os.environ.get("TRITON_CACHE_DIR"), shared_process=len(sessions) > 1,
          steps=args.steps)  # fmt: skip
     output_dir = tempfile.mkdtemp(prefix="qwen21_session_out_")
-    for _precision, cap, cache in sessions:
+    for index, (_precision, cap, cache) in enumerate(sessions):
         cap = None if cap in ("none", "") else int(cap)
         # capped sessions: the same prompts with a shorter tail (their targets are on the changed-prompt images)
         count = len(specs) if cap is None else len(specs) - args.tail + min(args.tail, CAPPED_TAIL)
-        run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs[:count])
+        run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs[:count],
+                    fresh=index == 0)  # fmt: skip
 
 
 # ---- the orchestrator -----------------------------------------------------------------------------------------
@@ -296,19 +334,31 @@ def orchestrate(args) -> int:
         command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail)]  # fmt: skip
         command += ["--tiny"] if args.tiny else []
-        done = subprocess.run(command, env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), capture_output=True,
-                              text=True, timeout=args.child_timeout)  # fmt: skip
-        for line in done.stdout.splitlines():
-            if line.startswith("{"):
-                sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-        if args.log_dir:
-            Path(args.log_dir, f"session_{number}_{chosen[0][0]}.log").write_text(done.stderr)
-        if done.returncode != 0:
+        returncode = stream_child(command, dict(os.environ, TRITON_CACHE_DIR=str(cache)), args.child_timeout,
+                                  Path(args.log_dir or tempfile.gettempdir(), f"session_{number}_{chosen[0][0]}.log"))
+        if returncode != 0:
             failures += 1
-            emit(what="session_child", sessions=[_label(s) for s in chosen], returncode=done.returncode,
-                 error=done.stderr[-3000:])  # fmt: skip
+            emit(what="session_child", sessions=[_label(s) for s in chosen], returncode=returncode)
     return failures
+
+
+def stream_child(command: list[str], env: dict, timeout: float, log_path: Path) -> int:
+    """Run a child, passing its JSON lines through as they come (a child stopped at its time limit keeps what it
+    printed) and its log to `log_path`; -> its return code (-9 when stopped)."""
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        deadline = time.monotonic() + timeout
+        killer = threading.Timer(timeout, process.kill)
+        killer.start()
+        try:
+            for line in process.stdout:
+                if line.startswith("{"):
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            returncode = process.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            killer.cancel()
+    return returncode
 
 
 def _label(session) -> str:
