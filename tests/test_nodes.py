@@ -4,7 +4,7 @@ and agreement with the core pipeline they wrap."""
 
 import pytest
 import torch
-from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS, host
 from qwen21_nodes.nodes.encode import Qwen21Encode
 from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
 from qwen21_nodes.nodes.sample import Qwen21Sampler
@@ -318,3 +318,39 @@ def test_the_dit_is_loaded_for_what_the_run_needs_beyond_the_idle_caches_it_gets
         monkeypatch.setattr(model.pipe.decode_graphs, "idle_cache_bytes", lambda idle=idle: idle)
         sample(model, cond, steps=1)
     assert asked == [5000, 3800, 0]
+
+
+def _numeric_widgets():
+    for node_name, node_class in sorted(NODE_CLASS_MAPPINGS.items()):
+        for name, (_section, kind, options) in input_specs(node_class).items():
+            if kind in ("INT", "FLOAT"):
+                for bound in ("min", "max"):
+                    yield pytest.param(node_name, name, options[bound], id=f"{node_name}.{name}={bound}")
+
+
+@pytest.fixture(scope="module")
+def widget_model(model):
+    """A model of its own: LoRAs at strength +-100 are merged into its weights."""
+    return load_tiny()
+
+
+@pytest.mark.parametrize("node_name,widget,value", list(_numeric_widgets()))
+def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_name, widget, value):
+    """ComfyUI lets a user set a widget anywhere from its min to its max: the node must take both ends (the sampler's
+    denoise offered 0, which the schedule refuses). Everything else small, so each call takes seconds on a CPU."""
+    model = widget_model
+    latent = {"samples": torch.zeros(1, 64, 4, 4)}
+    cheap_links = {
+        "Qwen21Encode": lambda: {"model": model, "prompt": "a red apple", "output_resolution": 64},
+        "Qwen21Sampler": lambda: {"model": model, "conditioning": encode(model)[0], "steps": 2, "latent": latent},
+        "Qwen21VAEDecode": lambda: {"model": model, "latent": latent},
+        "Qwen21LoraLoader": lambda: {"model": model, "lora_name": host.list_weight_files("loras")[0]},
+    }
+    assert node_name in cheap_links, f"{node_name} has numeric widgets: add a cheap call for it to this test"
+    node_class = NODE_CLASS_MAPPINGS[node_name]
+    defaults = {name: spec[2]["default"] for name, spec in input_specs(node_class).items() if "default" in spec[2]}
+    inputs = {**defaults, **cheap_links[node_name](), widget: value}
+    output = getattr(node_class(), node_class.FUNCTION)(**inputs)
+    if node_name == "Qwen21LoraLoader":  # the strength is used where the DiT runs
+        (with_lora,) = output
+        assert sample(with_lora, encode(with_lora)[0], steps=1)["result"][0]["samples"].shape == (1, 64, 4, 4)
