@@ -79,6 +79,9 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
     with pytest.raises(ValueError, match="mask_2 is connected but image_2 is not"):
         encode(model, image_1=image, mask_2=mask)
+    # a mask of another image (another size) is refused before any work, naming both sizes
+    with pytest.raises(ValueError, match=r"mask_2 is 192x192 pixels but image_2 is 256x192 \(width x height\)"):
+        encode(model, image_1=image, mask_1=mask, image_2=_rgb_only, mask_2=mask)
     # ComfyUI hands a node every linked input, declared or not: a 17th image must not vanish.
     with pytest.raises(ValueError, match="no input image_17: it takes at most 16 condition images"):
         encode(model, image_1=image, image_17=image)
@@ -153,6 +156,8 @@ def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
     assert decoded.shape == (2, 64, 48, 3) and alpha.shape == (2, 64, 48)
     with pytest.raises(ValueError, match="at least 16x16"):
         Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"mask is 64x64 pixels but image is 50x70 \(width x height\)"):
+        Qwen21VAEEncode().encode(model, image, torch.rand(1, 64, 64))
 
 
 def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monkeypatch):
