@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..qwen21_core.encoding import check_prompt_length
 from ..qwen21_core.images import masks_at_image_size
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
@@ -113,6 +114,9 @@ class Qwen21Encode:
 
     def encode(self, model, prompt, negative_prompt, output_resolution, **images):
         condition_images, masks = _condition_images(images)
+        # a prompt too long for the DiT fails here, from the tokenizer, before any weights move
+        sizes = [(image.shape[2], image.shape[1]) for image in condition_images for _ in range(image.shape[0])]
+        check_prompt_length(model.pipe.text_encoder, prompt, sizes, output_resolution)
         cond = model.encode(
             prompt=prompt,
             images=condition_images,

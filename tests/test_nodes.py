@@ -2,6 +2,8 @@
 ComfyUI tensor conventions, errors that name the input, interrupts that leave the next run working,
 and agreement with the core pipeline they wrap."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS, host
@@ -85,6 +87,20 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     # ComfyUI hands a node every linked input, declared or not: a 17th image must not vanish.
     with pytest.raises(ValueError, match="no input image_17: it takes at most 16 condition images"):
         encode(model, image_1=image, image_17=image)
+
+
+def test_a_prompt_too_long_for_the_dit_fails_at_the_encode_node_before_any_weights_move(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model, "encode", lambda **kwargs: calls.append(kwargs) or SimpleNamespace(width=64, height=64))
+    too_long = ("a photo of a cat. " * 3000)[:50000]
+    with pytest.raises(ValueError, match=r"rotary position \d+ is outside the model's table \(-1024..8191\)"):
+        encode(model, prompt=too_long)
+    image = torch.rand(1, 64, 64, 3)
+    with pytest.raises(ValueError, match="outside the model's table"):
+        encode(model, prompt=too_long, image_1=image)
+    assert calls == []
+    encode(model, prompt="a red apple", image_1=image)
+    assert len(calls) == 1
 
 
 def host_examples():
