@@ -86,10 +86,12 @@ def quantizer_problem(key, device):
     mod = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     q = torch.empty(m, k, device=device, dtype=torch.int8 if key["OUT_INT8"] else torch.float8_e4m3fn)
     scale = torch.empty(m, device=device)
-    h16 = quantize_rows.hadamard(16, device)
-    args = (x, x.stride(0), scale, scale, mod, mod.stride(0), m, h16, q, q.stride(0), scale, m, k, m, 1.0 / k, 1e-6)
+    group = quantize_rows.ROTATION_GROUP  # the official int8_convrot files' ConvRot group
+    rot_a, ha, rot_b, hb = quantize_rows._rotation_factors(group, device) if key["ROTATE"] else (1, scale, 16, scale)
+    args = (x, x.stride(0), scale, scale, mod, mod.stride(0), m, ha, hb, q, q.stride(0), scale, m, k, m, 1.0 / k, 1e-6)
     fmt = "int8" if key["OUT_INT8"] else "fp8"
-    constexprs = dict(PRE=key["PRE"], DEQUANT=False, ROTATE=bool(key["ROTATE"]), OUT_INT8=bool(key["OUT_INT8"]),
+    constexprs = dict(PRE=key["PRE"], DEQUANT=False, ROTATE=bool(key["ROTATE"]), ROT_A=rot_a, ROT_B=rot_b,
+                      OUT_INT8=bool(key["OUT_INT8"]),
                       QMAX=quantize_rows.QMAX[fmt], MIN_SCALE=quantize_rows.MIN_SCALE,
                       ACT_DTYPE=quantize_rows.TL_DTYPES[torch.bfloat16], BLOCK_K=quantize_rows._block_k(key),
                       WHOLE_ROW=True)  # fmt: skip

@@ -1,6 +1,7 @@
 """Per-row activation quantisation for W8A8 GEMMs, fused with the op that produces the activation.
 
-    q, scale = quantize_rows(x, "fp8" | "int8", rotation=0 | 256, layer_norm=..., swiglu=..., dequant=...)
+    q, scale = quantize_rows(x, "fp8" | "int8", rotation=0 | 4 | 16 | 64 | 256 | 1024, layer_norm=..., swiglu=...,
+                             dequant=...)
 
 One pass over the activation computes what feeds a quantised Linear and quantises it, so the bf16 activation
 is never written and read back (an unfused quantisation pass costs about what FP8 saves in the GEMM):
@@ -10,10 +11,13 @@ is never written and read back (an unfused quantisation pass costs about what FP
   up], the activation is silu(gate) * up (the MLP's down-projection input). `dequant=(row_scale, col_scale)`
   first turns an int32 GEMM accumulator into values (int8 W8A8 gate_up output -> SwiGLU);
 - the activation is rounded to the activation dtype (bf16), as the unquantised path would feed its GEMM;
-- rotation (optional): ConvRot, a normalised Hadamard rotation in groups of 256 along the row (comfy-kitchen's
-  "regular" Hadamard, the Kronecker power of [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] / 16, symmetric). It
-  spreads outliers over the group; the weights of int8_convrot files are stored rotated the same way. The
-  kernel applies H256 = H16 (x) H16 as H16 . Y . H16 on each 16x16 tile of a group: two 16-wide dots;
+- rotation (optional): ConvRot, a normalised Hadamard rotation in groups of G along the row (comfy-kitchen's
+  "regular" Hadamard: the Kronecker power of H4 = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]], divided by
+  sqrt(G), symmetric; defined for powers of 4 only, so G is 4, 16, 64, 256 (ComfyUI's default, the released
+  files') or 1024). It spreads outliers over the group; the weights of int8_convrot files are stored rotated
+  the same way. The kernel applies it as tensor-core dots at least 16 wide: a group of G = A * B values, read
+  as an A x B tile Y, rotates to H_A . Y . H_B (H_G = H_A (x) H_B): G = 256 is H16 . Y . H16, 1024 is
+  H64 . Y . H16, 64 one dot with H64, and 4 and 16 one dot with H16 or a 16x16 block-diagonal of H4s;
 - scale = absmax(row) / QMAX (127 for int8, 448 for fp8 e4m3); q = value / scale, rounded to nearest even
   (int8, clamped to [-128, 127]) or cast to float8_e4m3fn (clamped to +-448).
 
@@ -34,7 +38,10 @@ from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 FORMATS = ("fp8", "int8")
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-ROTATION_GROUP = 256  # the only ConvRot group size in use (ComfyUI's default); a power of 4
+ROTATION_GROUP = 256  # ComfyUI's default ConvRot group: the released int8_convrot files', and our quantiser's
+# Every group comfy-kitchen can write: its regular Hadamard is defined for powers of 4 only (it refuses 8, 32, 128).
+# 4096 and up would need a 256-wide factor in the kernel and are not supported.
+ROTATION_GROUPS = (4, 16, 64, 256, 1024)
 MIN_SCALE = 1e-30  # a zero row quantises to zeros with this scale (no division by zero)
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -97,7 +104,8 @@ _hadamards: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def hadamard(size: int, device="cpu") -> torch.Tensor:
-    """The normalised regular Hadamard matrix [size, size] (fp32, symmetric, orthogonal); size a power of 4."""
+    """The normalised regular Hadamard matrix [size, size] (fp32, symmetric, orthogonal); size a power of 4.
+    Its entries are +-1/sqrt(size), exact in fp32: the same matrix comfy-kitchen builds."""
     if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
         raise ValueError(f"Hadamard size must be a power of 4 (>= 4), got {size}")
     key = (size, str(device))
@@ -108,6 +116,18 @@ def hadamard(size: int, device="cpu") -> torch.Tensor:
             h = torch.kron(h, h4)
         _hadamards[key] = (h / size**0.5).to(device=device, dtype=torch.float32)
     return _hadamards[key]
+
+
+def _rotation_factors(group: int, device) -> tuple[int, torch.Tensor, int, torch.Tensor]:
+    """(A, H_A, B, H_B): the group's rotation is H_A . Y . H_B on its A x B tile Y, each dot at least 16 wide.
+    Groups under 16 ride in a 16-wide block-diagonal matrix (16 values hold 16 / group whole groups); A = 1 means
+    one dot (H_A is then a placeholder the kernel does not read)."""
+    if group <= 16:
+        blocks = torch.kron(torch.eye(16 // group), hadamard(group))
+        return 1, hadamard(16, device), 16, blocks.to(device)
+    if group == 64:
+        return 1, hadamard(16, device), 64, hadamard(64, device)
+    return group // 16, hadamard(group // 16, device), 16, hadamard(16, device)
 
 
 def rotate(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -196,19 +216,23 @@ def _activation_chunk(x_ptr, x_stride, rows, row_mask, cols, K, row_scale, col_s
 
 
 @jit
-def _rotate_tiles(y, h16, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y [BLOCK_M, BLOCK_K] -> each 256-group of each row times H256, as H16 . Y . H16 on its 16x16 tile.
+def _rotate_tiles(y, ha, hb, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr):
+    """y [BLOCK_M, BLOCK_K] -> each group (ROT_A * ROT_B values) of each row rotated, as H_A . Y . H_B on its
+    ROT_A x ROT_B tile (only Y . H_B when ROT_A is 1).
 
     tf32 dots: the first takes bf16-representable values (exact in tf32); the second rounds the fp32 intermediate
     to tf32 (2^-11 relative), far below a quantisation step (bench_quant: the same per-Linear error as the exact
     fp32 rotation), at a third of 3xTF32's cost.
     """
-    t = tl.dot(tl.reshape(y, (BLOCK_M * BLOCK_K // 16, 16)), h16, input_precision="tf32")  # Y H on each tile
-    t = tl.reshape(
-        tl.permute(tl.reshape(t, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M * BLOCK_K // 16, 16)
-    )
-    u = tl.dot(t, h16, input_precision="tf32")  # (Y H)^T H = (H Y H)^T
-    return tl.reshape(tl.permute(tl.reshape(u, (BLOCK_M * BLOCK_K // 256, 16, 16)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+    t = tl.dot(tl.reshape(y, (BLOCK_M * BLOCK_K // ROT_B, ROT_B)), hb, input_precision="tf32")  # Y H_B per tile
+    if ROT_A > 1:
+        t = tl.reshape(
+            tl.permute(tl.reshape(t, (BLOCK_M * BLOCK_K // (ROT_A * ROT_B), ROT_A, ROT_B)), (0, 2, 1)),
+            (BLOCK_M * BLOCK_K // ROT_A, ROT_A),
+        )
+        t = tl.dot(t, ha, input_precision="tf32")  # (Y H_B)^T H_A = (H_A Y H_B)^T
+        t = tl.permute(tl.reshape(t, (BLOCK_M * BLOCK_K // (ROT_A * ROT_B), ROT_B, ROT_A)), (0, 2, 1))
+    return tl.reshape(t, (BLOCK_M, BLOCK_K))
 
 
 @jit
@@ -226,9 +250,10 @@ def _store_quantized(q_ptr, q_stride, rows, row_mask, cols, K, y, scale, OUT_INT
 # M, M_BUCKET and rows_per_batch change with the prompt: not specialised on (see _triton.jit)
 @jit(do_not_specialize=("M", "M_BUCKET", "rows_per_batch"))
 def _quantize_rows_kernel(
-    x_ptr, x_stride, row_scale_ptr, col_scale_ptr, mod_ptr, mod_stride, rows_per_batch, h16_ptr,
+    x_ptr, x_stride, row_scale_ptr, col_scale_ptr, mod_ptr, mod_stride, rows_per_batch, ha_ptr, hb_ptr,
     q_ptr, q_stride, scale_ptr, M, K, M_BUCKET, inv_k, eps,
-    PRE: tl.constexpr, DEQUANT: tl.constexpr, ROTATE: tl.constexpr, OUT_INT8: tl.constexpr,
+    PRE: tl.constexpr, DEQUANT: tl.constexpr, ROTATE: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+    OUT_INT8: tl.constexpr,
     QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, ACT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):  # fmt: skip
@@ -242,9 +267,12 @@ def _quantize_rows_kernel(
     row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if DEQUANT:
         row_scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
-    h16 = tl.zeros((16, 16), dtype=tl.float32)
+    ha = tl.zeros((ROT_A, ROT_A), dtype=tl.float32)
+    hb = tl.zeros((ROT_B, ROT_B), dtype=tl.float32)
     if ROTATE:
-        h16 = tl.load(h16_ptr + tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :])
+        hb = tl.load(hb_ptr + tl.arange(0, ROT_B)[:, None] * ROT_B + tl.arange(0, ROT_B)[None, :])
+        if ROT_A > 1:
+            ha = tl.load(ha_ptr + tl.arange(0, ROT_A)[:, None] * ROT_A + tl.arange(0, ROT_A)[None, :])
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
@@ -258,7 +286,7 @@ def _quantize_rows_kernel(
             rstd = tl.math.rsqrt(tl.maximum(tl.sum(v * v, axis=1) * inv_k - mean * mean, 0.0) + eps)
         y = _pre_op(v, up, rows, row_mask, chunk, K, mod_ptr, mod_stride, batch, mean, rstd, PRE, ACT_DTYPE)
         if ROTATE:
-            y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+            y = _rotate_tiles(y, ha, hb, BLOCK_M, BLOCK_K, ROT_A, ROT_B)
         scale = tl.maximum(tl.max(tl.abs(y), axis=1), MIN_SCALE) / QMAX
         tl.store(scale_ptr + rows, scale, mask=row_mask)
         _store_quantized(q_ptr, q_stride, rows, row_mask, chunk, K, y, scale, OUT_INT8, QMAX)
@@ -278,7 +306,7 @@ def _quantize_rows_kernel(
             y = _activation_chunk(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, mod_ptr,
                             mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
             if ROTATE:
-                y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+                y = _rotate_tiles(y, ha, hb, BLOCK_M, BLOCK_K, ROT_A, ROT_B)
             absmax = tl.maximum(absmax, tl.max(tl.abs(y), axis=1))
         scale = tl.maximum(absmax, MIN_SCALE) / QMAX
         tl.store(scale_ptr + rows, scale, mask=row_mask)
@@ -286,7 +314,7 @@ def _quantize_rows_kernel(
             y = _activation_chunk(x_ptr, x_stride, rows, row_mask, start + chunk, K, row_scale, col_scale_ptr, mod_ptr,
                             mod_stride, batch, mean, rstd, PRE, DEQUANT, ACT_DTYPE)  # fmt: skip
             if ROTATE:
-                y = _rotate_tiles(y, h16, BLOCK_M, BLOCK_K)
+                y = _rotate_tiles(y, ha, hb, BLOCK_M, BLOCK_K, ROT_A, ROT_B)
             _store_quantized(q_ptr, q_stride, rows, row_mask, start + chunk, K, y, scale, OUT_INT8, QMAX)
 
 
@@ -315,8 +343,8 @@ def _unsupported(x, fmt, rotation, layer_norm, swiglu, dequant, act_dtype) -> st
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if swiglu and x.shape[1] % 2:
         return f"swiglu needs [gate | up] rows of even width, got {x.shape[1]}"
-    if rotation not in (0, ROTATION_GROUP):
-        return f"rotation must be 0 (none) or {ROTATION_GROUP}, got {rotation}"
+    if rotation not in (0, *ROTATION_GROUPS):
+        return f"rotation must be 0 (none) or a ConvRot group of {ROTATION_GROUPS}, got {rotation}"
     if rotation and k % rotation:
         return f"rotation groups of {rotation} need a row width that is a multiple of it, got {k}"
     if dequant is not None:
@@ -349,7 +377,7 @@ def quantize_rows(
 
     x:          [M, K] activation ([M, 2K] with swiglu), rows contiguous; int32 with `dequant`.
     fmt:        "fp8" (float8_e4m3fn) or "int8".
-    rotation:   0, or 256 for ConvRot (K must be a multiple of it).
+    rotation:   0, or the ConvRot group (one of ROTATION_GROUPS; K must be a multiple of it).
     layer_norm: LayerNorm + modulation before quantising (see LayerNormModulation).
     swiglu:     x is [gate | up]: quantise silu(gate) * up.
     dequant:    (row_scale [M], col_scale [N]) fp32: x is an int32 accumulator, value = x * row * col.
@@ -373,16 +401,19 @@ def quantize_rows(
     mod, rows_per_batch, eps = (layer_norm.mod, layer_norm.rows_per_batch, layer_norm.eps) if layer_norm else (
         x, 1, 0.0)  # fmt: skip
     pre = _PRE_LAYER_NORM if layer_norm is not None else _PRE_SWIGLU if swiglu else _PRE_NONE
-    h16 = hadamard(16, x.device) if rotation else scale
-    block_k = _block_k({"K": k, "ROTATE": bool(rotation)})
+    rot_a, ha, rot_b, hb = _rotation_factors(rotation, x.device) if rotation else (1, scale, 16, scale)
+    # a row block holds whole groups and gives each rotation dot at least 16 rows (256 for groups up to 256)
+    block_k = max(triton.next_power_of_2(k), 16 * rot_b if rotation else 16)
     whole_row = block_k <= WHOLE_ROW_LIMIT
     bucket = m_bucket(m)
-    args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, h16, q, q.stride(0), scale, m, k,
-            bucket, 1.0 / k, float(eps))  # fmt: skip
-    modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), OUT_INT8=fmt == "int8", QMAX=QMAX[fmt],
-                 MIN_SCALE=MIN_SCALE, ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
+    args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, ha, hb, q, q.stride(0), scale, m,
+            k, bucket, 1.0 / k, float(eps))  # fmt: skip
+    modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), ROT_A=rot_a, ROT_B=rot_b,
+                 OUT_INT8=fmt == "int8", QMAX=QMAX[fmt], MIN_SCALE=MIN_SCALE,
+                 ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
     if not whole_row:
-        _quantize_rows_kernel[(triton.cdiv(m, CHUNK_M),)](*args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=CHUNK_K,
+        chunk_k = max(CHUNK_K, rotation)  # whole groups per chunk
+        _quantize_rows_kernel[(triton.cdiv(m, CHUNK_M),)](*args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=chunk_k,
                                                          WHOLE_ROW=False, num_warps=4)  # fmt: skip
     elif INTERPRETER_ACTIVE:
         block_m, warps = INTERPRETER_SHAPE

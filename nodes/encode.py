@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..qwen21_core.encoding import check_prompt_length
+from ..qwen21_core.images import masks_at_image_size
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
 # As many as native ComfyUI's TextEncodeQwenImage21 offers (the model's documentation describes up to 4; more
@@ -26,7 +28,11 @@ def _image_inputs() -> dict:
         )
         inputs[f"mask_{i}"] = (
             "MASK",
-            {"tooltip": f"Alpha of image {i} as a ComfyUI MASK (1 - alpha, as LoadImage gives it); optional."},
+            {
+                "tooltip": f"Alpha of image {i} as a ComfyUI MASK (1 - alpha, as LoadImage gives it); optional. It "
+                f"must have image {i}'s size (a mask of another size is refused, not stretched), except a mask of "
+                "one value, such as LoadImage's 64x64 one for an image without alpha, which fills the image."
+            },
         )
     return inputs
 
@@ -47,6 +53,9 @@ def _condition_images(kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tens
             if mask is not None:
                 raise ValueError(f"mask_{i} is connected but image_{i} is not; connect the image the mask belongs to")
             continue
+        if mask is not None and isinstance(image, torch.Tensor) and image.dim() == 4:  # before any work
+            mask = torch.as_tensor(mask)
+            masks_at_image_size(mask[None] if mask.dim() == 2 else mask, *image.shape[1:3], f"mask_{i}", f"image_{i}")
         images.append(image)
         masks.append(mask)
     return images, masks
@@ -105,6 +114,9 @@ class Qwen21Encode:
 
     def encode(self, model, prompt, negative_prompt, output_resolution, **images):
         condition_images, masks = _condition_images(images)
+        # a prompt too long for the DiT fails here, from the tokenizer, before any weights move
+        sizes = [(image.shape[2], image.shape[1]) for image in condition_images for _ in range(image.shape[0])]
+        check_prompt_length(model.pipe.text_encoder, prompt, sizes, output_resolution)
         cond = model.encode(
             prompt=prompt,
             images=condition_images,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -24,13 +25,19 @@ from ..qwen21_core.memory.streaming import StreamableStack
 
 log = logging.getLogger(__name__)
 
-try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
-    import comfy.model_management as comfy_mm
-    import comfy.model_patcher as comfy_patcher
-    import comfy.utils as comfy_utils
-    import folder_paths as comfy_folder_paths
-except ImportError:
-    comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
+# Inside ComfyUI only when this process IS a ComfyUI server: it imports its model management before it loads
+# custom nodes. Being able to import `comfy` is not enough: `python -m qwen21_nodes` run from the ComfyUI folder
+# can, and importing comfy.model_management there would set up ComfyUI's device in a process that is not ComfyUI
+# (on a machine without a GPU it raises "Found no NVIDIA driver" unless ComfyUI was started with --cpu).
+comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
+if "comfy.model_management" in sys.modules:
+    try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
+        import comfy.model_management as comfy_mm
+        import comfy.model_patcher as comfy_patcher
+        import comfy.utils as comfy_utils
+        import folder_paths as comfy_folder_paths
+    except ImportError:
+        comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
 
 IN_COMFYUI = comfy_mm is not None
 

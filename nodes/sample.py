@@ -124,7 +124,7 @@ class Qwen21Sampler:
                     "FLOAT",
                     {
                         "default": 1.0,
-                        "min": 0.0,
+                        "min": 0.01,  # 0 would run no step at all; the schedule takes (0, 1]
                         "max": 1.0,
                         "step": 0.01,
                         "tooltip": "1.0: start from pure noise. Below 1 (needs `latent`): start from the input "

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..qwen21_core.images import masks_at_image_size
 from . import host
 from .model import MODEL_TYPE, decode_status
 
@@ -144,7 +144,14 @@ class Qwen21VAEEncode:
                 ),
             },
             "optional": {
-                "mask": ("MASK", {"tooltip": "Alpha as a ComfyUI MASK (1 - alpha); without it the image is opaque."}),
+                "mask": (
+                    "MASK",
+                    {
+                        "tooltip": "Alpha as a ComfyUI MASK (1 - alpha); without it the image is opaque. It must have "
+                        "the image's size (another size is refused, not stretched), except a mask of one value, such "
+                        "as LoadImage's 64x64 one for an image without alpha, which fills the image."
+                    },
+                ),
             },
         }
 
@@ -152,9 +159,7 @@ class Qwen21VAEEncode:
         if image.dim() != 4 or image.shape[-1] not in (3, 4):
             raise ValueError(f"image must be an IMAGE [B, H, W, 3|4], got shape {tuple(image.shape)}")
         if mask is not None:
-            mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
-            if mask.shape[-2:] != image.shape[1:3]:  # e.g. LoadImage's 64x64 "no alpha" placeholder
-                mask = F.interpolate(mask, size=image.shape[1:3], mode="bilinear", align_corners=False)
-            mask = _center_crop(mask[:, 0, ..., None])[..., 0]
+            mask = masks_at_image_size(mask.reshape(-1, *mask.shape[-2:]).float(), *image.shape[1:3], "mask", "image")
+            mask = _center_crop(mask[..., None])[..., 0]
         latents = model.encode_image(_center_crop(image), mask)
         return ({"samples": latents.to(host.intermediate_device())},)

@@ -1,9 +1,9 @@
 """Prompt + condition images -> `Conditioning`: the whole encoding step of a generation request.
 
 Order of work: check the inputs, resize the images once, check that every image gets exactly one
-`<|image_pad|>` token per 2x2 latent tokens, check (before any model runs) that the DiT's prefix K/V
-fits in the memory the caller says is free, then run the VLM on the positive prompt and the VAE (mode,
-normalised with latents_mean/std).
+`<|image_pad|>` token per 2x2 latent tokens, check (before any model runs) that the prompt and images fit
+the DiT's rotary table and that the DiT's prefix K/V fits in the memory the caller says is free, then run
+the VLM on the positive prompt and the VAE (mode, normalised with latents_mean/std).
 
 The negative prompt is only tokenized here (its length is needed for memory estimates); the VLM runs on
 it, with the same images, in `encode_negative`, which the pipeline calls only when true_cfg_scale > 1.
@@ -23,9 +23,12 @@ import torch
 
 from .conditioning import Conditioning, PendingPrompt
 from .config import TransformerConfig
+from .dit.sequence import check_rotary_range, prefix_rotary_range
 from .errors import stable_name
 from .images import (
+    SIZE_MULTIPLE,
     ConditionImage,
+    calculate_dimensions,
     condition_images_to_rgba,
     derive_output_size,
     prepare_condition_image,
@@ -34,6 +37,7 @@ from .images import (
 log = logging.getLogger(__name__)
 
 MAX_CONDITION_IMAGES = 16
+LATENT_PIXELS = 16  # one latent token per 16x16 pixels (the VAE's downscale)
 _HASH_VERSION = b"qwen21-conditioning-v1"
 
 
@@ -115,6 +119,24 @@ def _prefix_tokens(prompt_length: int, pad_counts) -> int:
     return prompt_length + 3 * sum(pad_counts)
 
 
+def _check_prompt_fits(prompt_length: int, image_sizes) -> None:
+    """The DiT's rotary table must hold the prompt (`prompt_length` tokens with its <|image_pad|> slots) and its
+    condition images (resized (width, height)); fails with the sampler's own message before any model runs."""
+    pad_counts = [(w // SIZE_MULTIPLE) * (h // SIZE_MULTIPLE) for w, h in image_sizes]
+    shapes = [(h // LATENT_PIXELS, w // LATENT_PIXELS) for w, h in image_sizes]
+    low, high = prefix_rotary_range(prompt_length - sum(pad_counts), shapes)
+    check_rotary_range(low, high, _prefix_tokens(prompt_length, pad_counts))
+
+
+def check_prompt_length(text_encoder, prompt: str, source_sizes=(), output_resolution: int = 1024) -> None:
+    """Fail fast, from the tokenizer alone, when a prompt with condition images of these (width, height) sizes
+    (before resizing) would not fit the DiT's rotary table: the check `encode_conditioning` makes, for callers that
+    want it before they place any weights (the Encode node)."""
+    sizes = [calculate_dimensions(output_resolution**2, w / h) for w, h in source_sizes]
+    pad_counts = [(w // SIZE_MULTIPLE) * (h // SIZE_MULTIPLE) for w, h in sizes]
+    _check_prompt_fits(text_encoder.count_tokens(prompt, pad_counts), sizes)
+
+
 def _vae_identity(vae) -> str:
     identity = getattr(vae, "identity", None)
     if identity is not None:
@@ -187,6 +209,7 @@ def encode_conditioning(
     pad_counts = [image.pad_tokens for image in prepared]
     prompts = {"positive": prompt} if negative_prompt is None else {"positive": prompt, "negative": negative_prompt}
     lengths = {name: text_encoder.count_tokens(text, pad_counts) for name, text in prompts.items()}
+    _check_prompt_fits(lengths["positive"], [(image.width, image.height) for image in prepared])
     prefix_tokens = {name: _prefix_tokens(length, pad_counts) for name, length in lengths.items()}
     if memory_budget is not None:
         _check_prefix_memory(memory_budget, {"positive": prefix_tokens["positive"]})
@@ -226,6 +249,7 @@ def encode_negative(text_encoder, cond: Conditioning, memory_budget: PrefixMemor
     pending = cond.negative_pending
     if pending is None:
         return cond
+    _check_prompt_fits(pending.length, [(w * LATENT_PIXELS, h * LATENT_PIXELS) for h, w in cond.image_shapes])
     if memory_budget is not None:
         pad_counts = [h * w // 4 for h, w in cond.image_shapes]
         prefix_tokens = {

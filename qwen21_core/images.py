@@ -4,7 +4,9 @@ Accepted inputs, one condition image each unless noted:
 
 * ComfyUI IMAGE tensors, float 0..1, [B, H, W, 3|4] (each batch entry is one image) or [H, W, 3|4],
   optionally with a ComfyUI MASK [B|1, H, W] or [H, W] holding 1 - alpha (what LoadImage and
-  SplitImageWithAlpha produce; a MASK of another size is resized bilinearly, as JoinImageWithAlpha does);
+  SplitImageWithAlpha produce). A MASK must have its image's size; one of another size is refused (it is
+  another image's alpha), unless it holds one value everywhere, which means the same at any size (LoadImage
+  gives a 64x64 zero mask for an image without alpha);
 * PIL images of any mode (converted to RGBA, as the reference does);
 * numpy arrays [H, W], [H, W, 3|4], uint8 0..255 or float 0..1.
 
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 SIZE_MULTIPLE = 32
@@ -137,14 +138,32 @@ def _array_to_rgba(array: np.ndarray, what: str) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(array)).convert("RGBA")
 
 
-def _mask_to_alpha(mask: torch.Tensor | np.ndarray, height: int, width: int, what: str) -> np.ndarray:
-    """ComfyUI MASK (1 = transparent) -> uint8 alpha [height, width]."""
+def masks_at_image_size(masks: torch.Tensor, height: int, width: int, mask_name: str = "mask",
+                        image_name: str = "its image") -> torch.Tensor:  # fmt: skip
+    """ComfyUI MASK [B, h, w] -> [B, height, width]: as it is when it has the image's size; a mask of one value
+    everywhere (LoadImage's 64x64 zero mask for an image without alpha, a solid mask) filled at the image's size;
+    any other size refused, naming both sizes. Native nodes such as JoinImageWithAlpha stretch a mask to their
+    image, but a condition image's mask is its alpha: one of another size belongs to another image, and
+    stretched it would cut the subject out in the wrong place without a word."""
+    if tuple(masks.shape[-2:]) == (height, width):
+        return masks
+    flat = masks.reshape(masks.shape[0], -1)
+    if flat.shape[1] and bool((flat == flat[:, :1]).all()):
+        return flat[:, :1, None].expand(-1, height, width)
+    raise ValueError(
+        f"{mask_name} is {masks.shape[-1]}x{masks.shape[-2]} pixels but {image_name} is {width}x{height} (width x "
+        "height): a mask must have the size of the image whose alpha it is (LoadImage gives both at the image's "
+        f"size). Connect the mask that belongs to {image_name}, or resize it first (Convert Mask to Image, Upscale "
+        "Image, Convert Image to Mask)."
+    )
+
+
+def _mask_to_alpha(mask: torch.Tensor | np.ndarray, height: int, width: int, what: str, image_name: str) -> np.ndarray:
+    """ComfyUI MASK (1 = transparent) [H, W] -> uint8 alpha [height, width]."""
     mask = torch.as_tensor(mask, dtype=torch.float32).detach().cpu()
     if mask.dim() != 2:
         raise ValueError(f"{what} must be one [H, W] mask here, got shape {tuple(mask.shape)}")
-    if mask.shape != (height, width):
-        # JoinImageWithAlpha resizes the mask to the image the same way.
-        mask = F.interpolate(mask[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+    mask = masks_at_image_size(mask[None], height, width, what, image_name)[0]
     return _float_to_bytes((1.0 - mask).numpy())
 
 
@@ -179,7 +198,7 @@ def to_rgba(image, mask=None, what: str = "image") -> Image.Image:
                 f"(MASK = 1 - alpha, as LoadImage outputs it)"
             )
         rgba = rgba.copy()
-        rgba.putalpha(Image.fromarray(_mask_to_alpha(mask, rgba.height, rgba.width, f"mask of {what}")))
+        rgba.putalpha(Image.fromarray(_mask_to_alpha(mask, rgba.height, rgba.width, f"the mask of {what}", what)))
     return rgba
 
 

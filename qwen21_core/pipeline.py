@@ -24,6 +24,7 @@ from .dit.decode_graphs import DecodeGraphs
 from .dit.kv_cache import CacheShape
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
+from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
 from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
@@ -403,8 +404,7 @@ class Qwen21Pipeline:
         if masks is not None:
             if masks.dim() == 2:
                 masks = masks[None]
-            if masks.shape[-2:] != images.shape[1:3]:
-                raise ValueError(f"mask {list(masks.shape)} does not match image size {list(images.shape[1:3])}")
+            masks = masks_at_image_size(masks, *images.shape[1:3], "the mask", "the image")
             alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
             images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
         self._wait_for_kernels("vae")

@@ -16,9 +16,11 @@ import torch  # noqa: E402
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig  # noqa: E402
+from qwen21_nodes.qwen21_core.dit.sequence import ROPE_MAX_POSITION, build_layout  # noqa: E402
 from qwen21_nodes.qwen21_core.encoding import (  # noqa: E402
     PrefixMemoryBudget,
     PrefixMemoryError,
+    check_prompt_length,
     encode_conditioning,
     encode_negative,
 )
@@ -328,6 +330,61 @@ def test_negative_prompt_is_encoded_once_and_only_on_request(encoder, vae, monke
     plain = encode_conditioning(encoder, vae, "a cat", images, output_resolution=64)
     encode_negative(encoder, plain)  # no negative prompt: nothing to do
     assert plain.negative is None and not plain.has_negative and len(calls) == 3
+
+
+def _prompt_of(encoder, text_tokens: int, pad_counts=()) -> str:
+    """A prompt whose embedding has `text_tokens` tokens besides its <|image_pad|> slots (the template's included):
+    the rotary positions its text takes in the DiT."""
+    template = encoder.count_tokens("a " * 10, pad_counts) - sum(pad_counts) - 10  # "a ": one tiny-tokenizer token
+    prompt = "a " * (text_tokens - template)
+    assert encoder.count_tokens(prompt, pad_counts) - sum(pad_counts) == text_tokens
+    return prompt
+
+
+def test_a_prompt_too_long_for_the_dit_fails_before_the_encoder_runs_with_the_samplers_message(
+    encoder, vae, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(encoder, "encode_prompts", lambda *args: calls.append(args))
+    too_long = ("a photo of a cat. " * 3000)[:50000]  # what a user pasted: 50,000 characters
+    length = encoder.count_tokens(too_long, [])
+    with pytest.raises(ValueError, match="outside the model's table") as sampler:  # where it failed before
+        build_layout(torch.zeros(length, dtype=torch.bool), [], (64, 64))
+    with pytest.raises(ValueError, match=rf"rotary position {length} is outside the model's table") as encoding:
+        encode_conditioning(encoder, vae, too_long, output_resolution=1024)
+    assert str(encoding.value) == str(sampler.value) and calls == []
+    with pytest.raises(ValueError, match=rf"rotary position {length} is outside"):
+        check_prompt_length(encoder, too_long)
+    # the limit is the table's last position, where the target's frame axis sits: text tokens 0..N-1, target at N
+    check_prompt_length(encoder, _prompt_of(encoder, ROPE_MAX_POSITION))
+    with pytest.raises(ValueError, match=rf"rotary position {ROPE_MAX_POSITION + 1} is outside"):
+        check_prompt_length(encoder, _prompt_of(encoder, ROPE_MAX_POSITION + 1))
+
+
+def test_condition_images_count_against_the_rotary_table_as_the_sampler_lays_them_out(encoder, vae, monkeypatch):
+    """A 1024x768 reference at output_resolution 1024 is resized to 1184x896: its 74x56 latent grid moves the
+    position on by 74; the fast check from the source size and the encode agree on the edge."""
+    calls = []
+    monkeypatch.setattr(encoder, "encode_prompts", lambda *args: calls.append(args))
+    image = Image.new("RGB", (1024, 768))
+    pads = [(1184 // 32) * (896 // 32)]
+    fits, over = (_prompt_of(encoder, ROPE_MAX_POSITION - 74 + extra, pads) for extra in (0, 1))
+    check_prompt_length(encoder, fits, [(1024, 768)], 1024)
+    with pytest.raises(ValueError, match=rf"rotary position {ROPE_MAX_POSITION + 1} is outside"):
+        check_prompt_length(encoder, over, [(1024, 768)], 1024)
+    with pytest.raises(ValueError, match=rf"rotary position {ROPE_MAX_POSITION + 1} is outside"):
+        encode_conditioning(encoder, vae, over, [image], output_resolution=1024)
+    assert calls == []
+
+
+def test_a_too_long_negative_prompt_fails_when_guidance_would_encode_it(encoder, vae, monkeypatch):
+    too_long = _prompt_of(encoder, ROPE_MAX_POSITION + 1)
+    cond = encode_conditioning(encoder, vae, "a cat", negative_prompt=too_long, output_resolution=64)  # cfg 1: fine
+    calls = []
+    monkeypatch.setattr(encoder, "encode_prompts", lambda *args: calls.append(args))
+    with pytest.raises(ValueError, match=rf"rotary position {ROPE_MAX_POSITION + 1} is outside"):
+        encode_negative(encoder, cond)
+    assert calls == []
 
 
 def test_prefix_memory_precheck_passes_when_it_fits(encoder, vae):

@@ -76,7 +76,7 @@ def test_comfy_image_and_mask_give_back_the_exact_rgba_bytes():
     assert np.array_equal(np.asarray(rgba), array)
 
 
-def test_comfy_batch_broadcasts_one_mask_and_resizes_a_mask_of_another_size():
+def test_comfy_batch_broadcasts_one_mask_and_fills_a_one_value_mask_of_another_size():
     array = _rgba_bytes()
     image, mask = _comfy_image_and_mask(array)
     batch = torch.cat([image, image.flip(1)])
@@ -84,9 +84,22 @@ def test_comfy_batch_broadcasts_one_mask_and_resizes_a_mask_of_another_size():
     assert np.array_equal(np.asarray(first)[..., 3], array[..., 3])
     assert np.array_equal(np.asarray(second)[..., 3], array[..., 3])
     assert np.array_equal(np.asarray(second)[..., :3], array[::-1, :, :3])
-    # LoadImage's "no alpha" mask is zeros(64, 64): fully opaque after resizing to the image.
+    # LoadImage's "no alpha" mask is zeros(64, 64): fully opaque at the image's size; any one-value mask likewise.
     (opaque,) = condition_images_from_comfy(image, torch.zeros(64, 64))
     assert (np.asarray(opaque)[..., 3] == 255).all()
+    (half,) = condition_images_from_comfy(image, torch.full((1, 7, 5), 0.5))
+    assert (np.asarray(half)[..., 3] == 128).all()
+
+
+def test_a_mask_of_another_size_is_refused_naming_both_sizes():
+    image, mask = _comfy_image_and_mask(_rgba_bytes())  # one image, its mask at its size
+    height, width = image.shape[1:3]
+    other = torch.nn.functional.interpolate(mask[None], size=(height + 8, width), mode="bilinear")[0]
+    size = rf"{width}x{height + 8} pixels but image\[0\] is {width}x{height} \(width x height\)"
+    with pytest.raises(ValueError, match=r"the mask of image\[0\] is " + size):
+        condition_images_from_comfy(image, other)
+    with pytest.raises(ValueError, match=rf"the mask of images\[0\] is {width}x{height + 8} pixels"):
+        condition_images_to_rgba([_rgba_bytes()[..., :3]], [other[0]])  # numpy image, [H, W] mask
 
 
 def test_comfy_mask_errors():

@@ -80,6 +80,34 @@ def test_quantize_rows_matches_reference(kernel_device, fmt, rotation, mode, m, 
     assert steps.max() <= 1 and (steps > 0).sum() <= max(4, (4e-2 if rotation else 2e-3) * steps.numel())
 
 
+# Every ConvRot group in three row widths: one block of 256 (or one group of 1024), three of them (padded to the
+# next power of two, behind the modulated LayerNorm), and one wide enough for the chunked path (17408 = 17 x 1024).
+GROUP_CASES = [
+    case
+    for group in Q.ROTATION_GROUPS
+    for case in (
+        (group, 1, max(group, 256), "plain"),
+        (group, 37, 3 * max(group, 256), "layer_norm"),
+        (group, 3, 17408, "plain"),
+    )
+]
+
+
+@pytest.mark.parametrize("group,m,k,mode", GROUP_CASES)
+def test_every_convrot_group_matches_the_exact_rotation(kernel_device, mode, group, m, k):
+    """The kernel's factored rotation (H_A . Y . H_B per group, tf32 dots) against the reference's exact fp32
+    product with the whole regular Hadamard matrix, for every ConvRot group a file may use (ROTATION_GROUPS)."""
+    x, kw = _inputs(mode, m, k, torch.bfloat16, kernel_device, seed=group + m)
+    q, scale = Q.quantize_rows(x, "int8", group, **kw)
+    want_q, want_scale = Q.quantize_rows_reference(x, "int8", group, **kw)
+    steps = _step_diff(q, want_q, "int8")
+    assert torch.allclose(scale, want_scale, rtol=2**-7, atol=0)
+    assert steps.max() <= 1 and (steps > 0).sum() <= max(4, 4e-2 * steps.numel())
+    if mode == "plain":  # and it is the rotation of that group: rotated back, the rows are the activation
+        back = Q.rotate(q.float() * scale[:, None], group)
+        assert ((back - x.float()).norm() / x.float().norm()).item() < 0.012
+
+
 @pytest.mark.parametrize("fmt,rotation", [("int8", 0), ("fp8", 0), ("int8", 256)])
 def test_quantized_rows_reconstruct_the_activation(kernel_device, fmt, rotation):
     x, _ = _inputs("plain", 64, 512, torch.bfloat16, kernel_device, seed=5)
@@ -129,6 +157,8 @@ def test_bad_inputs_are_named():
     x = torch.randn(4, 100)
     with pytest.raises(ValueError, match="rotation groups of 256 need a row width"):
         Q.quantize_rows(x, "int8", 256)
+    with pytest.raises(ValueError, match=r"a ConvRot group of \(4, 16, 64, 256, 1024\), got 128"):
+        Q.quantize_rows(torch.randn(4, 256), "int8", 128)
     with pytest.raises(ValueError, match="fmt must be one of"):
         Q.quantize_rows(x, "int4")
     with pytest.raises(ValueError, match="needs an int32 accumulator"):

@@ -2,9 +2,11 @@
 ComfyUI tensor conventions, errors that name the input, interrupts that leave the next run working,
 and agreement with the core pipeline they wrap."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS, host
 from qwen21_nodes.nodes.encode import Qwen21Encode
 from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
 from qwen21_nodes.nodes.sample import Qwen21Sampler
@@ -79,9 +81,26 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
     with pytest.raises(ValueError, match="mask_2 is connected but image_2 is not"):
         encode(model, image_1=image, mask_2=mask)
+    # a mask of another image (another size) is refused before any work, naming both sizes
+    with pytest.raises(ValueError, match=r"mask_2 is 192x192 pixels but image_2 is 256x192 \(width x height\)"):
+        encode(model, image_1=image, mask_1=mask, image_2=_rgb_only, mask_2=mask)
     # ComfyUI hands a node every linked input, declared or not: a 17th image must not vanish.
     with pytest.raises(ValueError, match="no input image_17: it takes at most 16 condition images"):
         encode(model, image_1=image, image_17=image)
+
+
+def test_a_prompt_too_long_for_the_dit_fails_at_the_encode_node_before_any_weights_move(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model, "encode", lambda **kwargs: calls.append(kwargs) or SimpleNamespace(width=64, height=64))
+    too_long = ("a photo of a cat. " * 3000)[:50000]
+    with pytest.raises(ValueError, match=r"rotary position \d+ is outside the model's table \(-1024..8191\)"):
+        encode(model, prompt=too_long)
+    image = torch.rand(1, 64, 64, 3)
+    with pytest.raises(ValueError, match="outside the model's table"):
+        encode(model, prompt=too_long, image_1=image)
+    assert calls == []
+    encode(model, prompt="a red apple", image_1=image)
+    assert len(calls) == 1
 
 
 def host_examples():
@@ -153,6 +172,8 @@ def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
     assert decoded.shape == (2, 64, 48, 3) and alpha.shape == (2, 64, 48)
     with pytest.raises(ValueError, match="at least 16x16"):
         Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"mask is 64x64 pixels but image is 50x70 \(width x height\)"):
+        Qwen21VAEEncode().encode(model, image, torch.rand(1, 64, 64))
 
 
 def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monkeypatch):
@@ -318,3 +339,39 @@ def test_the_dit_is_loaded_for_what_the_run_needs_beyond_the_idle_caches_it_gets
         monkeypatch.setattr(model.pipe.decode_graphs, "idle_cache_bytes", lambda idle=idle: idle)
         sample(model, cond, steps=1)
     assert asked == [5000, 3800, 0]
+
+
+def _numeric_widgets():
+    for node_name, node_class in sorted(NODE_CLASS_MAPPINGS.items()):
+        for name, (_section, kind, options) in input_specs(node_class).items():
+            if kind in ("INT", "FLOAT"):
+                for bound in ("min", "max"):
+                    yield pytest.param(node_name, name, options[bound], id=f"{node_name}.{name}={bound}")
+
+
+@pytest.fixture(scope="module")
+def widget_model(model):
+    """A model of its own: LoRAs at strength +-100 are merged into its weights."""
+    return load_tiny()
+
+
+@pytest.mark.parametrize("node_name,widget,value", list(_numeric_widgets()))
+def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_name, widget, value):
+    """ComfyUI lets a user set a widget anywhere from its min to its max: the node must take both ends (the sampler's
+    denoise offered 0, which the schedule refuses). Everything else small, so each call takes seconds on a CPU."""
+    model = widget_model
+    latent = {"samples": torch.zeros(1, 64, 4, 4)}
+    cheap_links = {
+        "Qwen21Encode": lambda: {"model": model, "prompt": "a red apple", "output_resolution": 64},
+        "Qwen21Sampler": lambda: {"model": model, "conditioning": encode(model)[0], "steps": 2, "latent": latent},
+        "Qwen21VAEDecode": lambda: {"model": model, "latent": latent},
+        "Qwen21LoraLoader": lambda: {"model": model, "lora_name": host.list_weight_files("loras")[0]},
+    }
+    assert node_name in cheap_links, f"{node_name} has numeric widgets: add a cheap call for it to this test"
+    node_class = NODE_CLASS_MAPPINGS[node_name]
+    defaults = {name: spec[2]["default"] for name, spec in input_specs(node_class).items() if "default" in spec[2]}
+    inputs = {**defaults, **cheap_links[node_name](), widget: value}
+    output = getattr(node_class(), node_class.FUNCTION)(**inputs)
+    if node_name == "Qwen21LoraLoader":  # the strength is used where the DiT runs
+        (with_lora,) = output
+        assert sample(with_lora, encode(with_lora)[0], steps=1)["result"][0]["samples"].shape == (1, 64, 4, 4)

@@ -2,6 +2,7 @@
 with the folder name as the package name, in a process where `qwen21_nodes` was never imported."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -124,3 +125,16 @@ def test_every_error_class_reports_the_package_name_not_the_folder_path(tmp_path
     assert "qwen21_nodes.qwen21_core.checkpoints.files.WrongModelError" in names, names
     leaked = [n for n in names if not n.startswith("qwen21_nodes.") or str(tmp_path) in n or "_x_" in n]
     assert leaked == [], "decorate these with qwen21_core.errors.stable_name"
+
+
+def test_every_package_folder_is_listed_for_setuptools():
+    """A non-editable `pip install .` installs only the packages pyproject.toml lists: a folder with an
+    __init__.py missing there (qwen21_core.memory and .quant were) would be missing from the installed pack."""
+    text = (REPO / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.S | re.M).group(1)))
+    on_disk = {
+        ".".join(("qwen21_nodes", *init.parent.relative_to(REPO).parts))
+        for init in REPO.rglob("__init__.py")
+        if not any(part.startswith(".") or part == "__pycache__" for part in init.relative_to(REPO).parts)
+    }
+    assert listed == on_disk

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dit_reference import CHANNELS, CONTEXT, prompt_mask
-from quant_files import dequantized, hadamard_256, quantized_state_dict
-from qwen21_nodes.kernels.quantize_rows import hadamard, rotate
+from quant_files import dequantized, quantized_state_dict, regular_hadamard
+from qwen21_nodes.kernels.quantize_rows import ROTATION_GROUPS, hadamard, rotate
 from qwen21_nodes.qwen21_core.checkpoints import key_maps, loading
 from qwen21_nodes.qwen21_core.checkpoints.formats import UnsupportedQuantizationError
 from qwen21_nodes.qwen21_core.config import TransformerConfig
@@ -47,13 +47,20 @@ def _small_dit(seed=0):
 # ---- formats --------------------------------------------------------------------------------------------
 
 
-def test_hadamard_is_comfy_kitchens_regular_hadamard():
-    h = hadamard(256)
-    assert torch.equal(h, hadamard_256().float())  # the Kronecker power of H4, normalised
-    assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(256), atol=1e-6)
-    assert set(h.abs().unique().tolist()) == {1 / 16}
-    x = torch.randn(3, 512, dtype=torch.float64)
-    assert torch.allclose(rotate(rotate(x.float(), 256), 256).double(), x, atol=1e-5)
+@pytest.mark.parametrize("group", ROTATION_GROUPS)
+def test_hadamard_is_comfy_kitchens_regular_hadamard(group):
+    h = hadamard(group)
+    assert torch.equal(h, regular_hadamard(group).float())  # the Kronecker power of H4, normalised, bit for bit
+    assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(group), atol=1e-6)
+    assert set(h.abs().unique().tolist()) == {group**-0.5}
+    x = torch.randn(3, 2048, dtype=torch.float64)
+    assert torch.allclose(rotate(rotate(x.float(), group), group).double(), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [2, 8, 32, 128, 512])
+def test_hadamard_sizes_that_are_not_powers_of_4_are_refused_as_comfy_kitchen_refuses_them(size):
+    with pytest.raises(ValueError, match="power of 4"):
+        hadamard(size)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -181,21 +188,25 @@ def test_quantize_linears_in_place_frees_the_float_weights():
 # ---- loaders on Comfy-Org-format files -----------------------------------------------------------------
 
 
-def _comfy_dit_file(tmp_path, model, fmt):
+def _comfy_dit_file(tmp_path, model, fmt, group=256):
     comfy = key_maps.dit_to_comfyui({k: v.detach() for k, v in model.checkpoint_slots().items()})
-    blocks = quantized_state_dict(comfy, lambda key, _: ".transformer_blocks." in key, fmt)
+    blocks = quantized_state_dict(comfy, lambda key, _: ".transformer_blocks." in key, fmt, group)
     path = tmp_path / f"qwen_image_2.1_{fmt}.safetensors"
     save_file(blocks, path)
     return path, blocks
 
 
-@pytest.mark.parametrize("fmt", ["int8_convrot", "int8", "fp8"])
-def test_comfy_quantized_dit_file_loads_its_stored_values_exactly(tmp_path, fmt):
+@pytest.mark.parametrize(
+    "fmt,group", [("int8_convrot", 256), ("int8_convrot", 64), ("int8_convrot", 16), ("int8_convrot", 4),
+                  ("int8", 0), ("fp8", 0)],
+)  # fmt: skip
+def test_comfy_quantized_dit_file_loads_its_stored_values_exactly(tmp_path, fmt, group):
     model = _small_dit()
-    path, stored = _comfy_dit_file(tmp_path, model, fmt)
+    path, stored = _comfy_dit_file(tmp_path, model, fmt, group)
     loaded, info = loading.load_transformer(path, "cpu", torch.float32)  # auto: the file's own format
     assert info["weights"] == f"{fmt} (8/8 block linears)"
     block = loaded.transformer_blocks[1]
+    assert {layer.fmt.rotation for layer in block.linears().values()} == {group}  # the file's own group
     # to_k is rows [256, 512) of the fused QKV layer; gate_up is ComfyUI's own fused layout
     prefix = "model.diffusion_model.transformer_blocks.1."
     qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
@@ -203,24 +214,29 @@ def test_comfy_quantized_dit_file_loads_its_stored_values_exactly(tmp_path, fmt)
     assert torch.equal(gate_up.qweight.view(torch.uint8), stored[prefix + "img_mlp.gate_up.weight"].view(torch.uint8))
     assert torch.equal(qkv.weight_scale[256:512], stored[prefix + "attn.to_k.weight_scale"].reshape(-1).expand(256))
     # and each layer means what ComfyUI would compute from the file
-    conf = {"convrot": fmt == "int8_convrot"}
+    conf = {"convrot": fmt == "int8_convrot", "convrot_groupsize": group}
     want = dequantized(stored[prefix + "img_mlp.out.weight"], stored[prefix + "img_mlp.out.weight_scale"], conf)
     assert torch.allclose(block.img_mlp.out.float_weight(torch.float64), want, atol=1e-6)
     float_weight = model.transformer_blocks[1].img_mlp.out.weight.double()
     assert _rel(want, float_weight) < {"fp8": 0.04, "int8": 0.012, "int8_convrot": 0.012}[fmt]
 
 
-def test_comfy_int8_convrot_dit_file_samples_on_cpu(tmp_path):
+@pytest.mark.parametrize("group,backend", [(256, "weight_only"), (64, "weight_only"), (64, "emulate"), (4, "emulate")])
+def test_comfy_int8_convrot_dit_file_samples_on_cpu(tmp_path, monkeypatch, group, backend):
+    """weight_only rotates each weight back; emulate is the W8A8 arithmetic of the GPU path, activations rotated
+    by the quantiser in the file's group: either way the velocity is the float model's, to int8 rounding."""
+    monkeypatch.setenv(GEMM_ENV, backend)
     model = _small_dit()
-    path, _ = _comfy_dit_file(tmp_path, model, "int8_convrot")
+    path, _ = _comfy_dit_file(tmp_path, model, "int8_convrot", group)
     loaded, _ = loading.load_transformer(path, "cpu", torch.float32)
     dequantized_model, info = loading.load_transformer(path, "cpu", torch.float32, weight_formats=WeightFormats("none"))
     assert info["weights"] == "float32"
     with torch.inference_mode():
         reference = _velocity(model)
-        int8 = _velocity(loaded)  # weight-only on the CPU
+        int8 = _velocity(loaded)
         assert _psnr(int8, reference) >= 30
-        assert torch.allclose(int8, _velocity(dequantized_model), atol=1e-4)  # same weights, other arithmetic
+        if backend == "weight_only":
+            assert torch.allclose(int8, _velocity(dequantized_model), atol=1e-4)  # same weights, other arithmetic
 
 
 def test_explicit_formats_requantise_or_quantise(tmp_path):
@@ -241,7 +257,8 @@ def test_explicit_formats_requantise_or_quantise(tmp_path):
     [
         ({"format": "nvfp4"}, r"format \['nvfp4'\]"),
         ({"format": "convrot_w4a4", "convrot_groupsize": 256}, r"format \['convrot_w4a4'\]"),
-        ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}, "group size 64"),
+        ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 128}, r"group size 128 .*4, 16, 64"),
+        ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 4096}, r"group size 4096 .*256, 1024"),
     ],
 )
 def test_formats_we_cannot_run_are_named_with_what_to_use(tmp_path, conf, message):

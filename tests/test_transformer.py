@@ -4,7 +4,12 @@ import pytest
 import torch
 from dit_reference import CHANNELS, CONTEXT, TINY_DIT, our_dit, prompt_mask, reference_dit, reference_velocity
 from qwen21_nodes.qwen21_core.config import TransformerConfig
-from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.sequence import (
+    ROPE_MAX_POSITION,
+    build_layout,
+    check_rotary_range,
+    prefix_rotary_range,
+)
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 
 pytest.importorskip("diffusers")
@@ -158,6 +163,26 @@ def test_rope_positions_past_the_table_are_an_error():
     mask = torch.zeros(8200, dtype=torch.bool)
     with pytest.raises(ValueError, match="outside the model's table"):
         build_layout(mask, [], (2, 2))
+
+
+@pytest.mark.parametrize("below", [64, 63, 8, 7, 0, -1])
+@pytest.mark.parametrize("shapes", [[], [(64, 48)], [(4, 4), (2, 4)]])
+def test_the_encoders_rotary_range_is_the_layouts(below, shapes):
+    """The encoder judges a prompt by prefix_rotary_range, without laying it out: it must agree with the layout the
+    sampler builds, at the edge of the table too (the target sits at the position the prefix reaches)."""
+    text = ROPE_MAX_POSITION - below
+    slots = [torch.ones(h * w // 4, dtype=torch.bool) for h, w in shapes]
+    mask = torch.cat([torch.zeros(text, dtype=torch.bool), *slots])
+    prefix = len(mask) + 3 * int(mask.sum())
+    low, high = prefix_rotary_range(text, shapes)
+    if high > ROPE_MAX_POSITION:
+        with pytest.raises(ValueError, match=rf"rotary position {high} is outside .* \({prefix} prefix tokens\)"):
+            build_layout(mask, shapes, (1, 1))
+        with pytest.raises(ValueError, match=rf"rotary position {high} is outside .* \({prefix} prefix tokens\)"):
+            check_rotary_range(low, high, prefix)
+        return
+    positions = build_layout(mask, shapes, (1, 1)).positions
+    assert int(positions.max()) == high and int(positions[:-1].min()) == low  # the last row: the 1x1 target
 
 
 def test_slot_count_mismatch_is_an_error():

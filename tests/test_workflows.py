@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from PIL import Image
 from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
@@ -57,7 +58,7 @@ def test_every_template_has_a_thumbnail():
     for path in WORKFLOWS_DIR.glob("*.jpg"):
         with Image.open(path) as thumbnail:
             assert thumbnail.format == "JPEG" and thumbnail.size == (400, 400), path.name
-            assert len(set(thumbnail.convert("L").getdata())) > 32, f"{path.name} is (nearly) blank"
+            assert len(np.unique(np.asarray(thumbnail.convert("L")))) > 32, f"{path.name} is (nearly) blank"
 
 
 @pytest.mark.parametrize("path", UI_WORKFLOWS, ids=[p.stem for p in UI_WORKFLOWS])
@@ -118,3 +119,65 @@ def test_demo_runs_on_a_tiny_checkpoint(tiny_models, tmp_path):
     assert done.returncode == 0, done.stderr
     with Image.open(tmp_path / "out" / "qwen21" / "text_to_image_00001_.png") as picture:
         assert picture.size == (256, 256) and picture.mode == "RGB"
+
+
+# A ComfyUI folder as the CLI sees it when run from there: `comfy` and `folder_paths` import (the folder is on
+# sys.path), and comfy.model_management, as ComfyUI's does at import, sets up its device: without a GPU (and without
+# ComfyUI's --cpu) that raises. The CLI is not a ComfyUI server and must never import it.
+FAKE_COMFYUI = {
+    "comfy/__init__.py": "",
+    "comfy/model_management.py": "raise RuntimeError('Found no NVIDIA driver on your system.')\n",
+    "comfy/model_patcher.py": "class ModelPatcher: ...\n",
+    "comfy/utils.py": "class ProgressBar: ...\n",
+    "folder_paths.py": "def get_folder_paths(kind): return []\n",
+}
+
+
+def fake_comfyui(root, model_management=None):
+    for relative, text in FAKE_COMFYUI.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(model_management if model_management and relative.endswith("model_management.py") else text)
+    return root
+
+
+def test_the_cli_works_from_inside_a_comfyui_folder_without_a_gpu(tmp_path):
+    comfyui = fake_comfyui(tmp_path / "ComfyUI")
+    done = run_cli("make-tiny", "models", cwd=comfyui)
+    assert done.returncode == 0, done.stderr
+    assert "Found no NVIDIA driver" not in done.stderr
+    assert (comfyui / "models" / "diffusion_models" / "qwen_image_2.1_tiny.safetensors").is_file()
+    done = run_cli("demo", "--tiny-dir", "models", "--output-dir", "out", cwd=comfyui)
+    assert done.returncode == 0, done.stderr
+    assert (comfyui / "out" / "qwen21" / "text_to_image_00001_.png").is_file()
+
+
+def test_comfyui_services_are_used_only_in_a_process_that_loaded_them(tmp_path):
+    """In a ComfyUI server, comfy.model_management is loaded before custom nodes: then (and only then) the nodes
+    use ComfyUI's devices, folders and memory manager."""
+    comfyui = fake_comfyui(tmp_path / "ComfyUI", model_management="def get_torch_device(): return 'comfy-device'\n")
+    probe = "import {first}; from qwen21_nodes.nodes import host; print(host.IN_COMFYUI, host.comfy_mm is not None)"
+    outside = subprocess.run([sys.executable, "-c", probe.format(first="os")], cwd=comfyui, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    inside = subprocess.run([sys.executable, "-c", probe.format(first="comfy.model_management")], cwd=comfyui,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert outside.returncode == 0 and inside.returncode == 0, outside.stderr + inside.stderr
+    assert outside.stdout.split() == ["False", "False"] and inside.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.comfyui
+@pytest.mark.skipif(
+    not (os.environ.get("COMFYUI_DIR") and os.path.isfile(os.path.join(os.environ["COMFYUI_DIR"], "main.py"))),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter) to run make-tiny in it",
+)
+def test_make_tiny_runs_inside_a_real_comfyui_folder(tmp_path):
+    import qwen21_nodes
+
+    comfyui = os.environ["COMFYUI_DIR"]
+    python = os.environ.get("COMFYUI_PYTHON") or sys.executable
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(qwen21_nodes.__file__)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": package_parent, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([python, "-m", "qwen21_nodes", "make-tiny", str(tmp_path / "models")], cwd=comfyui,
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "models" / "vae" / "qwen_image_2.1_vae_tiny.safetensors").is_file()

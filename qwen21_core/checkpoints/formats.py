@@ -11,7 +11,8 @@ Accepted (per weight, so mixed files with some layers in bf16 work):
 - int8, ComfyUI format "int8_tensorwise": `<layer>.weight` int8 [N, K], `<layer>.weight_scale` fp32 [N, 1] (per
   row) or a scalar, and in the marker `"convrot": true, "convrot_groupsize": 256` (flat, or nested under
   "params") when the stored weight is Hadamard-rotated (the int8_convrot files of Comfy-Org's Qwen-Image-2.1
-  release; see quant/weights.py).
+  release use 256; any group comfy-kitchen can write, the powers of 4 from 4 to 1024, loads; see
+  quant/weights.py).
 In every case weight = q.float() * scale (rotated back for ConvRot). Input scales (static fp8 activation scales)
 are dropped: activations are quantised per row at run time. Everything else (NVFP4, MXFP8, W4A4/W4A8, AWQ,
 GPTQ, GGUF, bitsandbytes, ...) raises `UnsupportedQuantizationError` naming the format and what to use instead.
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import stable_name
-from ..quant.weights import QuantFormat, dequantize_weight
+from ..quant.weights import ROTATION_GROUPS, QuantFormat, dequantize_weight
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -153,8 +154,13 @@ def _int8_layer(path: str, key: str, scale_key: str | None, marker: dict | None)
     params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
     convrot = marker.get("convrot", params.get("convrot", False))
     group = int(marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if convrot else 0
-    if group not in (0, 256):
-        raise UnsupportedQuantizationError(path, f"ConvRot with group size {group} (only 256 is supported) on {key}")
+    if group not in (0, *ROTATION_GROUPS):
+        supported = ", ".join(map(str, ROTATION_GROUPS))
+        raise UnsupportedQuantizationError(
+            path,
+            f"ConvRot with group size {group} on {key} (supported: {supported}; comfy-kitchen's rotation is "
+            "defined for powers of 4 only)",
+        )
     return StoredLayer(torch.int8, scale_key, group)
 
 

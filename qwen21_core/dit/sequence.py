@@ -159,14 +159,29 @@ def _rotary_positions(image_ids, condition_shapes, target_shape) -> torch.Tensor
         index += h * w
         position += max(h, w)
     positions = torch.tensor(rows, dtype=torch.long)
-    low, high = int(positions.min()), int(positions.max())
+    check_rotary_range(int(positions.min()), int(positions.max()), len(image_ids))
+    return positions
+
+
+def prefix_rotary_range(text_tokens: int, condition_shapes) -> tuple[int, int]:
+    """(lowest, highest) rotary position a prompt of `text_tokens` text tokens and condition images with latent
+    grids `condition_shapes` [(h, w), ...] lead to, the target's frame axis included, without laying the sequence
+    out (as _rotary_positions assigns them: text advances one position, an image block max(h, w), its h/w axes
+    centred on zero; the target then sits at the position reached). The encoder checks this before any model runs.
+    """
+    sides = [side for shape in condition_shapes for side in shape]
+    frame = text_tokens + sum(max(h, w) for h, w in condition_shapes)
+    return min([0, *(-(n - n // 2) for n in sides)]), max([frame, *(n // 2 - 1 for n in sides)])
+
+
+def check_rotary_range(low: int, high: int, prefix_tokens: int) -> None:
+    """Refuse positions outside the rotary table (they would alias silently), saying what to shorten."""
     if low < ROPE_MIN_POSITION or high > ROPE_MAX_POSITION:
         raise ValueError(
             f"rotary position {high if high > ROPE_MAX_POSITION else low} is outside the model's table "
             f"({ROPE_MIN_POSITION}..{ROPE_MAX_POSITION}): the prompt and condition images are too long "
-            f"({len(image_ids)} prefix tokens); use a shorter prompt, fewer or smaller condition images"
+            f"({prefix_tokens} prefix tokens); use a shorter prompt, fewer or smaller condition images"
         )
-    return positions
 
 
 def rotary_cos_sin(positions: torch.Tensor, axes_dims: tuple[int, ...], device=None):

@@ -8,7 +8,8 @@ A `QuantFormat` is what a quantised Linear stores and how it multiplies:
 - "int8_convrot": int8 as above, on weights and activations rotated in groups of 256 by the normalised
                   Hadamard matrix (kernels/quantize_rows.py): native ComfyUI's int8_convrot files, whose stored
                   weight is the rotated one (W_rot = W @ H; H is symmetric and orthogonal, so x W^T =
-                  (x H)(W H)^T).
+                  (x H)(W H)^T). A file may use another group comfy-kitchen writes (ROTATION_GROUPS: 4 to 1024,
+                  the powers of 4); it runs with its own group. Quantising here always uses 256.
 A per-tensor scale (older fp8 files) is the same as a per-row scale with every row equal.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.quantize_rows import QMAX, ROTATION_GROUP, STORAGE, rotate
+from ...kernels.quantize_rows import QMAX, ROTATION_GROUP, ROTATION_GROUPS, STORAGE, rotate
 
 ROW_CHUNK = 4096  # rows quantised at once, so a 24576-row weight needs a bounded fp32 temporary
 
@@ -26,13 +27,16 @@ ROW_CHUNK = 4096  # rows quantised at once, so a 24576-row weight needs a bounde
 @dataclass(frozen=True)
 class QuantFormat:
     kind: str  # "fp8" | "int8"
-    rotation: int = 0  # 0 or ROTATION_GROUP
+    rotation: int = 0  # 0, or the ConvRot group (one of ROTATION_GROUPS)
 
     def __post_init__(self):
         if self.kind not in QMAX:
             raise ValueError(f"quantisation kind must be one of {sorted(QMAX)}, got {self.kind!r}")
-        if self.rotation not in (0, ROTATION_GROUP) or (self.rotation and self.kind != "int8"):
-            raise ValueError(f"rotation {self.rotation} is not available for {self.kind} (int8 with 256 only)")
+        if self.rotation not in (0, *ROTATION_GROUPS) or (self.rotation and self.kind != "int8"):
+            raise ValueError(
+                f"ConvRot rotation {self.rotation} is not available for {self.kind}: int8 only, in groups of "
+                f"{', '.join(map(str, ROTATION_GROUPS))}"
+            )
 
     @property
     def name(self) -> str:
