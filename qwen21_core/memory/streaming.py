@@ -9,13 +9,14 @@ run through `forward`). Slot addresses never change, so a CUDA graph captured wi
 too; resident and streamed layers compute with the same kernels on the same values (bit-identical outputs).
 
 While streaming, a streamed layer's parameters point at whatever its slot holds: only the layer loop may read
-them. Anything else that reads or writes weights (LoRA merges, a move to another device) calls `set_resident`
-or `move_all` first.
+them. Anything else that reads or writes weights calls `set_resident` or `move_all` first (a move to another
+device), or changes one layer at a time inside `editing(i)` (LoRA merges).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -135,6 +136,26 @@ class LayerStreamer:
                 layer.to(device)
         self.prefetcher = None
         self.resident = len(self.layers) if device == self.device else 0
+
+    @contextmanager
+    def editing(self, index: int):
+        """Layer `index` with parameters of its own on the device for the block, its host copy updated from them
+        after it, then back on its staging slot: for code that changes a streamed layer's weights in place (one
+        layer's bytes of extra device memory). A layer that is not streamed is left as it is."""
+        if index not in self.host:
+            yield
+            return
+        layer, flat = self.layers[index], self.host[index]
+        with torch.no_grad(), torch.inference_mode(False):
+            for name, offset, shape, dtype in self.entries:
+                point_parameter(layer, name, _view(flat, offset, shape, dtype).to(self.device, copy=True))
+        try:
+            yield
+        finally:
+            with torch.no_grad(), torch.inference_mode(False):
+                for name, offset, shape, dtype in self.entries:
+                    _view(flat, offset, shape, dtype).copy_(layer.get_parameter(name))
+                self._refresh_slots()
 
     def _make_resident(self, index: int) -> None:
         flat = self.host.pop(index)
