@@ -427,3 +427,17 @@ def test_peft_alpha_pattern_and_rslora(tmp_path):
     config = {"transformer.lora_alpha": 8, "transformer.use_rslora": True}
     lora = _read(tmp_path, tensors, model, {"lora_adapter_metadata": json.dumps(config)})
     assert {layer.scale for layer in lora.layers} == {8 / RANK**0.5}
+
+
+def test_a_full_difference_on_a_norm_weight_merges_and_comes_off(tmp_path):
+    model = tiny_model(torch.bfloat16)
+    before = snapshot(model)
+    name = "transformer_blocks.1.attn.norm_q"
+    param = lora_layers(model)[name].param  # our attn.norm_q_weight
+    diff = torch.linspace(-0.5, 0.5, model.get_parameter(param).shape[0])
+    lora = read_lora(write(tmp_path / "norm.safetensors", {f"diffusion_model.{name}.diff": diff}), layer_shapes(model))
+    merger = LoraMerger(model, MemoryOriginals())
+    merger.apply([(lora, 0.5)])
+    assert torch.equal(model.get_parameter(param), (before[param].float() + 0.5 * diff).to(torch.bfloat16))
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -151,6 +151,46 @@ def test_rows_no_lora_touches_keep_their_bits_and_the_output_follows_the_exact_m
     assert rel(plain[:, inner : 2 * inner], want) > 0.1  # without the merge the output would be far off
 
 
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_a_bf16_file_quantised_at_load_merges_from_its_floats_with_one_rounding(fmt, tmp_path):
+    """With the file's float weights at hand the merged layer is quantise(W_file + delta), each checkpoint tensor
+    as the loader quantises it: one rounding, where requantising the loaded values rounds twice."""
+    from safetensors.torch import load_file
+
+    float_model = _small_dit()
+    path = _bf16_file(tmp_path, float_model)
+    model, _ = loading.load_transformer(path, "cpu", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    twin, _ = loading.load_transformer(path, "cpu", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    lora = make_lora(tmp_path, model, layers=EVERY_BLOCK_LINEAR[:4] + EVERY_BLOCK_LINEAR[7:])  # block 0: q, k, v, out
+    loaded = snapshot(model)
+    LoraMerger(model, FileOriginals(path)).apply([(lora, 0.9)])
+    LoraMerger(twin, MemoryOriginals()).apply([(lora, 0.9)])  # the same loaded values, merged from themselves
+    stored_floats = {k: v.float() for k, v in load_file(path).items()}
+    slots, holders = lora_layers(model), {}
+    for key, slot in model.checkpoint_slots().items():
+        if hasattr(slot, "layer") and key.endswith(".weight"):
+            holders[key] = slot
+    wanted = {key: stored_floats[key].clone() for key in holders}
+    for piece in lora.layers:
+        key = f"{piece.layer}.weight"
+        wanted[key] += (piece.up.float() @ piece.down.float()) * (piece.scale * 0.9)  # in fp32 as the merge
+    errors = {"file": [], "memory": []}
+    for key, slot in holders.items():
+        q, s = quantize_weight(wanted[key], slot.layer.fmt)  # what loading a bf16 file with the LoRA merged gives
+        name = slots[key.removesuffix(".weight")].param
+        assert torch.equal(slot.layer.qweight[slot.rows], q) and torch.equal(slot.layer.weight_scale[slot.rows], s)
+        if not any(f"{piece.layer}.weight" == key for piece in lora.layers):
+            assert torch.equal(slot.layer.qweight[slot.rows], loaded[name][slot.rows])  # untouched: as loaded
+            continue
+        twin_layer = twin.get_submodule(name.removesuffix(".qweight"))
+        for source, layer in (("file", slot.layer), ("memory", twin_layer)):
+            merged = dequantize_weight(layer.qweight[slot.rows], layer.weight_scale[slot.rows], layer.fmt.rotation,
+                                       torch.float64)  # fmt: skip
+            errors[source].append(rel(merged, wanted[key]))
+    # one rounding against two: the weights' error energy about halves (fp8: the requantisation rounds finer)
+    assert sum(errors["file"]) < 0.85 * sum(errors["memory"]), errors
+
+
 # ---- exact removal and switching ----------------------------------------------------------------------------
 
 

@@ -589,11 +589,13 @@ def load_into(
     *,
     what: str,
     quant: formats.QuantScheme | None = None,
+    quiet: bool = False,
 ) -> None:
     """Copy every checkpoint tensor into its slot, converting dtype (and dequantising fp8) on the slot's device.
 
     `convert(key, tensor)` renames (and splits / reshapes as views) one checkpoint tensor into diffusers-named
-    tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA).
+    tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA). quiet: the summary line
+    at debug level (callers that read a model back layer by layer, LoRA merges).
     """
     if quant is None:
         quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
@@ -610,7 +612,8 @@ def load_into(
     stager.finish()
     seconds = time.perf_counter() - start
     gigabytes = sum(ckpt.tensors[k].nbytes for k in keys) / 1e9
-    log.info("%s: %d tensors, %.2f GB from %s to %s in %.2f s", what, len(keys), gigabytes, ckpt.path, device, seconds)
+    log.log(logging.DEBUG if quiet else logging.INFO, "%s: %d tensors, %.2f GB from %s to %s in %.2f s", what,
+            len(keys), gigabytes, ckpt.path, device, seconds)  # fmt: skip
 
 
 def _copy_one(key, slots, stager, convert, quant) -> None:

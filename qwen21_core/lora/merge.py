@@ -7,13 +7,18 @@ prefix K/V kept for reuse, is keyed on `transformer.weights_id`, which names the
 What a merge computes (`merge_into_weight`, the one place a weight changes), in fp32 on the weight's device:
 - a float weight: W = round(W_orig + sum_i strength_i * alpha_i / rank_i * B_i @ A_i), rounded once to its dtype
   (the weights diffusers' fuse_lora gives);
-- a quantised weight (quant/linear.py QuantLinear, fp8 or int8 with one scale per row): the rows a LoRA touches
-  are dequantised, the same deltas added, and the rows requantised in the layer's own format (a new per-row
-  scale); rows no LoRA touches keep their bits. int8_convrot stores W H (H the Hadamard rotation), so the sum
-  is formed there: W H + B (A H), rotating the small down-projection A instead of the weight. The result differs
-  from the exact merged weight by one rounding in the format, the same kind of error the format has without a
-  LoRA (bench_lora measures both, per layer and end to end). The rounding is taken in row chunks, so the extra
-  memory is a few fp32 chunks of one layer.
+- a quantised weight (quant/linear.py QuantLinear, fp8 or int8 with one scale per row), two ways:
+  * from the file's float weight, when the transformer was loaded from a bf16 (fp16, fp32) file and quantised
+    while loading: W_q = quantise(W_file + deltas), each checkpoint tensor quantised as the loader quantised it
+    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give;
+  * otherwise (a quantised file, a model built in memory) from the loaded values: the rows a LoRA touches are
+    dequantised, the deltas added and the rows requantised in the layer's own format (a new per-row scale); rows
+    no LoRA touches keep their bits. int8_convrot stores W H (H the Hadamard rotation), so the sum is formed
+    there: W H + B (A H), rotating the small down-projection A instead of the weight. The loaded values already
+    carry the format's rounding, so the merged weight carries two: on weights alone about twice the error energy
+    of the format without a LoRA (bench_lora measures it per layer and end to end).
+  Either way the format's error stays the kind it is without a LoRA, and the work goes in row chunks (at most
+  one layer in fp32 beside the weights).
 A LoRA loaded with side_path=True (the LoRA node's mode "side_path") is not merged into a quantised weight:
 it runs beside it as a low-rank product (QuantLinear.set_side_paths), exact up to the activations' dtype, at the
 cost of extra GEMMs each step. On float weights a merge is already exact to one rounding, so both modes merge.
@@ -54,16 +59,19 @@ import torch
 
 from ...kernels.quantize_rows import rotate
 from ..checkpoints import formats, key_maps
-from ..checkpoints.files import Checkpoint, identify, load_into
+from ..checkpoints.files import Checkpoint, converted_shapes, identify, load_into
 from ..dit.transformer import QwenImage21Transformer
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
-from ..quant.weights import ROW_CHUNK, dequantize_weight, quantize_weight
+from ..quant.weights import dequantize_weight, quantize_weight
 from .reading import LoraError, LoraFile, LoraLayer
 
 log = logging.getLogger(__name__)
 
 Stack = Sequence[tuple[LoraFile, float]]  # (LoRA, strength), applied together
+# Elements of a weight merged at once: each fp32 temporary of a merge (the weight, a delta, the requantisation's)
+# is 64 MiB at most, whatever the layer's shape.
+CHUNK_ELEMENTS = 2**24
 QUANTIZED_WEIGHT = "qweight"  # a quantised layer's weight parameter; its scales are in "weight_scale" beside it
 
 
@@ -167,6 +175,7 @@ def full_fp32_matmul():
 # ---------------------------------------------------------------------------------------------------------
 
 Pieces = Sequence[tuple[slice, float, LoraLayer]]  # (rows of the weight, strength, the LoRA's layer)
+FloatRows = list[tuple[slice, torch.Tensor]]  # a weight's original rows in fp32, one part per checkpoint tensor
 
 
 def _touched_ranges(pieces: Pieces) -> list[tuple[int, int]]:
@@ -200,21 +209,28 @@ class _Delta:
 
 
 @torch.no_grad()
-def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces) -> None:
+def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces, floats: FloatRows | None = None) -> None:
     """Apply the LoRA pieces of one weight in place (see the module docstring for the arithmetic).
 
-    `target` is a float parameter or a QuantLinear and holds its original values on entry. The rows the pieces
-    touch are processed in chunks of ROW_CHUNK rows: read in fp32 (dequantised, in the stored basis), the pieces'
-    deltas added in order, checked, and written back (rounded once, or requantised per row).
+    `target` is a float parameter or a QuantLinear. Without `floats` it holds its original values on entry: the
+    rows the pieces touch are processed in chunks of CHUNK_ELEMENTS: read in fp32 (dequantised, in the stored
+    basis), the pieces' deltas added in order, checked, and written back (rounded once, or requantised per row).
+    With `floats` (a QuantLinear's original float rows, covering all its rows: FileOriginals.float_rows) each part
+    gets its deltas and is quantised into the layer as the loader quantised it; the layer's values on entry do
+    not matter.
     """
+    if floats is not None:
+        _merge_from_floats(target, pieces, floats)
+        return
     quantized = isinstance(target, QuantLinear)
     stored = target.qweight if quantized else target
     rotation = target.fmt.rotation if quantized else 0
     deltas = [(rows, _Delta(layer, strength, stored.device, rotation)) for rows, strength, layer in pieces]
     names = ", ".join(sorted({layer.layer for _, _, layer in pieces}))
+    step = max(1, CHUNK_ELEMENTS // (stored.shape[1] if stored.dim() == 2 else 1))
     for first, last in _touched_ranges(pieces):
-        for start in range(first, last, ROW_CHUNK):
-            chunk = slice(start, min(start + ROW_CHUNK, last))
+        for start in range(first, last, step):
+            chunk = slice(start, min(start + step, last))
             if quantized:
                 merged = dequantize_weight(target.qweight[chunk], target.weight_scale[chunk], 0, torch.float32)
             else:
@@ -230,6 +246,21 @@ def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces) -> Non
                 target.weight_scale[chunk].copy_(scale)
             else:
                 target[chunk].copy_(merged)
+
+
+def _merge_from_floats(layer: QuantLinear, pieces: Pieces, floats: FloatRows) -> None:
+    deltas = [(rows, _Delta(lora_layer, strength, layer.qweight.device, 0)) for rows, strength, lora_layer in pieces]
+    names = ", ".join(sorted({lora_layer.layer for _, _, lora_layer in pieces}))
+    for part, weight in floats:  # weight: fp32 [rows of the part, K], ours to change
+        step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+        for rows, delta in deltas:
+            lo, hi = max(part.start, rows.start), min(part.stop, rows.stop)
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                weight[start - part.start : stop - part.start] += delta.rows(slice(start - rows.start,
+                                                                                   stop - rows.start))  # fmt: skip
+        _check(weight, None, names)
+        QuantSlot(layer, part.start, part.stop).fill(weight)  # the loader's own quantisation of a float tensor
 
 
 def _check(merged: torch.Tensor, dtype: torch.dtype | None, names: str) -> None:
@@ -288,6 +319,9 @@ class MemoryOriginals:
         for name in names:
             transformer.get_parameter(name).copy_(self.saved[name], non_blocking=True)
 
+    def stores_floats(self, transformer: QwenImage21Transformer, target: str) -> bool:
+        return False  # a model built in memory: its float weights are gone once quantised
+
     def keep_only(self, names: Iterable[str]) -> None:
         names = set(names)
         self.saved = {name: saved for name, saved in self.saved.items() if name in names}
@@ -301,7 +335,7 @@ class FileOriginals:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.stamp = self._stamp()
-        self._open = None  # (checkpoint, converter, quantisation scheme) while `reading`
+        self._session: _FileSession | None = None  # the open checkpoint while `reading`
 
     def _stamp(self) -> tuple:
         with Checkpoint.open(self.path) as ckpt:
@@ -310,13 +344,23 @@ class FileOriginals:
 
     @contextmanager
     def reading(self):
-        """The checkpoint opened once (on the first restore) for all the restores of one stack change."""
+        """The checkpoint opened once (on first use) for all the reads of one stack change."""
         try:
             yield
         finally:
-            if self._open is not None:
-                self._open[0].close()
-                self._open = None
+            if self._session is not None:
+                self._session.ckpt.close()
+                self._session = None
+
+    def _open(self, transformer: QwenImage21Transformer) -> _FileSession:
+        if self._session is None:
+            if self._stamp() != self.stamp:
+                raise LoraError(
+                    f"{self.path} changed on disk since the model was loaded, so the weights without the LoRA "
+                    "cannot be re-read from it; load the model again"
+                )
+            self._session = _FileSession(Checkpoint.open(self.path), transformer)
+        return self._session
 
     def keep(self, params: dict[str, torch.Tensor]) -> None:
         pass  # the file has them
@@ -326,24 +370,44 @@ class FileOriginals:
 
     def restore(self, transformer: QwenImage21Transformer, names: Iterable[str]) -> None:
         names = set(names)
-        if not names:
-            return
-        if self._open is None:
-            if self._stamp() != self.stamp:
-                raise LoraError(
-                    f"{self.path} changed on disk since the model was loaded, so the weights without the LoRA "
-                    "cannot be re-read from it; load the model again"
-                )
-            ckpt = Checkpoint.open(self.path)
-            quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
-            self._open = (ckpt, key_maps.converter(identify(ckpt, "transformer"), ckpt.keys()), quant)
-        ckpt, convert, quant = self._open
-        holders = weight_slots(transformer)
-        slots = {
-            key: slot if holders.get(key, ("", None))[0] in names else None
-            for key, slot in transformer.checkpoint_slots().items()
-        }
-        load_into(slots, ckpt, convert, what="original weights (LoRA removal)", quant=quant)
+        if names:
+            session = self._open(transformer)
+            session.read(transformer, {key for key, (holder, _) in session.holders.items() if holder in names})
+
+    def stores_floats(self, transformer: QwenImage21Transformer, target: str) -> bool:
+        """Whether the file stores the float weight of quantised layer `target` (a bf16 file quantised at load)."""
+        session = self._open(transformer)
+        return all(session.produced[key][0] not in session.quant.layers for key in session.keys_of(target))
+
+    def float_rows(self, transformer: QwenImage21Transformer, target: str) -> FloatRows:
+        """The original float rows of quantised layer `target` as the file stores them, in fp32 on its device."""
+        session = self._open(transformer)
+        device = transformer.get_parameter(target).device
+        parts = {key: torch.empty(session.produced[key][1], dtype=torch.float32, device=device)
+                 for key in session.keys_of(target)}  # fmt: skip
+        session.read(transformer, set(parts), into=parts)
+        return [(session.holders[key][1], tensor) for key, tensor in parts.items()]
+
+
+class _FileSession:
+    """An open checkpoint with what reading from it needs: its key converter, quantisation scheme, the names
+    it produces, and which of our weights each of them fills."""
+
+    def __init__(self, ckpt: Checkpoint, transformer: QwenImage21Transformer):
+        self.ckpt = ckpt
+        self.convert = key_maps.converter(identify(ckpt, "transformer"), ckpt.keys())
+        self.quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+        self.produced = converted_shapes(ckpt, self.convert, self.quant)  # our key -> (file key, shape)
+        self.holders = weight_slots(transformer)  # our key -> (weight holding it, rows there)
+
+    def keys_of(self, target: str) -> list[str]:
+        return [key for key, (holder, _) in self.holders.items() if holder == target]
+
+    def read(self, transformer: QwenImage21Transformer, keys: set[str], into: dict | None = None) -> None:
+        """Fill our `keys` from the file: into the model's own slots, or into the tensors of `into`."""
+        slots = {key: ((into or {}).get(key, slot) if key in keys else None)
+                 for key, slot in transformer.checkpoint_slots().items()}  # fmt: skip
+        load_into(slots, self.ckpt, self.convert, what="original weights (LoRA)", quant=self.quant, quiet=True)
 
 
 def originals_for(transformer_path: str | os.PathLike | None) -> FileOriginals | MemoryOriginals:
@@ -386,7 +450,9 @@ class LoraMerger:
             with self.originals.reading(), full_fp32_matmul():
                 for names, place in self._groups(changed):
                     with place:
-                        self._restore(names & set(self.merged))
+                        # weights re-merged from the file's floats need no restore first (every row is rewritten)
+                        rewritten = {n for n in names & set(wanted) if self._from_floats(n, plan[n])}
+                        self._restore(names & set(self.merged), keep=rewritten)
                         for name in sorted(names & set(wanted)):
                             merged, side = self._apply_one(name, plan[name])
                             counts["weights_merged"] += merged
@@ -431,13 +497,19 @@ class LoraMerger:
         beside = [(rows, s, lora_layer) for rows, s, lora_layer, side, _ in pieces if side]
         attach_side_paths(layer, beside)
         if merged:
-            self._merge(layer, name, merged)
+            floats = self.originals.float_rows(self.transformer, name) if self._from_floats(name, pieces) else None
+            self._merge(layer, name, merged, floats)
         return int(bool(merged)), int(bool(beside))
 
-    def _merge(self, target, name: str, pieces: Pieces) -> None:
+    def _from_floats(self, name: str, pieces: list) -> bool:
+        """Whether quantised weight `name` is merged from the file's float weight (see the module docstring)."""
+        return (_is_quantized(name) and any(not side for *_, side, _ in pieces)
+                and self.originals.stores_floats(self.transformer, name))  # fmt: skip
+
+    def _merge(self, target, name: str, pieces: Pieces, floats: FloatRows | None = None) -> None:
         self.originals.keep({p: self.transformer.get_parameter(p) for p in parameters_of(name)})
         self.changed.add(name)  # before the merge: a failure half way through is undone too
-        merge_into_weight(target, pieces)
+        merge_into_weight(target, pieces, floats)
 
     def _groups(self, names: set[str]) -> Iterator[tuple[set[str], contextlib.AbstractContextManager]]:
         """`names` split into what is changed together: every weight outside streamed blocks first, then each
@@ -453,13 +525,15 @@ class LoraMerger:
         for block in sorted(groups):
             yield groups[block], streamer.editing(block)
 
-    def _restore(self, names: set[str]) -> None:
+    def _restore(self, names: set[str], keep: set[str] = frozenset()) -> None:
+        """Side paths off and the original values back for `names`, except the values of `keep` (about to be
+        rewritten whole)."""
         for name in names:
             if _is_quantized(name):
                 self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}")).set_side_paths([])
-        weights = sorted(names & self.changed)
+        weights = sorted((names & self.changed) - keep)
         self.originals.restore(self.transformer, [p for target in weights for p in parameters_of(target)])
-        self.changed -= names
+        self.changed -= names - keep
         for name in names:
             self.merged.pop(name, None)
 
