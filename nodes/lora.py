@@ -12,12 +12,12 @@ log = logging.getLogger(__name__)
 MODES = ("merge", "side_path")
 MODE_TOOLTIP = (
     "How the LoRA goes onto fp8 / int8 / int8_convrot weights. merge (default): added into them before sampling "
-    "and requantised in their format, so a step costs what it costs without the LoRA; the requantisation adds one "
-    "rounding of that format, the same kind of error the format has anyway (bench_lora measures it: BENCHMARKS, "
-    "LoRA). Removing or changing it restores the loaded weights bit for bit first. side_path: the quantised weights "
-    "stay untouched and the LoRA runs beside them as a low-rank product each step: exact, but every adapted layer "
-    "gets extra GEMMs and loses its fused activation quantisation, so steps are slower. On bf16 / fp32 weights both "
-    "merge (exact to one rounding, as diffusers' fuse_lora)."
+    "and requantised in their format, so a step costs what it costs without the LoRA. A bf16 file loaded as "
+    "fp8/int8 is merged from the file's own weights and rounded once; a quantised file's values are rounded a "
+    "second time, a little more error than the format has anyway (BENCHMARKS.md, LoRA). Removing or changing the "
+    "LoRA restores the loaded weights bit for bit first. side_path: the quantised weights stay untouched and the "
+    "LoRA runs beside them each step: exact, but adapted layers get extra GEMMs and lose their fused activation "
+    "quantisation, so steps are slower. On bf16 / fp32 weights both merge (exact to one rounding)."
 )
 
 

@@ -43,9 +43,9 @@ BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_ml
 EVERY_BLOCK_LINEAR = tuple(f"transformer_blocks.{i}.{p}" for i in range(SMALL.num_layers) for p in BLOCK_LINEARS)
 
 
-def quantized_pair(fmt, seed=0):
+def quantized_pair(fmt, seed=0, device="cpu", dtype=torch.float32):
     """A float model and a quantised copy of it (the quantised Linears in `fmt`, the rest shared)."""
-    model = _small_dit(seed)
+    model = _small_dit(seed).to(device, dtype)
     return model, model.quantized_copy(uniform_plan(FORMATS[fmt], SMALL.num_layers))
 
 
@@ -442,3 +442,80 @@ def test_decode_graphs_are_kept_across_merges_and_rebuilt_for_side_paths(tmp_pat
     merger.apply([(dataclasses.replace(lora, side_path=True), 1.0)])  # new tensors in the step: graphs rebuilt
     fresh = _prefilled(graphs, _layout())
     assert fresh is not branch and "weights moved" in graphs.describe()
+
+
+# ---- on the GPU: W8A8 GEMMs, real CUDA graphs, streaming from pinned memory ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_cuda_graphs_replay_the_merged_quantised_weights_and_recapture_for_the_side_path(fmt, tmp_path):
+    import dataclasses
+
+    from test_decode_graphs import _layout
+
+    _, model = quantized_pair(fmt, device="cuda", dtype=torch.bfloat16)
+    lora = make_lora(tmp_path, model, size=0.15)  # a LoRA effect well above fp8's rounding of activations
+    graphs = DecodeGraphs(model)
+    layout = _layout()
+    g = torch.Generator().manual_seed(0)
+    embeds, tokens = torch.randn(layout.prefix_len - 12, SMALL.context_in_dim, generator=g), torch.randn(16, 16)
+    x = torch.randn(1, 16, SMALL.in_channels, generator=g).to("cuda", torch.bfloat16)
+    t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
+
+    def replay():
+        branch = graphs.new_branch(layout, 1, "auto", "positive")
+        model.prefill(branch, embeds.to("cuda", torch.bfloat16), tokens.to("cuda", torch.bfloat16))
+        out = graphs(branch, x, t)
+        eager = model.decode(branch, x, t)
+        graphs.release(branch)
+        return out, eager
+
+    with torch.inference_mode():
+        before, _ = replay()
+        (entry,) = graphs.entries.values()
+        merger = LoraMerger(model, MemoryOriginals())
+        merger.apply([(lora, 1.0)])
+        merged, eager = replay()
+        assert list(graphs.entries.values()) == [entry] and entry.replays >= 2  # the same graph, replayed
+        assert torch.equal(merged, eager) and not torch.equal(merged, before)
+        merger.apply([(dataclasses.replace(lora, side_path=True), 1.0)])
+        beside, eager = replay()
+        assert entry not in graphs.entries.values()  # rebuilt: the side path's tensors are in the new graph
+        assert torch.equal(beside, eager)
+        # the side path is exact and the merge rounds once more: the two far nearer each other than to no LoRA
+        assert (beside.float() - merged.float()).norm() < 0.3 * (merged.float() - before.float()).norm()
+        merger.apply([])
+        again, _ = replay()
+        assert torch.equal(again, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_streamed_blocks_merge_on_the_gpu_like_resident_ones(fmt, tmp_path):
+    float_model = _small_dit().to(torch.bfloat16)
+    path = _bf16_file(tmp_path, float_model)
+    resident, _ = loading.load_transformer(path, "cuda", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    streaming, _ = loading.load_transformer(path, "cuda", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    streaming.place("cuda", 0)  # every block streams from pinned host RAM
+    lora = make_lora(tmp_path, resident)
+    for model, originals in ((resident, FileOriginals(path)), (streaming, FileOriginals(path))):
+        LoraMerger(model, originals).apply([(lora, 1.0)])
+    with torch.inference_mode():
+        assert torch.equal(_velocity_cuda(streaming), _velocity_cuda(resident))
+
+
+def _velocity_cuda(model, seed=4, target=(4, 4)):
+    from dit_reference import prompt_mask
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(4, 4)]
+    mask = prompt_mask(6, shapes)
+    layout = build_layout(mask, shapes, target)
+    branch = model.new_branch(layout, 1)
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    model.prefill(branch, torch.randn(mask.shape[0], SMALL.context_in_dim, generator=gen).to(**cuda),
+                  torch.randn(16, SMALL.in_channels, generator=gen).to(**cuda))  # fmt: skip
+    x = torch.randn(1, target[0] * target[1], SMALL.in_channels, generator=gen).to(**cuda)
+    return model.decode(branch, x, torch.tensor([0.4], **cuda))

@@ -372,7 +372,8 @@ class FileOriginals:
         names = set(names)
         if names:
             session = self._open(transformer)
-            session.read(transformer, {key for key, (holder, _) in session.holders.items() if holder in names})
+            model_slots = transformer.checkpoint_slots()
+            session.read({key: model_slots[key] for key, (holder, _) in session.holders.items() if holder in names})
 
     def stores_floats(self, transformer: QwenImage21Transformer, target: str) -> bool:
         """Whether the file stores the float weight of quantised layer `target` (a bf16 file quantised at load)."""
@@ -385,7 +386,7 @@ class FileOriginals:
         device = transformer.get_parameter(target).device
         parts = {key: torch.empty(session.produced[key][1], dtype=torch.float32, device=device)
                  for key in session.keys_of(target)}  # fmt: skip
-        session.read(transformer, set(parts), into=parts)
+        session.read(parts)
         return [(session.holders[key][1], tensor) for key, tensor in parts.items()]
 
 
@@ -400,14 +401,18 @@ class _FileSession:
         self.produced = converted_shapes(ckpt, self.convert, self.quant)  # our key -> (file key, shape)
         self.holders = weight_slots(transformer)  # our key -> (weight holding it, rows there)
 
-    def keys_of(self, target: str) -> list[str]:
-        return [key for key, (holder, _) in self.holders.items() if holder == target]
+        self.targets = defaultdict(list)  # weight -> our keys it holds
+        for key, (holder, _) in self.holders.items():
+            self.targets[holder].append(key)
 
-    def read(self, transformer: QwenImage21Transformer, keys: set[str], into: dict | None = None) -> None:
-        """Fill our `keys` from the file: into the model's own slots, or into the tensors of `into`."""
-        slots = {key: ((into or {}).get(key, slot) if key in keys else None)
-                 for key, slot in transformer.checkpoint_slots().items()}  # fmt: skip
-        load_into(slots, self.ckpt, self.convert, what="original weights (LoRA)", quant=self.quant, quiet=True)
+    def keys_of(self, target: str) -> list[str]:
+        return self.targets[target]
+
+    def read(self, slots: dict) -> None:
+        """Fill the given slots (our key -> a model slot or any tensor of its shape) from the file; nothing else
+        is read."""
+        load_into(dict.fromkeys(self.produced) | slots, self.ckpt, self.convert, what="original weights (LoRA)",
+                  quant=self.quant, quiet=True, produced=self.produced)  # fmt: skip
 
 
 def originals_for(transformer_path: str | os.PathLike | None) -> FileOriginals | MemoryOriginals:
