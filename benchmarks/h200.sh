@@ -62,7 +62,7 @@ for part in "$@"; do
         tests/test_lora_node.py tests/test_transformer.py tests/test_decode_graphs.py ;;
     tests-lora)  # the LoRA tests (GPU-marked ones included) and the quantised kernels on CUDA, 4 workers
       run tests_lora "${TESTS_LIMIT:-150}" python3 -m pytest -v -p no:cacheprovider -n 4 --timeout 100 -k "not interpreter" tests/test_lora.py \
-        tests/test_lora_node.py tests/test_kernel_quantize.py tests/test_quant.py ;;
+        tests/test_lora_quant.py tests/test_lora_node.py tests/test_kernel_quantize.py tests/test_quant.py ;;
     tests-last)  # the GPU tests that failed or did not finish in the last tests-new run, one line per test
       run tests_last 70 python3 -m pytest -v -p no:cacheprovider -k "not interpreter and (1-256 or int8_gemm or gpu)" \
         tests/test_kernel_quantize.py tests/test_memory.py ;;
@@ -98,7 +98,7 @@ for part in "$@"; do
     vae-placeholders) run bench_vae_placeholders "${VAE_LIMIT:-420}" python3 benchmarks/bench_vae.py --placeholders ${VAE_ARGS:-} ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
-    lora) run bench_lora "${LORA_LIMIT:-420}" python3 benchmarks/bench_lora.py ;;
+    lora) run bench_lora "${LORA_LIMIT:-580}" python3 benchmarks/bench_lora.py ${LORA_ARGS:-} ;;  # LORA_ARGS: --formats ...
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
       run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;

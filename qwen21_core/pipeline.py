@@ -12,6 +12,7 @@ be rebuilt. Options default to the exact path; faster, non-identical paths must 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -367,14 +368,17 @@ class Qwen21Pipeline:
 
     # ---- LoRA -------------------------------------------------------------------------------------
 
-    def load_lora(self, path) -> LoraFile:
-        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet)."""
-        return read_lora(path, layer_shapes(self.transformer))
+    def load_lora(self, path, side_path: bool = False) -> LoraFile:
+        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet).
+
+        side_path: on quantised weights, run it beside them (exact, extra GEMMs per step) instead of merging it
+        into them (requantised, no per-step cost); see lora/merge.py."""
+        return dataclasses.replace(read_lora(path, layer_shapes(self.transformer)), side_path=side_path)
 
     def set_loras(self, stack: Stack) -> None:
         """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
 
-        Exact and reversible (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
+        Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
         """
         self.loras.apply(stack)
 

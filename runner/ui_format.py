@@ -4,7 +4,8 @@ the API format the runner and POST /prompt take.
 A UI workflow lists nodes with positional `widgets_values` and links as
 `[link_id, from_node, from_slot, to_node, to_slot, type]`. Widget order follows the node class's
 INPUT_TYPES (required, then optional) over the inputs the frontend shows as widgets, with the
-frontend's extra widgets: `control_after_generate` after a seed, `upload` after an image picker.
+frontend's extra widgets: `control_after_generate` after a seed, `upload` after an image picker. A workflow
+saved before a node gained an optional widget has fewer values; the missing trailing ones take their defaults.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ def is_ui_workflow(data) -> bool:
     return isinstance(data, dict) and isinstance(data.get("nodes"), list) and isinstance(data.get("links"), list)
 
 
-def widget_names(node_class) -> list[str]:
+def widget_names(node_class, required_only: bool = False) -> list[str]:
     """Names of the values in a node's `widgets_values`, in order (frontend-only widgets included)."""
     names = []
-    for name, (_section, input_type, options) in input_specs(node_class).items():
+    for name, (section, input_type, options) in input_specs(node_class).items():
         if options.get("forceInput") or not (isinstance(input_type, list) or input_type in WIDGET_TYPES):
+            continue
+        if required_only and section != "required":
             continue
         names.append(name)
         if input_type == "INT" and options.get("control_after_generate", name in SEED_NAMES):
@@ -61,10 +64,13 @@ def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
         for slot, output in enumerate(node.get("outputs", [])):
             if slot >= len(node_class.RETURN_TYPES) or output["type"] != node_class.RETURN_TYPES[slot]:
                 problems.append(f"{where}: output {slot} ({output['type']}) does not match {node_class.RETURN_TYPES}")
-        expected = widget_names(node_class)
-        if len(node.get("widgets_values", [])) != len(expected):
+        # a workflow saved before an optional widget was added lacks its value: the frontend uses the default
+        expected, least = widget_names(node_class), len(widget_names(node_class, required_only=True))
+        if not least <= len(node.get("widgets_values", [])) <= len(expected):
+            count = "" if least == len(expected) else f"{least} to "
             problems.append(
-                f"{where}: {len(node.get('widgets_values', []))} widgets_values, expected {len(expected)} {expected}"
+                f"{where}: {len(node.get('widgets_values', []))} widgets_values, expected {count}{len(expected)} "
+                f"{expected}"
             )
     for link in ui["links"]:
         link_id, source, source_slot, target, target_slot, link_type = link
@@ -97,7 +103,8 @@ def ui_to_api(ui: dict, node_classes: dict) -> dict:
             continue
         node_class = node_classes[node["type"]]
         inputs = {}
-        for name, value in zip(widget_names(node_class), node.get("widgets_values", []), strict=True):
+        values = node.get("widgets_values", [])
+        for name, value in zip(widget_names(node_class)[: len(values)], values, strict=True):
             if name not in ("control_after_generate", "upload"):
                 inputs[name] = value
         for socket in node.get("inputs", []):

@@ -62,3 +62,48 @@ def test_bench_vae_kernel_sweep_times_both_kernels_at_the_decoders_shapes():
     for kernel in ("eager", "fused"):
         assert summaries[kernel]["best_total_ms"] <= summaries[kernel]["current_total_ms"]
     assert summaries["shared"]["BLOCK_ELEMENTS"] == 4096 and summaries["shared"]["NUM_WARPS"] == 4
+
+
+@pytest.mark.slow
+def test_bench_lora_runs_every_measurement_on_a_tiny_model(tmp_path):
+    """bench_lora --tiny on the CPU: every line the H200 run prints, for bf16 and each quantised format, with the
+    checks that hold on any device (the LoRA changes the velocity, removal is bit-exact, the latter from both
+    sources), and nothing left in --dir."""
+    script = BENCH_VAE.parent / "bench_lora.py"
+    command = [sys.executable, str(script), "--tiny", "--device", "cpu", "--iters", "1", "--steps", "3",
+               "--dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=script.parents[1],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_what = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            by_what.setdefault(record["what"], []).append(record)
+    (step,) = by_what["lora_decode_step"]
+    assert step["lora_changes_velocity"] and step["bit_identical_after_remove"]
+    assert {r["restore_from"] for r in by_what["lora_switch"]} == {"file", "memory"}
+    formats = ["fp8", "int8", "int8_convrot"]
+    for fmt in formats:
+        layers = [r for r in by_what["lora_quant_layers"] if r["format"] == fmt]
+        assert {(r["merged_from"], r["layer"]) for r in layers} == {
+            (source, path) for source in ("loaded values", "file floats")
+            for path in ("attn.to_qkv", "attn.to_out", "img_mlp.gate_up", "img_mlp.out")
+        }  # fmt: skip
+        for r in layers:  # the merge's rounding is the format's kind of error: within 2x of it, never zero
+            assert 0 < r["requant_rel_error_mean"] < 2 * r["format_rel_error_mean"] and r["blocks"] == 2
+        (quant_step,) = [r for r in by_what["lora_quant_step"] if r["format"] == fmt]
+        assert quant_step["lora_changes_velocity"] and quant_step["bit_identical_after_remove"]
+        assert {"merged_decode_eager_ms", "side_path_decode_eager_ms", "eager_ratio_merged_vs_none",
+                "velocity_psnr_drop_db", "velocity_psnr_side_path_vs_bf16_merged_db"} <= set(quant_step)  # fmt: skip
+        assert quant_step["velocity_psnr_side_path_vs_bf16_merged_db"] > 40  # the exact path follows bf16's merge
+        (latents,) = [r for r in by_what["lora_quant_latents"] if r["format"] == fmt]
+        assert latents["steps"] == 3 and latents["latents_psnr_merged_vs_bf16_merged_db"] > 30
+        (file_merge,) = [r for r in by_what["lora_quant_file_merge"] if r["format"] == fmt]
+        assert file_merge["bit_identical_after_remove"] and "velocity_psnr_drop_db" in file_merge
+        switches = {r["restore_from"]: r for r in by_what["lora_quant_switch"] if r["format"] == fmt}
+        assert set(switches) == {"file", "memory"} and all(r["bit_identical_after_remove"] for r in switches.values())
+        assert switches["memory"]["original_copies_gib"] > 0 == switches["file"]["original_copies_gib"]
+    assert [r["format"] for r in by_what["lora_targets"]] == formats
+    assert all(r["met"]["removal_bit_exact"] for r in by_what["lora_targets"])
+    assert list(tmp_path.iterdir()) == []  # the random checkpoint and LoRAs were cleaned up

@@ -322,6 +322,27 @@ def test_workflows_run_under_lowvram(lowvram_server, name):
                                                                    for line in streamed}, placements  # fmt: skip
 
 
+def test_lora_workflow_runs_on_fp8_weights_merged_beside_and_as_saved_before_the_mode_input(server):
+    """The turbo_lora workflow with an fp8 DiT (the side path crashed on CPU before issue 23): the default merge,
+    the side path, and the prompt as a workflow saved before the node had its `mode` input (absent: merge)."""
+    lora = "Qwen21LoraLoader"
+    for case in ("merge", "side_path", "absent"):
+        run_start = len(server.log())
+        extra = ["Qwen21ModelLoader.weight_dtype=fp8", f"Qwen21Sampler.seed={random.randrange(2**32)}"]
+        prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "turbo_lora.json", server.models, *extra)
+        if case == "absent":
+            del prompt[find_node(prompt, lora)]["inputs"]["mode"]
+        else:
+            prompt[find_node(prompt, lora)]["inputs"]["mode"] = case
+        entry = server.wait(server.queue(prompt))
+        assert entry["status"]["status_str"] == "success", f"{case}: " + failure_report(entry, server)
+        assert len(entry["outputs"][find_node(prompt, "SaveImage")]["images"]) == 1
+        applied = [line for line in server.log()[run_start:].splitlines() if "LoRA stack" in line and "applied" in line]
+        assert applied, f"{case}: no LoRA was applied:\n" + server.log()[run_start:][-3000:]
+        kind = "'side_paths': 0" if case != "side_path" else "'weights_merged': 0"  # the other kind, none of it
+        assert kind in applied[-1], (case, applied[-1])
+
+
 def test_sampler_reports_stats_in_its_ui_output(server):
     prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "text_to_image.json", server.models, "Qwen21Sampler.seed=7")
     entry = server.wait(server.queue(prompt))

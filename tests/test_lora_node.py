@@ -2,6 +2,8 @@
 handles never change each other, alternating branches re-merge as needed, a kept prefix is never reused across LoRA
 sets, and captured graphs stay valid (same addresses, no recapture, replay equals eager with the LoRA)."""
 
+import json
+
 import pytest
 import torch
 from dit_reference import our_dit, reference_dit
@@ -15,6 +17,7 @@ from qwen21_nodes.qwen21_core.lora.merge import LoraMerger, MemoryOriginals, lay
 from qwen21_nodes.qwen21_core.lora.reading import LoraError, read_lora
 from qwen21_nodes.qwen21_core.sampler import Sampler
 from qwen21_nodes.runner.cli import ensure_tiny_models
+from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
 from safetensors.torch import load_file, save_file
 from test_decode_graphs import Recorder, _layout, _prefilled
 from test_lora import lora_state_dict, random_factors, write
@@ -54,7 +57,7 @@ def checkpoint_weights(models_dir):
 def test_node_lists_the_loras_folder_and_returns_a_new_handle(base):
     choices = Qwen21LoraLoader.INPUT_TYPES()["required"]["lora_name"][0]
     assert choices == [TINY_LORA]
-    specs = Qwen21LoraLoader.INPUT_TYPES()["required"]
+    specs = {**Qwen21LoraLoader.INPUT_TYPES()["required"], **Qwen21LoraLoader.INPUT_TYPES()["optional"]}
     assert all(options.get("tooltip") for _type, options in specs.values())
     (with_lora,) = Qwen21LoraLoader().load(base, TINY_LORA, 0.8)
     assert with_lora is not base and with_lora.pipe is base.pipe
@@ -81,6 +84,57 @@ def test_branches_with_different_loras_are_each_right_in_any_order(base, models_
     stored = checkpoint_weights(models_dir)  # the base handle left the weights as loaded, bit for bit
     assert all(torch.equal(t, stored[k]) for k, t in base.pipe.transformer.checkpoint_slots().items())
     assert base.pipe.loras.originals.nbytes == 0  # re-read from the file: no copies held
+
+
+def test_mode_is_optional_so_workflows_saved_without_it_still_load(base, models_dir):
+    modes, options = Qwen21LoraLoader.INPUT_TYPES()["optional"]["mode"]
+    assert modes == ["merge", "side_path"] and options["default"] == "merge"
+    assert "mode" not in Qwen21LoraLoader.INPUT_TYPES()["required"]
+    (merged,) = Qwen21LoraLoader().load(base, TINY_LORA, 1.0)  # as a workflow without the input calls it
+    (beside,) = Qwen21LoraLoader().load(base, TINY_LORA, 1.0, mode="side_path")
+    assert not merged.loras[0][0].side_path and beside.loras[0][0].side_path
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Qwen21LoraLoader().load(base, TINY_LORA, 1.0, mode="fuse")
+
+    from qwen21_nodes.runner.cli import WORKFLOWS_DIR, tiny_overrides
+    from qwen21_nodes.runner.graph import apply_overrides, validate
+    from test_workflows import node_classes
+
+    # the UI file as saved before the input existed: one widget value fewer; the API file without the input
+    ui = json.loads((WORKFLOWS_DIR / "turbo_lora.json").read_text())
+    node = next(n for n in ui["nodes"] if n["type"] == "Qwen21LoraLoader")
+    assert node["widgets_values"][-1] == "merge"
+    node["widgets_values"] = node["widgets_values"][:-1]
+    assert check_ui_workflow(ui, node_classes()) == []
+    prompt = ui_to_api(ui, node_classes())
+    assert "mode" not in prompt[str(node["id"])]["inputs"]
+    validate(apply_overrides(prompt, tiny_overrides(prompt, models_dir), node_classes()), node_classes())  # or raises
+    node["widgets_values"] = node["widgets_values"][:-1]  # a required value missing is still an error
+    assert "1 widgets_values, expected 2 to 3" in " ".join(check_ui_workflow(ui, node_classes()))
+
+
+@pytest.mark.parametrize("weight_dtype,mode", [("fp8", "side_path"), ("fp8", "merge"), ("int8", "side_path"),
+                                               ("int8_convrot", "merge")])  # fmt: skip
+def test_lora_workflow_on_quantised_weights_through_the_runner(models_dir, tmp_path, weight_dtype, mode):
+    """The turbo_lora workflow as a user runs it on CPU with a quantised DiT (fp8 with the side path crashed in the
+    sampler with 'expected m1 and m2 to have the same dtype' before issue 23)."""
+    from qwen21_nodes.runner.cli import WORKFLOWS_DIR, run_workflow, tiny_overrides
+    from qwen21_nodes.runner.graph import find_node, load_prompt
+
+    path = WORKFLOWS_DIR / "api" / "turbo_lora.json"
+    prompt = load_prompt(path.read_text())
+    settings = [*tiny_overrides(prompt, models_dir), f"1.weight_dtype={weight_dtype}", "1.device=cpu",
+                f"6.mode={mode}"]  # fmt: skip
+    sampler = find_node(prompt, "Qwen21Sampler")
+
+    def latents(strength):
+        result = run_workflow(path, models_dir=models_dir, output_dir=tmp_path,
+                              overrides=[*settings, f"6.strength={strength}"])  # fmt: skip
+        return result.outputs[sampler][0]["samples"]
+
+    with_lora = latents(1.0)
+    assert torch.isfinite(with_lora).all()
+    assert not torch.allclose(with_lora, latents(0.0), atol=1e-3)
 
 
 def test_node_errors_name_the_file_and_the_problem(base, models_dir, tmp_path):

@@ -60,7 +60,9 @@ Plus a Qwen-Image-2.1 **turbo** (few-step distillation) LoRA in `ComfyUI/models/
 names it `{TURBO_LORA}`: pick yours in *Qwen21 Load LoRA*. The sampler runs 8 steps of the
 default schedule, the grid diffusers' turbo pipeline uses when a checkpoint ships no `sample_sigmas`
 (set the step count your LoRA was distilled for). The LoRA is merged into the weights before
-sampling, so the prefix cache and CUDA-graph decode stay on."""
+sampling (fp8 / int8 weights are requantised in their format), so the prefix cache and CUDA-graph
+decode stay on and steps cost what they cost without it. Its `mode` side_path keeps quantised
+weights untouched and runs the LoRA beside them instead: exact, slower steps."""
 
 T2I_PROMPT = (
     "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep on a "
@@ -181,7 +183,7 @@ def workflows() -> dict[str, tuple[dict, str]]:
                 "1": _loader(),
                 "6": {
                     "class_type": "Qwen21LoraLoader",
-                    "inputs": {"model": ["1", 0], "lora_name": TURBO_LORA, "strength": 1.0},
+                    "inputs": {"model": ["1", 0], "lora_name": TURBO_LORA, "strength": 1.0, "mode": "merge"},
                     "_meta": {"title": "Load turbo LoRA"},
                 },
                 "2": _encode(T2I_PROMPT, model=["6", 0]),

@@ -548,13 +548,14 @@ def plan_load(
     convert: Converter,
     quant: formats.QuantScheme,
     what: str,
+    produced: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> list[str]:
     """Check that the checkpoint fits the slots without reading any data; return the keys to read.
 
     Slots whose value is None are read and dropped, so they may be absent from the checkpoint and their
-    checkpoint tensors are not read at all.
+    checkpoint tensors are not read at all. produced: converted_shapes' result, if the caller has it already.
     """
-    produced = converted_shapes(ckpt, convert, quant)
+    produced = produced if produced is not None else converted_shapes(ckpt, convert, quant)
     missing = [name for name, slot in slots.items() if slot is not None and name not in produced]
     unexpected = [f"{name} (from {src})" if name != src else name for name, (src, _) in produced.items()
                   if name not in slots]  # fmt: skip
@@ -589,15 +590,19 @@ def load_into(
     *,
     what: str,
     quant: formats.QuantScheme | None = None,
+    quiet: bool = False,
+    produced: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its slot, converting dtype (and dequantising fp8) on the slot's device.
 
     `convert(key, tensor)` renames (and splits / reshapes as views) one checkpoint tensor into diffusers-named
-    tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA).
+    tensors. Peak extra memory is one tensor (plus 2 x 64 MiB pinned staging for CUDA). For callers that read a
+    model back layer by layer (LoRA merges): quiet puts the summary line at debug level, and `produced` passes
+    converted_shapes' result, computed once.
     """
     if quant is None:
         quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
-    keys = plan_load(slots, ckpt, convert, quant, what)
+    keys = plan_load(slots, ckpt, convert, quant, what, produced)
     devices = {slot.device for slot in slots.values() if slot is not None}
     if len(devices) != 1:
         raise ValueError(f"{what}: all tensors to fill must be on one device, found {sorted(map(str, devices))}")
@@ -610,7 +615,8 @@ def load_into(
     stager.finish()
     seconds = time.perf_counter() - start
     gigabytes = sum(ckpt.tensors[k].nbytes for k in keys) / 1e9
-    log.info("%s: %d tensors, %.2f GB from %s to %s in %.2f s", what, len(keys), gigabytes, ckpt.path, device, seconds)
+    log.log(logging.DEBUG if quiet else logging.INFO, "%s: %d tensors, %.2f GB from %s to %s in %.2f s", what,
+            len(keys), gigabytes, ckpt.path, device, seconds)  # fmt: skip
 
 
 def _copy_one(key, slots, stager, convert, quant) -> None:

@@ -293,7 +293,8 @@ def load_transformer(
     def build(config, stored):
         candidates = [(i, path) for i in range(config.num_layers) for path in QUANTIZABLE]
         plan = choose(weight_formats.dit, candidates, dit_stored_formats(stored), weight_formats.keep)
-        return QwenImage21Transformer(config).quantize_linears(plan)
+        # in `dtype` before quantising: a QuantLinear computes in the dtype of the Linear it replaces
+        return QwenImage21Transformer(config).to(dtype).quantize_linears(plan)
 
     model, info = _load_model(
         path, device, dtype, config_path, "transformer", TransformerConfig, transformer_config_from_shapes, build,

@@ -16,7 +16,8 @@ Bookkeeping rules:
   before a new one is created;
 - an allocation OOM or any failure while capturing frees the partial buffers, is remembered for that
   key (no retry) and the branch decodes eagerly;
-- weights that moved (ComfyUI offloading and reloading the model) invalidate every entry.
+- weights that moved (ComfyUI offloading and reloading the model), and LoRA side paths attached, changed or
+  removed, invalidate every entry (a merged LoRA changes weights in place: entries stay).
 Every fallback logs its reason once and is reported by `describe()`.
 
 Because an idle entry keeps its cache, re-running the same conditioning (a new seed, say) finds its
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory.planner import graph_pool_idle_bytes
+from ..quant.linear import LowRankSidePath
 from .kv_cache import KVCacheSpec
 from .transformer import Branch, QwenImage21Transformer
 
@@ -123,7 +125,9 @@ class DecodeGraphs:
             log.info("decode graphs: %s; decoding eagerly", reason)
 
     def _weights_signature(self) -> tuple:
-        return tuple(p.data_ptr() for p in self.transformer.parameters())
+        # LoRA side paths too: a graph reads their factors by address and has their shapes and rows built in
+        side_paths = tuple(m.signature() for m in self.transformer.modules() if isinstance(m, LowRankSidePath))
+        return tuple(p.data_ptr() for p in self.transformer.parameters()), side_paths
 
     def _check_weights(self):
         signature = self._weights_signature()

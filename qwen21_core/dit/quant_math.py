@@ -26,7 +26,7 @@ from ..quant.linear import Projected, QuantLinear
 def _w8a8(layer, rows: int) -> str | None:
     """The layer's W8A8 backend for this many rows, or None for a plain Linear call (also where a LoRA side path
     needs the layer's float input: those layers run unfused)."""
-    if isinstance(layer, QuantLinear) and not layer.side_paths:
+    if isinstance(layer, QuantLinear) and layer.side_path is None:
         backend = layer.backend(rows)
         return None if backend == "weight_only" else backend
     return None

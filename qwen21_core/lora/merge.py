@@ -4,74 +4,134 @@ Why in place: the weights keep their addresses, so captured CUDA graphs (which r
 and replay the merged model, and a merged LoRA costs nothing per step. What depends on the weights' values, the
 prefix K/V kept for reuse, is keyed on `transformer.weights_id`, which names the merged stack.
 
-Exactness: each weight a stack touches is first brought back to its original bits, then
-W = round(W_orig + sum_i strength_i * alpha_i / rank_i * B_i @ A_i) is computed in fp32 and rounded once to the
-weight's dtype. Removing every LoRA restores the original bits; changing a strength recomputes from them. A weight
-whose pieces did not change is left alone. The originals come from one of:
+What a merge computes (`merge_into_weight`, the one place a weight changes), in fp32 on the weight's device:
+- a float weight: W = round(W_orig + sum_i strength_i * alpha_i / rank_i * B_i @ A_i), rounded once to its dtype
+  (the weights diffusers' fuse_lora gives);
+- a quantised weight (quant/linear.py QuantLinear, fp8 or int8 with one scale per row), two ways:
+  * from the file's float weight, when the transformer was loaded from a bf16 (fp16, fp32) file and quantised
+    while loading: W_q = quantise(W_file + deltas), each checkpoint tensor quantised as the loader quantised it
+    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give;
+  * otherwise (a quantised file, a model built in memory) from the loaded values: the rows a LoRA touches are
+    dequantised, the deltas added and the rows requantised in the layer's own format (a new per-row scale); rows
+    no LoRA touches keep their bits. int8_convrot stores W H (H the Hadamard rotation), so the sum is formed
+    there: W H + B (A H), rotating the small down-projection A instead of the weight. The loaded values already
+    carry the format's rounding, so the merged weight carries two: on weights alone about twice the error energy
+    of the format without a LoRA (bench_lora measures it per layer and end to end).
+  Either way the format's error stays the kind it is without a LoRA, and the work goes in row chunks (at most
+  one layer in fp32 beside the weights).
+A LoRA loaded with side_path=True (the LoRA node's mode "side_path") is not merged into a quantised weight:
+it runs beside it as a low-rank product (QuantLinear.set_side_paths), exact up to the activations' dtype, at the
+cost of extra GEMMs each step. On float weights a merge is already exact to one rounding, so both modes merge.
+
+Exactness of removal: each weight a stack touches is first brought back to its original bits, then merged.
+Removing every LoRA restores the original bits; changing a strength or a LoRA recomputes from them (no rounding
+accumulates). A weight whose pieces did not change is left alone. The originals come from one of:
 
 - `FileOriginals`: the checkpoint the transformer was loaded from, re-read through the loader's own code (the same
-  renaming and dequantisation, so the same bits). Holds no memory; the file must not change while it is in use.
+  renaming, dequantisation and quantisation, so the same bits: a bf16 file quantised at load is quantised again
+  the same way, an fp8_scaled or int8_convrot file's rows are copied as they are). Holds no memory; the file
+  must not change while it is in use.
 - `MemoryOriginals`: CPU copies (pinned for CUDA) of each weight, taken before it is first changed and dropped once
-  it is back to its original. Memory: the bytes of the weights the current stack touches; for a LoRA on every block
-  linear of the full-size model that is all block weights, ~13 GiB in bf16. For models built in memory.
+  it is back to its original. Memory: the bytes of the weights the current stack touches (a quantised layer's
+  8-bit values and scales); for a LoRA on every block linear of the full-size model that is all block weights,
+  ~13 GiB in bf16, ~6.6 GiB quantised. For models built in memory.
+
+Blocks that stream from pinned host RAM (memory/streaming.py) are changed one at a time, each brought onto the
+device for it and written back to its host copy: a streamed block's parameters otherwise point at a staging
+slot that the next pass refills.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoints import key_maps
-from ..checkpoints.files import Checkpoint, identify, load_into
+from ...kernels.quantize_rows import rotate
+from ..checkpoints import formats, key_maps
+from ..checkpoints.files import Checkpoint, converted_shapes, identify, load_into
 from ..dit.transformer import QwenImage21Transformer
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
+from ..quant.weights import dequantize_weight, quantize_weight
 from .reading import LoraError, LoraFile, LoraLayer
 
 log = logging.getLogger(__name__)
 
 Stack = Sequence[tuple[LoraFile, float]]  # (LoRA, strength), applied together
+# Elements of a weight merged at once: each fp32 temporary of a merge (the weight, a delta, the requantisation's)
+# is 64 MiB at most, whatever the layer's shape.
+CHUNK_ELEMENTS = 2**24
+QUANTIZED_WEIGHT = "qweight"  # a quantised layer's weight parameter; its scales are in "weight_scale" beside it
 
 
 @dataclass(frozen=True)
 class LayerSlot:
-    """Where one LoRA-addressable layer's weight lives: rows of one parameter (the fused ones hold several)."""
+    """Where one LoRA-addressable layer's weight lives: rows of one weight (the fused ones hold several).
 
-    param: str  # e.g. "transformer_blocks.0.attn.to_qkv.weight" for the layer "transformer_blocks.0.attn.to_k"
+    param: a float parameter ("transformer_blocks.0.attn.to_qkv.weight" for "transformer_blocks.0.attn.to_k"), or
+    a quantised layer's "<layer>.qweight" (its weight_scale changes with it)."""
+
+    param: str
     rows: slice
     shape: tuple[int, ...]
 
 
+def _block_of(name: str) -> int | None:
+    match = re.match(r"transformer_blocks\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def weight_slots(transformer: QwenImage21Transformer) -> dict[str, tuple[str, slice]]:
+    """Checkpoint key of every weight -> (the parameter or quantised layer's qweight holding it, its rows there).
+
+    Found by address within the key's own block: a streamed block's parameters are views into one staging buffer,
+    and blocks sharing a staging slot share addresses, so a search over the whole model would be ambiguous."""
+    params = dict(transformer.named_parameters())
+    modules = {id(module): name for name, module in transformer.named_modules()}
+    by_block = defaultdict(dict)
+    for name, param in params.items():
+        by_block[_block_of(name)][name] = param
+    out = {}
+    for key, slot in transformer.checkpoint_slots().items():
+        if isinstance(slot, QuantSlot):
+            out[key] = (f"{modules[id(slot.layer)]}.{QUANTIZED_WEIGHT}", slot.rows)
+            continue
+        start = slot.data_ptr()
+        for name, param in by_block[_block_of(key)].items():
+            offset = start - param.data_ptr()
+            if 0 <= offset < param.numel() * param.element_size() and slot.dtype == param.dtype:
+                row_bytes = (param.shape[1] if param.dim() == 2 else 1) * param.element_size()
+                first = offset // row_bytes
+                out[key] = (name, slice(first, first + slot.shape[0]))
+                break
+        else:
+            raise RuntimeError(f"no parameter of the transformer holds checkpoint tensor {key}")
+    return out
+
+
 def lora_layers(transformer: QwenImage21Transformer) -> dict[str, LayerSlot]:
     """Every layer a LoRA may name (checkpoint names without `.weight`, plus the fused to_qkv and gate_up)."""
-    params = dict(transformer.named_parameters())
-    owners = {param.untyped_storage().data_ptr(): name for name, param in params.items()}
-    modules = {id(module): name for name, module in transformer.named_modules()}
+    slots = transformer.checkpoint_slots()
     layers = {}
-    for key, slot in transformer.checkpoint_slots().items():
-        if not key.endswith(".weight"):
-            continue
-        if isinstance(slot, QuantSlot):  # a quantised layer: LoRA runs beside it (see QuantLinear.set_side_paths)
-            name = f"{modules[id(slot.layer)]}.{QUANTIZED}"
-            layers[key.removesuffix(".weight")] = LayerSlot(name, slot.rows, tuple(slot.shape))
-            continue
-        name = owners[slot.untyped_storage().data_ptr()]
-        row = params[name].shape[1] if params[name].dim() == 2 else 1
-        start = (slot.storage_offset() - params[name].storage_offset()) // row
-        layers[key.removesuffix(".weight")] = LayerSlot(name, slice(start, start + slot.shape[0]), tuple(slot.shape))
+    for key, (param, rows) in weight_slots(transformer).items():
+        if key.endswith(".weight"):
+            layers[key.removesuffix(".weight")] = LayerSlot(param, rows, tuple(slots[key].shape))
     for i, block in enumerate(transformer.transformer_blocks):
         for layer in ("attn.to_qkv", "img_mlp.gate_up"):
             linear = block.get_submodule(layer)
             name = f"transformer_blocks.{i}.{layer}"
-            param = f"{name}.{QUANTIZED}" if isinstance(linear, QuantLinear) else f"{name}.weight"
+            param = f"{name}.{QUANTIZED_WEIGHT}" if isinstance(linear, QuantLinear) else f"{name}.weight"
             shape = (linear.out_features, linear.in_features)
             layers[name] = LayerSlot(param, slice(0, shape[0]), shape)
     return layers
@@ -83,8 +143,19 @@ def layer_shapes(transformer: QwenImage21Transformer) -> dict[str, tuple[int, ..
 
 
 def stack_identity(stack: Stack) -> tuple:
-    """What a merged stack is, for caches keyed on the weights: file identities and strengths, in order."""
-    return tuple((lora.identity, float(strength)) for lora, strength in stack if strength != 0)
+    """What a merged stack is, for caches keyed on the weights: file identities, strengths and modes, in order."""
+    return tuple((lora.identity, float(strength), lora.side_path) for lora, strength in stack if strength != 0)
+
+
+def _is_quantized(target: str) -> bool:
+    return target.endswith(f".{QUANTIZED_WEIGHT}")
+
+
+def parameters_of(target: str) -> list[str]:
+    """The parameters a merge into `target` (a LayerSlot.param) changes."""
+    if _is_quantized(target):
+        return [target, target.removesuffix(QUANTIZED_WEIGHT) + "weight_scale"]
+    return [target]
 
 
 @contextmanager
@@ -99,41 +170,119 @@ def full_fp32_matmul():
         matmul.fp32_precision = saved
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The merge of one weight
+# ---------------------------------------------------------------------------------------------------------
+
+Pieces = Sequence[tuple[slice, float, LoraLayer]]  # (rows of the weight, strength, the LoRA's layer)
+FloatRows = list[tuple[slice, torch.Tensor]]  # a weight's original rows in fp32, one part per checkpoint tensor
+
+
+def _touched_ranges(pieces: Pieces) -> list[tuple[int, int]]:
+    """The row ranges some piece covers, overlapping and adjacent ones joined."""
+    ranges = []
+    for start, stop in sorted((rows.start, rows.stop) for rows, _, _ in pieces):
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], stop))
+        else:
+            ranges.append((start, stop))
+    return ranges
+
+
+class _Delta:
+    """One piece's strength * alpha/rank * B @ A (or strength * diff), in fp32, for any rows of it, in the basis the
+    weight is stored in (rotated by `rotation` for ConvRot: B (A H), H applied to the rank rows of A only)."""
+
+    def __init__(self, layer: LoraLayer, strength: float, device, rotation: int):
+        self.layer, self.strength, self.device, self.rotation = layer, strength, device, rotation
+        self.down = None
+        if layer.diff is None:
+            down = layer.down.to(device, torch.float32)
+            self.down = rotate(down, rotation) if rotation else down
+
+    def rows(self, rows: slice) -> torch.Tensor:
+        if self.layer.diff is not None:
+            diff = self.layer.diff[rows].to(self.device, torch.float32, copy=True)  # never the LoRA's own tensor
+            return (rotate(diff, self.rotation) if self.rotation else diff).mul_(self.strength)
+        up = self.layer.up[rows].to(self.device, torch.float32)
+        return (up @ self.down).mul_(self.layer.scale * self.strength)
+
+
 @torch.no_grad()
-def merge_into_weight(weight: torch.Tensor, pieces: Sequence[tuple[slice, float, LoraLayer]]) -> None:
-    """Apply the LoRA pieces of one parameter in place: W = round(W + sum strength * delta), in fp32, one rounding.
+def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces, floats: FloatRows | None = None) -> None:
+    """Apply the LoRA pieces of one weight in place (see the module docstring for the arithmetic).
 
-    `weight` holds its original values on entry; each piece is (rows of the parameter, strength, layer). Every
-    change to a weight goes through here: a quantized layer would branch here to keep the factors as a low-rank
-    side path instead of merging.
+    `target` is a float parameter or a QuantLinear. Without `floats` it holds its original values on entry: the
+    rows the pieces touch are processed in chunks of CHUNK_ELEMENTS: read in fp32 (dequantised, in the stored
+    basis), the pieces' deltas added in order, checked, and written back (rounded once, or requantised per row).
+    With `floats` (a QuantLinear's original float rows, covering all its rows: FileOriginals.float_rows) each part
+    gets its deltas and is quantised into the layer as the loader quantised it; the layer's values on entry do
+    not matter.
     """
-    merged = weight.to(torch.float32, copy=True)
-    for rows, strength, layer in pieces:
-        merged[rows] += layer.delta(weight.device, strength)
-    largest = float(merged.abs().amax())  # one sync per weight; catches NaN/inf in a file and fp16 overflow
-    if not largest <= torch.finfo(weight.dtype).max:
-        names = sorted({layer.layer for _, _, layer in pieces})
+    if floats is not None:
+        _merge_from_floats(target, pieces, floats)
+        return
+    quantized = isinstance(target, QuantLinear)
+    stored = target.qweight if quantized else target
+    rotation = target.fmt.rotation if quantized else 0
+    deltas = [(rows, _Delta(layer, strength, stored.device, rotation)) for rows, strength, layer in pieces]
+    names = ", ".join(sorted({layer.layer for _, _, layer in pieces}))
+    step = max(1, CHUNK_ELEMENTS // (stored.shape[1] if stored.dim() == 2 else 1))
+    for first, last in _touched_ranges(pieces):
+        for start in range(first, last, step):
+            chunk = slice(start, min(start + step, last))
+            if quantized:
+                merged = dequantize_weight(target.qweight[chunk], target.weight_scale[chunk], 0, torch.float32)
+            else:
+                merged = target[chunk].to(torch.float32, copy=True)
+            for rows, delta in deltas:
+                lo, hi = max(chunk.start, rows.start), min(chunk.stop, rows.stop)
+                if lo < hi:
+                    merged[lo - chunk.start : hi - chunk.start] += delta.rows(slice(lo - rows.start, hi - rows.start))
+            _check(merged, None if quantized else target.dtype, names)
+            if quantized:
+                q, scale = quantize_weight(merged, target.fmt, rotated=True)
+                target.qweight[chunk].copy_(q)
+                target.weight_scale[chunk].copy_(scale)
+            else:
+                target[chunk].copy_(merged)
+
+
+def _merge_from_floats(layer: QuantLinear, pieces: Pieces, floats: FloatRows) -> None:
+    deltas = [(rows, _Delta(lora_layer, strength, layer.qweight.device, 0)) for rows, strength, lora_layer in pieces]
+    names = ", ".join(sorted({lora_layer.layer for _, _, lora_layer in pieces}))
+    for part, weight in floats:  # weight: fp32 [rows of the part, K], ours to change
+        step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+        for rows, delta in deltas:
+            lo, hi = max(part.start, rows.start), min(part.stop, rows.stop)
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                weight[start - part.start : stop - part.start] += delta.rows(slice(start - rows.start,
+                                                                                   stop - rows.start))  # fmt: skip
+        _check(weight, None, names)
+        QuantSlot(layer, part.start, part.stop).fill(weight)  # the loader's own quantisation of a float tensor
+
+
+def _check(merged: torch.Tensor, dtype: torch.dtype | None, names: str) -> None:
+    """One sync per chunk: NaN/inf from a file, or beyond a float weight's range (fp16 overflow)."""
+    largest = float(merged.abs().amax())
+    if dtype is None and not math.isfinite(largest):
+        raise LoraError(f"merging into {names} gives {largest:g}: check the LoRA file (or lower the strength)")
+    if dtype is not None and not largest <= torch.finfo(dtype).max:
         raise LoraError(
-            f"merging into {', '.join(names)} gives {largest:g}, beyond {weight.dtype} "
-            f"(max {torch.finfo(weight.dtype).max:g}): lower the strength or check the LoRA file"
+            f"merging into {names} gives {largest:g}, beyond {dtype} (max {torch.finfo(dtype).max:g}): lower the "
+            "strength or check the LoRA file"
         )
-    weight.copy_(merged)
 
 
-QUANTIZED = "side_paths"  # the LayerSlot "parameter" of a quantised layer: LoRA goes there, not into the weight
-
-
-def add_side_paths(layer: QuantLinear, pieces: Sequence[tuple[slice, float, LoraLayer]]) -> None:
-    """A quantised layer's LoRA: each piece as a low-rank side path (strength and alpha/rank folded into up).
-
-    The weight stays quantised and untouched, so removal is exact by construction; the cost is two small GEMMs per
-    piece per step, and the layer's activation quantisation runs unfused (bench_lora / bench_dit measure it)."""
+def attach_side_paths(layer: QuantLinear, pieces: Pieces) -> None:
+    """A quantised layer's LoRA kept beside its weight (strength and alpha/rank folded into up); [] removes it."""
     paths = []
     for rows, strength, lora_layer in pieces:
         if lora_layer.diff is not None:
             raise LoraError(
-                f"{lora_layer.layer}: a full-difference (.diff) patch cannot run beside a quantised weight; load "
-                "the model with weight_dtype bf16 to merge it"
+                f"{lora_layer.layer}: a full-difference (.diff) patch cannot run as a side path beside a quantised "
+                "weight; use the LoRA node's mode merge for this file"
             )
         up = lora_layer.up.to(layer.qweight.device, torch.float32) * (lora_layer.scale * strength)
         paths.append((rows, lora_layer.down, up))
@@ -146,7 +295,7 @@ def add_side_paths(layer: QuantLinear, pieces: Sequence[tuple[slice, float, Lora
 
 
 class MemoryOriginals:
-    """CPU copies of the weights a stack touches, taken before their first change (see the module docstring)."""
+    """CPU copies of the parameters a stack changes, taken before their first change (see the module docstring)."""
 
     def __init__(self):
         self.saved: dict[str, torch.Tensor] = {}
@@ -154,6 +303,10 @@ class MemoryOriginals:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.saved.values())
+
+    @contextmanager
+    def reading(self):
+        yield
 
     def keep(self, params: dict[str, torch.Tensor]) -> None:
         with torch.inference_mode(False):  # ordinary tensors, usable whatever the caller's grad mode
@@ -163,13 +316,15 @@ class MemoryOriginals:
                     self.saved[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin).copy_(param)
 
     def restore(self, transformer: QwenImage21Transformer, names: Iterable[str]) -> None:
-        params = dict(transformer.named_parameters())
         for name in names:
-            params[name].copy_(self.saved[name], non_blocking=True)
+            transformer.get_parameter(name).copy_(self.saved[name], non_blocking=True)
 
-    def forget(self, names: Iterable[str]) -> None:
-        for name in names:
-            self.saved.pop(name, None)
+    def stores_floats(self, transformer: QwenImage21Transformer, target: str) -> bool:
+        return False  # a model built in memory: its float weights are gone once quantised
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        names = set(names)
+        self.saved = {name: saved for name, saved in self.saved.items() if name in names}
 
 
 class FileOriginals:
@@ -180,35 +335,84 @@ class FileOriginals:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.stamp = self._stamp()
+        self._session: _FileSession | None = None  # the open checkpoint while `reading`
 
     def _stamp(self) -> tuple:
         with Checkpoint.open(self.path) as ckpt:
             files = sorted({info.file for info in ckpt.tensors.values()} | {ckpt.path})
         return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
+    @contextmanager
+    def reading(self):
+        """The checkpoint opened once (on first use) for all the reads of one stack change."""
+        try:
+            yield
+        finally:
+            if self._session is not None:
+                self._session.ckpt.close()
+                self._session = None
+
+    def _open(self, transformer: QwenImage21Transformer) -> _FileSession:
+        if self._session is None:
+            if self._stamp() != self.stamp:
+                raise LoraError(
+                    f"{self.path} changed on disk since the model was loaded, so the weights without the LoRA "
+                    "cannot be re-read from it; load the model again"
+                )
+            self._session = _FileSession(Checkpoint.open(self.path), transformer)
+        return self._session
+
     def keep(self, params: dict[str, torch.Tensor]) -> None:
         pass  # the file has them
 
-    def forget(self, names: Iterable[str]) -> None:
+    def keep_only(self, names: Iterable[str]) -> None:
         pass
 
     def restore(self, transformer: QwenImage21Transformer, names: Iterable[str]) -> None:
         names = set(names)
-        if not names:
-            return
-        if self._stamp() != self.stamp:
-            raise LoraError(
-                f"{self.path} changed on disk since the model was loaded, so the weights without the LoRA cannot be "
-                "re-read from it; load the model again"
-            )
-        owners = {p.untyped_storage().data_ptr(): n for n, p in transformer.named_parameters()}
-        slots = {
-            key: slot if owners[slot.untyped_storage().data_ptr()] in names else None
-            for key, slot in transformer.checkpoint_slots().items()
-        }
-        with Checkpoint.open(self.path) as ckpt:
-            convert = key_maps.converter(identify(ckpt, "transformer"), ckpt.keys())
-            load_into(slots, ckpt, convert, what="original weights (LoRA removal)")
+        if names:
+            session = self._open(transformer)
+            model_slots = transformer.checkpoint_slots()
+            session.read({key: model_slots[key] for key, (holder, _) in session.holders.items() if holder in names})
+
+    def stores_floats(self, transformer: QwenImage21Transformer, target: str) -> bool:
+        """Whether the file stores the float weight of quantised layer `target` (a bf16 file quantised at load)."""
+        session = self._open(transformer)
+        return all(session.produced[key][0] not in session.quant.layers for key in session.keys_of(target))
+
+    def float_rows(self, transformer: QwenImage21Transformer, target: str) -> FloatRows:
+        """The original float rows of quantised layer `target` as the file stores them, in fp32 on its device."""
+        session = self._open(transformer)
+        device = transformer.get_parameter(target).device
+        parts = {key: torch.empty(session.produced[key][1], dtype=torch.float32, device=device)
+                 for key in session.keys_of(target)}  # fmt: skip
+        session.read(parts)
+        return [(session.holders[key][1], tensor) for key, tensor in parts.items()]
+
+
+class _FileSession:
+    """An open checkpoint with what reading from it needs: its key converter, quantisation scheme, the names
+    it produces, and which of our weights each of them fills."""
+
+    def __init__(self, ckpt: Checkpoint, transformer: QwenImage21Transformer):
+        self.ckpt = ckpt
+        self.convert = key_maps.converter(identify(ckpt, "transformer"), ckpt.keys())
+        self.quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+        self.produced = converted_shapes(ckpt, self.convert, self.quant)  # our key -> (file key, shape)
+        self.holders = weight_slots(transformer)  # our key -> (weight holding it, rows there)
+
+        self.targets = defaultdict(list)  # weight -> our keys it holds
+        for key, (holder, _) in self.holders.items():
+            self.targets[holder].append(key)
+
+    def keys_of(self, target: str) -> list[str]:
+        return self.targets[target]
+
+    def read(self, slots: dict) -> None:
+        """Fill the given slots (our key -> a model slot or any tensor of its shape) from the file; nothing else
+        is read."""
+        load_into(dict.fromkeys(self.produced) | slots, self.ckpt, self.convert, what="original weights (LoRA)",
+                  quant=self.quant, quiet=True, produced=self.produced)  # fmt: skip
 
 
 def originals_for(transformer_path: str | os.PathLike | None) -> FileOriginals | MemoryOriginals:
@@ -224,12 +428,13 @@ def originals_for(transformer_path: str | os.PathLike | None) -> FileOriginals |
 
 
 class LoraMerger:
-    """Keeps track of what is merged into one transformer and brings its weights to any requested stack."""
+    """Keeps track of what is applied to one transformer and brings its weights to any requested stack."""
 
     def __init__(self, transformer: QwenImage21Transformer, originals: FileOriginals | MemoryOriginals):
         self.transformer = transformer
         self.originals = originals
-        self.merged: dict[str, tuple] = {}  # parameter -> the pieces merged into it now (absent: original bits)
+        self.merged: dict[str, tuple] = {}  # weight (LayerSlot.param) -> the pieces applied to it now
+        self.changed: set[str] = set()  # weights whose values differ from the originals (a side path changes none)
         self.stack_id: tuple = ()
         self.last_stats: dict = {}
 
@@ -241,36 +446,34 @@ class LoraMerger:
             return
         started = time.perf_counter()
         plan = self._plan(stack)
-        wanted = {param: tuple((lora_id, s, layer.layer) for _, s, layer, lora_id in pieces)
-                  for param, pieces in plan.items()}  # fmt: skip
-        changed = {p for p in set(self.merged) | set(wanted) if self.merged.get(p) != wanted.get(p)}
-        params = dict(self.transformer.named_parameters())
+        wanted = {target: tuple((lora_id, s, layer.layer, side) for _, s, layer, side, lora_id in pieces)
+                  for target, pieces in plan.items()}  # fmt: skip
+        changed = {t for t in set(self.merged) | set(wanted) if self.merged.get(t) != wanted.get(t)}
+        counts = {"weights_merged": 0, "side_paths": 0}
+        was_changed = set(self.changed)
         try:
-            self._restore(changed & set(self.merged))
-            to_merge = sorted(changed & set(wanted))
-            self.originals.keep({name: params[name] for name in to_merge if not name.endswith(QUANTIZED)})
-            with full_fp32_matmul():
-                for name in to_merge:
-                    pieces = [(rows, s, layer) for rows, s, layer, _ in plan[name]]
-                    if name.endswith(QUANTIZED):
-                        add_side_paths(self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED}")), pieces)
-                    else:
-                        merge_into_weight(params[name], pieces)
-                    self.merged[name] = wanted[name]
-            self.originals.forget(set(params) - set(self.merged))
+            with self.originals.reading(), full_fp32_matmul():
+                for names, place in self._groups(changed):
+                    with place:
+                        # weights re-merged from the file's floats need no restore first (every row is rewritten)
+                        rewritten = {n for n in names & set(wanted) if self._from_floats(n, plan[n])}
+                        self._restore(names & set(self.merged), keep=rewritten)
+                        for name in sorted(names & set(wanted)):
+                            merged, side = self._apply_one(name, plan[name])
+                            counts["weights_merged"] += merged
+                            counts["side_paths"] += side
+                            self.merged[name] = wanted[name]
+            self.originals.keep_only(p for target in self.changed for p in parameters_of(target))
         except BaseException:
-            self._restore(set(self.merged))  # never leave a half-merged model behind
+            self._restore_all()  # never leave a half-merged model behind
             self._set_id(())
             raise
         self._set_id(stack_id)
+        counts["weights_restored"] = len(was_changed - self.changed)  # back to the original and left there
         if self.transformer.device.type == "cuda":
             torch.cuda.synchronize(self.transformer.device)
-        self.last_stats = {
-            "seconds": round(time.perf_counter() - started, 3),
-            "weights_merged": len(to_merge),
-            "weights_restored": len(changed) - len(to_merge),
-            "original_copies_mib": round(self.originals.nbytes / 2**20, 1),
-        }
+        self.last_stats = {"seconds": round(time.perf_counter() - started, 3), **counts,
+                           "original_copies_mib": round(self.originals.nbytes / 2**20, 1)}  # fmt: skip
         log.info("LoRA stack %s applied: %s", [lora.path.name for lora, _ in stack], self.last_stats)
 
     def _plan(self, stack: Stack) -> dict[str, list]:
@@ -286,16 +489,64 @@ class LoraMerger:
                 if shape != expected:
                     raise LoraError(f"LoRA {lora.path.name} was read for another model: {layer.layer} is "
                                     f"{list(shape)} there, {expected} here")  # fmt: skip
-                plan[slot.param].append((slot.rows, float(strength), layer, lora.identity))
+                plan[slot.param].append((slot.rows, float(strength), layer, lora.side_path, lora.identity))
         return plan
 
-    def _restore(self, names: set[str]) -> None:
-        quantized = {name for name in names if name.endswith(QUANTIZED)}
-        for name in quantized:  # nothing was merged there: drop the side paths
-            self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED}")).set_side_paths([])
-        self.originals.restore(self.transformer, sorted(names - quantized))
+    def _apply_one(self, name: str, pieces: list) -> tuple[int, int]:
+        """Merge a weight's pieces (or attach them as side paths); returns (weights merged, side paths) as 0/1."""
+        if not _is_quantized(name):
+            self._merge(self.transformer.get_parameter(name), name, [(rows, s, layer) for rows, s, layer, *_ in pieces])
+            return 1, 0
+        layer = self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}"))
+        merged = [(rows, s, lora_layer) for rows, s, lora_layer, side, _ in pieces if not side]
+        beside = [(rows, s, lora_layer) for rows, s, lora_layer, side, _ in pieces if side]
+        attach_side_paths(layer, beside)
+        if merged:
+            floats = self.originals.float_rows(self.transformer, name) if self._from_floats(name, pieces) else None
+            self._merge(layer, name, merged, floats)
+        return int(bool(merged)), int(bool(beside))
+
+    def _from_floats(self, name: str, pieces: list) -> bool:
+        """Whether quantised weight `name` is merged from the file's float weight (see the module docstring)."""
+        return (_is_quantized(name) and any(not side for *_, side, _ in pieces)
+                and self.originals.stores_floats(self.transformer, name))  # fmt: skip
+
+    def _merge(self, target, name: str, pieces: Pieces, floats: FloatRows | None = None) -> None:
+        self.originals.keep({p: self.transformer.get_parameter(p) for p in parameters_of(name)})
+        self.changed.add(name)  # before the merge: a failure half way through is undone too
+        merge_into_weight(target, pieces, floats)
+
+    def _groups(self, names: set[str]) -> Iterator[tuple[set[str], contextlib.AbstractContextManager]]:
+        """`names` split into what is changed together: every weight outside streamed blocks first, then each
+        streamed block's, with that block on the device meanwhile (memory/streaming.py LayerStreamer.editing)."""
+        streamer = self.transformer.streamer
+        streamed = set(streamer.streamed) if streamer is not None else set()
+        groups = defaultdict(set)
+        for name in names:
+            block = _block_of(name)
+            groups[block if block in streamed else None].add(name)
+        if groups.get(None):
+            yield groups.pop(None), contextlib.nullcontext()
+        for block in sorted(groups):
+            yield groups[block], streamer.editing(block)
+
+    def _restore(self, names: set[str], keep: set[str] = frozenset()) -> None:
+        """Side paths off and the original values back for `names`, except the values of `keep` (about to be
+        rewritten whole)."""
+        for name in names:
+            if _is_quantized(name):
+                self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}")).set_side_paths([])
+        weights = sorted((names & self.changed) - keep)
+        self.originals.restore(self.transformer, [p for target in weights for p in parameters_of(target)])
+        self.changed -= names - keep
         for name in names:
             self.merged.pop(name, None)
+
+    def _restore_all(self) -> None:
+        with self.originals.reading():
+            for names, place in self._groups(set(self.merged) | self.changed):
+                with place:
+                    self._restore(names)
 
     def _set_id(self, stack_id: tuple) -> None:
         self.stack_id = stack_id

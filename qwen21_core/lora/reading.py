@@ -50,13 +50,6 @@ class LoraLayer:
     def rank(self) -> int:
         return 0 if self.down is None else self.down.shape[0]
 
-    def delta(self, device, strength: float = 1.0) -> torch.Tensor:
-        """strength * scale * B @ A (or strength * diff), in fp32 on `device`."""
-        if self.diff is not None:
-            return self.diff.to(device, torch.float32) * strength
-        up = self.up.to(device, torch.float32)
-        return (up @ self.down.to(device, torch.float32)).mul_(self.scale * strength)
-
 
 @dataclass(frozen=True)
 class LoraFile:
@@ -64,6 +57,9 @@ class LoraFile:
     layers: tuple[LoraLayer, ...]
     format: str  # e.g. "kohya (lora_unet_), ComfyUI-style lora_up/lora_down"
     identity: str  # what the file was when it was read (path, size, mtime): names it in merged-weight ids
+    # On quantised weights: False merges it into them (requantised, no per-step cost), True keeps it beside them as
+    # an exact low-rank side path (lora/merge.py); float weights merge either way.
+    side_path: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +67,8 @@ class LoraFile:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __repr__(self) -> str:
-        return f"LoraFile({self.path.name}, {len(self.layers)} layers, {self.format})"
+        mode = ", side path" if self.side_path else ""
+        return f"LoraFile({self.path.name}, {len(self.layers)} layers, {self.format}{mode})"
 
 
 def read_lora(path: str | os.PathLike, layer_shapes: Mapping[str, tuple[int, ...]]) -> LoraFile:

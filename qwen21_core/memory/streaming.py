@@ -9,17 +9,19 @@ run through `forward`). Slot addresses never change, so a CUDA graph captured wi
 too; resident and streamed layers compute with the same kernels on the same values (bit-identical outputs).
 
 While streaming, a streamed layer's parameters point at whatever its slot holds: only the layer loop may read
-them. Anything else that reads or writes weights (LoRA merges, a move to another device) calls `set_resident`
-or `move_all` first.
+them. Anything else that reads or writes weights calls `set_resident` or `move_all` first (a move to another
+device), or changes one layer at a time inside `editing(i)` (LoRA merges).
 
 The host buffers belong to the module's `HostCopy` (memory/host_copy.py), kept for the life of the model: a layer
 that stops streaming keeps its host buffer, so streaming it again, or moving the whole module off the GPU
-(`place_with_streaming` to the CPU), copies nothing when the weights did not change since.
+(`place_with_streaming` to the CPU), copies nothing when the weights did not change since. A streamed layer's host
+buffer is its only copy of the weights: it is never refreshed from the layer (whose parameters are slot views).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -70,11 +72,17 @@ def point_layer(layer: nn.Module, entries, flat: torch.Tensor, device: torch.dev
         point_parameter(layer, name, data if device is None else data.to(device, non_blocking=True))
 
 
-def layers_to_host(layers: list[nn.Module], home: HostCopy, version) -> None:
-    """Every layer as views of its host buffer (refreshed from the layer where stale): its device copy is dropped."""
+def layers_to_host(layers: list[nn.Module], home: HostCopy, version, streamed: dict | None = None) -> None:
+    """Every layer as views of its host buffer: a streamed layer's buffer as it is (the only copy of its weights),
+    the others refreshed from the layer where stale. Device copies are dropped."""
+    streamed = streamed or {}
     with torch.no_grad(), torch.inference_mode(False):
         for index, layer in enumerate(layers):
-            point_layer(layer, home.entries, home.layer_flat(index, layer, version))
+            if index in streamed:
+                home.mark_current(index, version)
+                point_layer(layer, home.entries, streamed[index])
+            else:
+                point_layer(layer, home.entries, home.layer_flat(index, layer, version))
     _finish_host_copies()
 
 
@@ -134,7 +142,7 @@ class LayerStreamer:
         device = torch.device(device)
         with torch.no_grad(), torch.inference_mode(False):
             if device.type == "cpu":
-                layers_to_host(self.layers, self.home, self.version)
+                layers_to_host(self.layers, self.home, self.version, streamed=self.host)
                 self.host.clear()
             else:
                 for index in list(self.host):
@@ -146,6 +154,27 @@ class LayerStreamer:
 
     def _point_at(self, index: int, flat: torch.Tensor, device: torch.device | None = None) -> None:
         point_layer(self.layers[index], self.entries, flat, device)
+
+    @contextmanager
+    def editing(self, index: int):
+        """Layer `index` with parameters of its own on the device for the block, its host copy updated from them
+        after it, then back on its staging slot: for code that changes a streamed layer's weights in place (one
+        layer's bytes of extra device memory). A layer that is not streamed is left as it is."""
+        if index not in self.host:
+            yield
+            return
+        layer, flat = self.layers[index], self.host[index]
+        with torch.no_grad(), torch.inference_mode(False):
+            for name, offset, shape, dtype in self.entries:
+                point_parameter(layer, name, view(flat, offset, shape, dtype).to(self.device, copy=True))
+        try:
+            yield
+        finally:
+            with torch.no_grad(), torch.inference_mode(False):
+                for name, offset, shape, dtype in self.entries:
+                    view(flat, offset, shape, dtype).copy_(layer.get_parameter(name))
+                self.home.mark_current(index, self.version)
+                self._refresh_slots()
 
     def _make_resident(self, index: int) -> None:
         self._point_at(index, self.host.pop(index), self.device)

@@ -56,15 +56,18 @@ class QuantFormat:
 FORMATS = {f.name: f for f in (QuantFormat("fp8"), QuantFormat("int8"), QuantFormat("int8", ROTATION_GROUP))}
 
 
-def quantize_weight(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float weight -> (q [N, K] in fmt.storage, scale [N] fp32), on the weight's device, in row chunks."""
+def quantize_weight(weight: torch.Tensor, fmt: QuantFormat, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float weight -> (q [N, K] in fmt.storage, scale [N] fp32), on the weight's device, in row chunks.
+
+    rotated: the weight is already in the format's rotated basis (W H, what a ConvRot layer stores), so it is not
+    rotated again: a LoRA merge works there (lora/merge.py), which keeps unchanged values exact."""
     fmt = fmt.for_width(weight.shape[1])
     q = torch.empty(weight.shape, dtype=fmt.storage, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for start in range(0, weight.shape[0], ROW_CHUNK):
         rows = slice(start, start + ROW_CHUNK)
         w = weight[rows].float()
-        if fmt.rotation:
+        if fmt.rotation and not rotated:
             w = rotate(w, fmt.rotation)
         s = w.abs().amax(dim=1).clamp(min=1e-30) / QMAX[fmt.kind]
         values = w / s[:, None]
