@@ -1,0 +1,128 @@
+"""Several devices, on the CPU: rank 0 (this process) and one worker process over gloo, both with the tiny DiT.
+
+Sequence-parallel and CFG-parallel sampling give the single-process result (fp32, <= 1e-5), each rank's prefix K/V
+cache is half the single-process one, and a worker that fails is reported with its rank while the next run works.
+"""
+
+import pytest
+import torch
+from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+from qwen21_nodes.qwen21_core.options import SampleOptions
+from qwen21_nodes.qwen21_core.parallel.pool import ParallelError, WorkerPool
+from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_transformer
+from qwen21_nodes.qwen21_core.parallel.ulysses import even_split
+from qwen21_nodes.qwen21_core.sampler import Sampler, make_noise, parallel_mode
+from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+
+SEED = 3
+Z = TINY_TRANSFORMER.in_channels
+CONTEXT = TINY_TRANSFORMER.context_in_dim
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,)), "cpu", timeout_s=60)
+    yield workers
+    workers.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dit():
+    return tiny_transformer("cpu", SEED)
+
+
+def _conditioning(content_hash="") -> Conditioning:
+    """A prompt with one 4x4-latent condition image in its slots (an odd prefix: 5 text + 16 image rows) and a
+    negative prompt, both with the image."""
+    g = torch.Generator().manual_seed(5)
+
+    def prompt(length, slot_start):
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[slot_start : slot_start + 4] = True  # 4 slots = the 4x4 latent tokens of the image
+        return PromptEmbedding(torch.randn(length, CONTEXT, generator=g), mask)
+
+    image = torch.randn(Z, 4, 4, generator=g)
+    return Conditioning(prompt(9, 2), prompt(7, 1), condition_latents=(image,), width=96, height=64,
+                        content_hash=content_hash)  # fmt: skip
+
+
+def _sample(dit, workers, parallel="auto", cfg=1.0, batch=1, **options):
+    sampler = Sampler(dit, QWEN21_SCHEDULER, torch.zeros(Z), torch.ones(Z),
+                      options=SampleOptions(parallel=parallel, **options), workers=workers)  # fmt: skip
+    noise = make_noise(7, (batch, Z, 4, 6))
+    latents = sampler.sample([_conditioning("same")], height=64, width=96, steps=3, true_cfg_scale=cfg, noise=noise,
+                             batch_size=batch)  # fmt: skip
+    return latents, sampler.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [1.0, 4.0])
+def test_sequence_parallel_equals_one_process_with_the_prefix_cache_sharded_by_heads(pool, dit, cfg):
+    expected, single = _sample(dit, None, cfg=cfg, batch=2)
+    got, stats = _sample(dit, pool, "sequence", cfg=cfg, batch=2)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert stats.parallel == "sequence over 2 ranks" and "eagerly" in stats.decode_graph
+    # 2 heads over 2 ranks: each rank holds exactly half of every cache buffer
+    (worker,) = stats.ranks
+    assert stats.cache_bytes * 2 == single.cache_bytes == worker["prefix_cache_bytes"] * 2
+    # a rerun of the same conditioning reuses every rank's kept prefix (no prefill), same result
+    again, rerun = _sample(dit, pool, "sequence", cfg=cfg, batch=2)
+    assert rerun.prefills == 0 and rerun.prefix_cache == "reused"
+    assert torch.equal(again, got)
+
+
+@pytest.mark.slow
+def test_cfg_parallel_equals_one_process(pool, dit):
+    expected, single = _sample(dit, None, cfg=4.0)
+    got, stats = _sample(dit, pool, "cfg", cfg=4.0)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert stats.parallel == "cfg over 2 ranks" and stats.prefills == 2
+    # rank 0 holds the positive branch's cache, rank 1 the negative one's
+    assert 0 < stats.cache_bytes < single.cache_bytes == stats.cache_bytes + stats.ranks[0]["prefix_cache_bytes"]
+
+
+@pytest.mark.slow
+def test_a_failing_worker_is_reported_with_its_rank_and_the_next_run_works(pool, dit):
+    expected, _ = _sample(dit, None)
+    pool.inject_fault(1, "in_block", "error")  # mid-step, rank 0 waiting in an all-to-all
+    with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): RuntimeError: injected fault"):
+        _sample(dit, pool, "sequence")
+    assert torch.equal(_sample(dit, pool, "sequence")[0], _sample(dit, pool, "sequence")[0])
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+    pool.inject_fault(1, "before_step", "oom")
+    with pytest.raises(ParallelError, match="rank 1 .*out of memory.*Lower the output size"):
+        _sample(dit, pool, "cfg", cfg=4.0)
+    pool.inject_fault(1, "in_block", "exit")  # the worker process dies: it is restarted for the next run
+    with pytest.raises(ParallelError, match="rank 1 .*process exited.*exit code 17"):
+        _sample(dit, pool, "sequence")
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+
+def test_parallel_mode_resolution_and_its_errors():
+    class Two:
+        world = 2
+
+    assert parallel_mode("auto", None, True) is None and parallel_mode("off", Two, True) is None
+    assert parallel_mode("auto", Two, True) == "cfg" and parallel_mode("auto", Two, False) == "sequence"
+    with pytest.raises(ValueError, match="needs a model loaded on several GPUs"):
+        parallel_mode("sequence", None, False)
+    with pytest.raises(ValueError, match="needs true_cfg_scale > 1"):
+        parallel_mode("cfg", Two, False)
+    assert even_split(21, 2) == [11, 10] and even_split(1, 2) == [1, 0]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_quantised_weights_and_kv_cache(pool, dit):
+    """fp8 weights and an fp8 K/V cache: the sharded run matches the single-process run of the same formats."""
+    quantised = tiny_transformer("cpu", SEED, weights="fp8")
+    pool_fp8 = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,), {"weights": "fp8"}), "cpu",
+                                timeout_s=60)  # fmt: skip
+    try:
+        expected, _ = _sample(quantised, None, kv_cache="fp8")
+        got, stats = _sample(quantised, pool_fp8, "sequence", kv_cache="fp8")
+    finally:
+        pool_fp8.shutdown()
+    assert stats.kv_cache.startswith("fp8") and (got - expected).abs().max().item() <= 1e-5
+    assert pool.closed  # one pool per process: starting another stopped the first
