@@ -22,16 +22,27 @@ def is_ui_workflow(data) -> bool:
 
 def widget_names(node_class) -> list[str]:
     """Names of the values in a node's `widgets_values`, in order (frontend-only widgets included)."""
-    names = []
-    for name, (_section, input_type, options) in input_specs(node_class).items():
+    return [name for name, _section in _widgets(node_class)]
+
+
+def required_widget_count(node_class) -> int:
+    """How many leading `widgets_values` a workflow must have: optional widgets come last, and a workflow saved
+    before one was added lacks it (the frontend then shows its default)."""
+    sections = [section for _name, section in _widgets(node_class)]
+    return max((index + 1 for index, section in enumerate(sections) if section == "required"), default=0)
+
+
+def _widgets(node_class) -> list[tuple[str, str]]:
+    widgets = []
+    for name, (section, input_type, options) in input_specs(node_class).items():
         if options.get("forceInput") or not (isinstance(input_type, list) or input_type in WIDGET_TYPES):
             continue
-        names.append(name)
+        widgets.append((name, section))
         if input_type == "INT" and options.get("control_after_generate", name in SEED_NAMES):
-            names.append("control_after_generate")
+            widgets.append(("control_after_generate", section))
         if options.get("image_upload"):
-            names.append("upload")
-    return names
+            widgets.append(("upload", section))
+    return widgets
 
 
 def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
@@ -62,10 +73,9 @@ def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
             if slot >= len(node_class.RETURN_TYPES) or output["type"] != node_class.RETURN_TYPES[slot]:
                 problems.append(f"{where}: output {slot} ({output['type']}) does not match {node_class.RETURN_TYPES}")
         expected = widget_names(node_class)
-        if len(node.get("widgets_values", [])) != len(expected):
-            problems.append(
-                f"{where}: {len(node.get('widgets_values', []))} widgets_values, expected {len(expected)} {expected}"
-            )
+        given = len(node.get("widgets_values", []))
+        if not required_widget_count(node_class) <= given <= len(expected):
+            problems.append(f"{where}: {given} widgets_values, expected {len(expected)} {expected}")
     for link in ui["links"]:
         link_id, source, source_slot, target, target_slot, link_type = link
         if source not in nodes or target not in nodes:
@@ -97,7 +107,8 @@ def ui_to_api(ui: dict, node_classes: dict) -> dict:
             continue
         node_class = node_classes[node["type"]]
         inputs = {}
-        for name, value in zip(widget_names(node_class), node.get("widgets_values", []), strict=True):
+        values = node.get("widgets_values", [])
+        for name, value in zip(widget_names(node_class)[: len(values)], values, strict=True):  # missing: defaults
             if name not in ("control_after_generate", "upload"):
                 inputs[name] = value
         for socket in node.get("inputs", []):

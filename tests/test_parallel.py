@@ -6,6 +6,9 @@ cache is half the single-process one, and a worker that fails is reported with i
 
 import pytest
 import torch
+from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes.loader import Qwen21ModelLoader, component_devices, worker_devices
+from qwen21_nodes.nodes.sample import Qwen21Sampler
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
 from qwen21_nodes.qwen21_core.options import SampleOptions
@@ -14,6 +17,7 @@ from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_trans
 from qwen21_nodes.qwen21_core.parallel.ulysses import even_split
 from qwen21_nodes.qwen21_core.sampler import Sampler, make_noise, parallel_mode
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+from qwen21_nodes.runner.cli import ensure_tiny_models
 
 SEED = 3
 Z = TINY_TRANSFORMER.in_channels
@@ -88,7 +92,6 @@ def test_a_failing_worker_is_reported_with_its_rank_and_the_next_run_works(pool,
     pool.inject_fault(1, "in_block", "error")  # mid-step, rank 0 waiting in an all-to-all
     with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): RuntimeError: injected fault"):
         _sample(dit, pool, "sequence")
-    assert torch.equal(_sample(dit, pool, "sequence")[0], _sample(dit, pool, "sequence")[0])
     assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
 
     pool.inject_fault(1, "before_step", "oom")
@@ -126,3 +129,46 @@ def test_sequence_parallel_with_quantised_weights_and_kv_cache(pool, dit):
         pool_fp8.shutdown()
     assert stats.kv_cache.startswith("fp8") and (got - expected).abs().max().item() <= 1e-5
     assert pool.closed  # one pool per process: starting another stopped the first
+
+
+def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus():
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    assert component_devices(cuda[0], "auto", "auto", 2) == (cuda[1], cuda[0])  # encoder on the second GPU
+    assert component_devices(cuda[1], "auto", "auto", 2) == (cuda[0], cuda[1])
+    assert component_devices(cuda[0], "auto", "cuda:1", 1) == (cuda[0], cuda[1])  # one GPU: everything on it
+    assert component_devices(torch.device("cpu"), "auto", "auto", 0) == (torch.device("cpu"),) * 2
+    assert component_devices(cuda[0], "cuda:0", "auto", 4) == (cuda[0], cuda[0])
+    assert worker_devices(cuda[1], 1, 4) == [] and worker_devices(cuda[1], 3, 4) == [cuda[0], cuda[2]]
+    assert worker_devices(cuda[0], 0, 4) == cuda[1:]
+    assert worker_devices(torch.device("cpu"), 2, 0) == [torch.device("cpu")]  # CPU ranks (tests)
+    with pytest.raises(ValueError, match="gpus is 3 but this machine has 2 CUDA GPU"):
+        worker_devices(cuda[0], 3, 2)
+
+
+@pytest.mark.slow
+def test_the_nodes_turn_it_on_with_the_loaders_gpus_and_the_samplers_parallel(tmp_path_factory):
+    """Loader gpus=2 (on CPU: a second CPU process) starts a worker with the DiT read from the same file; the
+    sampler's parallel input picks how a run uses it; the workers stop with the model."""
+    from test_nodes import SAMPLER_DEFAULTS, encode
+
+    models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
+    host.set_models_dir(models)
+    try:
+        (model,) = Qwen21ModelLoader().load(
+            host.list_weight_files("diffusion_models")[0], host.list_weight_files("text_encoders")[0],
+            host.list_weight_files("vae")[0], weight_dtype="auto", device="cpu", offload_text_encoder=True, gpus=2,
+        )  # fmt: skip
+        pool = model.pipe.workers
+        assert pool.world == 2 and pool.workers[0].info["quantization"] == "float32"
+        conditioning = encode(model)[0]
+        latents = {}
+        for parallel in ("off", "auto"):  # auto at true_cfg_scale 1 with 2 ranks: sequence
+            out = Qwen21Sampler().sample(model, conditioning, **{**SAMPLER_DEFAULTS, "steps": 2, "parallel": parallel})
+            latents[parallel] = out["result"][0]["samples"]
+            status = out["ui"]["qwen21_status"][0]
+            assert ("sequence over 2 ranks" in status) == (parallel != "off")
+        assert (latents["auto"] - latents["off"]).abs().max().item() <= 1e-5
+        model.pipe.stop_workers()
+        assert pool.closed and model.pipe.workers is None
+    finally:
+        host.set_models_dir(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,10 @@ class FileRecipe:
     def build(self, device: torch.device) -> QwenImage21Transformer:
         from ..checkpoints.loading import load_transformer
 
-        transformer, _ = load_transformer(self.path, device, self.dtype, None, self.weight_formats)
+        path = Path(self.path)
+        if path.name.endswith(".index.json"):  # a sharded diffusers transformer: load its folder
+            path = path.parent
+        transformer, _ = load_transformer(path, device, self.dtype, None, self.weight_formats)
         return transformer.eval()
 
     @property
