@@ -62,7 +62,6 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
     leave()
     if backend == "nccl":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read when the group is made; see the module docstring
-        torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"qwen21-group-{generation}", store),

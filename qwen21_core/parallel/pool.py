@@ -315,11 +315,11 @@ class WorkerPool:
     def _regroup(self) -> None:
         """Form a fresh process group with every worker (restarting any that died or stopped answering)."""
         self.kept.clear()  # every rank starts the new group with nothing kept
+        self.failure = None
         for worker in self.workers:
             if not worker.alive or not worker.reachable:
                 self._restart(worker)
         self.generation += 1
-        self.failure = None
         for worker in self.workers:
             while not worker.replies.empty():  # stale replies of the failed run
                 worker.replies.get_nowait()
