@@ -70,7 +70,7 @@ def test_bench_multigpu_runs_every_part_over_gloo_with_two_cpu_processes():
     the one-rank latents exactly; each part prints its line."""
     script = BENCH_VAE.parent / "bench_multigpu.py"
     command = [sys.executable, str(script), "--tiny", "--device", "cpu", "--world-size", "2", "--precisions", "bf16",
-               "--cfgs", "4", "--faults", "error"]  # fmt: skip
+               "--cfgs", "4", "--faults", "error", "--steps", "2"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=script.parents[1])
     assert done.returncode == 0, done.stderr

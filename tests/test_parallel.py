@@ -1,13 +1,16 @@
 """Several devices, on the CPU: rank 0 (this process) and one worker process over gloo, both with the tiny DiT.
 
-Sequence-parallel and CFG-parallel sampling give the single-process result (fp32, <= 1e-5), each rank's prefix K/V
-cache is half the single-process one, and a worker that fails is reported with its rank while the next run works.
+Sequence-parallel and CFG-parallel sampling give the single-process result (fp32 compute, <= 1e-5), each rank's
+prefix K/V cache is half the single-process one, and a worker that fails is reported with its rank while the next
+run works. The core tests run the DiT with fp8 block weights (dequantised to fp32 on the CPU), the node test with the
+float weights read from the tiny checkpoint: both weight paths are covered with one worker start each.
 """
 
 import pytest
 import torch
 from qwen21_nodes.nodes import host
 from qwen21_nodes.nodes.loader import Qwen21ModelLoader, component_devices, worker_devices
+from qwen21_nodes.nodes.lora import Qwen21LoraLoader
 from qwen21_nodes.nodes.sample import Qwen21Sampler
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
@@ -26,14 +29,15 @@ CONTEXT = TINY_TRANSFORMER.context_in_dim
 
 @pytest.fixture(scope="module")
 def pool():
-    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,)), "cpu", timeout_s=60)
+    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,), {"weights": "fp8"}), "cpu",
+                               timeout_s=60)  # fmt: skip
     yield workers
     workers.shutdown()
 
 
 @pytest.fixture(scope="module")
 def dit():
-    return tiny_transformer("cpu", SEED)
+    return tiny_transformer("cpu", SEED, weights="fp8")
 
 
 def _conditioning(content_hash="") -> Conditioning:
@@ -61,19 +65,21 @@ def _sample(dit, workers, parallel="auto", cfg=1.0, batch=1, **options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_sequence_parallel_equals_one_process_with_the_prefix_cache_sharded_by_heads(pool, dit, cfg):
-    expected, single = _sample(dit, None, cfg=cfg, batch=2)
-    got, stats = _sample(dit, pool, "sequence", cfg=cfg, batch=2)
+@pytest.mark.parametrize("cfg, kv_cache", [(1.0, "bf16"), (4.0, "fp8")])
+def test_sequence_parallel_equals_one_process_with_the_prefix_cache_sharded_by_heads(pool, dit, cfg, kv_cache):
+    """kv_cache "bf16" is the compute dtype's cache (fp32 here); "fp8" a quantised one."""
+    expected, single = _sample(dit, None, cfg=cfg, batch=2, kv_cache=kv_cache)
+    got, stats = _sample(dit, pool, "sequence", cfg=cfg, batch=2, kv_cache=kv_cache)
+    assert stats.kv_cache.startswith(kv_cache) and dit.quantization.startswith("fp8")
     assert (got - expected).abs().max().item() <= 1e-5
     assert stats.parallel == "sequence over 2 ranks" and "eagerly" in stats.decode_graph
     # 2 heads over 2 ranks: each rank holds exactly half of every cache buffer
     (worker,) = stats.ranks
     assert stats.cache_bytes * 2 == single.cache_bytes == worker["prefix_cache_bytes"] * 2
-    # a rerun of the same conditioning reuses every rank's kept prefix (no prefill), same result
-    again, rerun = _sample(dit, pool, "sequence", cfg=cfg, batch=2)
-    assert rerun.prefills == 0 and rerun.prefix_cache == "reused"
-    assert torch.equal(again, got)
+    if cfg == 1.0:  # a rerun of the same conditioning reuses every rank's kept prefix (no prefill), same result
+        again, rerun = _sample(dit, pool, "sequence", cfg=cfg, batch=2, kv_cache=kv_cache)
+        assert rerun.prefills == 0 and rerun.prefix_cache == "reused"
+        assert torch.equal(again, got)
 
 
 @pytest.mark.slow
@@ -116,21 +122,6 @@ def test_parallel_mode_resolution_and_its_errors():
     assert even_split(21, 2) == [11, 10] and even_split(1, 2) == [1, 0]
 
 
-@pytest.mark.slow
-def test_sequence_parallel_with_quantised_weights_and_kv_cache(pool, dit):
-    """fp8 weights and an fp8 K/V cache: the sharded run matches the single-process run of the same formats."""
-    quantised = tiny_transformer("cpu", SEED, weights="fp8")
-    pool_fp8 = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,), {"weights": "fp8"}), "cpu",
-                                timeout_s=60)  # fmt: skip
-    try:
-        expected, _ = _sample(quantised, None, kv_cache="fp8")
-        got, stats = _sample(quantised, pool_fp8, "sequence", kv_cache="fp8")
-    finally:
-        pool_fp8.shutdown()
-    assert stats.kv_cache.startswith("fp8") and (got - expected).abs().max().item() <= 1e-5
-    assert pool.closed  # one pool per process: starting another stopped the first
-
-
 def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus():
     cuda = [torch.device("cuda", i) for i in range(4)]
     assert component_devices(cuda[0], "auto", "auto", 2) == (cuda[1], cuda[0])  # encoder on the second GPU
@@ -161,13 +152,16 @@ def test_the_nodes_turn_it_on_with_the_loaders_gpus_and_the_samplers_parallel(tm
         pool = model.pipe.workers
         assert pool.world == 2 and pool.workers[0].info["quantization"] == "float32"
         conditioning = encode(model)[0]
+        (with_lora,) = Qwen21LoraLoader().load(model, host.list_weight_files("loras")[0], 0.8)
         latents = {}
-        for parallel in ("off", "auto"):  # auto at true_cfg_scale 1 with 2 ranks: sequence
-            out = Qwen21Sampler().sample(model, conditioning, **{**SAMPLER_DEFAULTS, "steps": 2, "parallel": parallel})
-            latents[parallel] = out["result"][0]["samples"]
-            status = out["ui"]["qwen21_status"][0]
-            assert ("sequence over 2 ranks" in status) == (parallel != "off")
-        assert (latents["auto"] - latents["off"]).abs().max().item() <= 1e-5
+        for handle in (model, with_lora):  # the workers merge the handle's LoRA as rank 0 does
+            for parallel in ("off", "auto"):  # auto at true_cfg_scale 1 with 2 ranks: sequence
+                inputs = {**SAMPLER_DEFAULTS, "steps": 2, "parallel": parallel}
+                out = Qwen21Sampler().sample(handle, conditioning, **inputs)
+                latents[handle is model, parallel] = out["result"][0]["samples"]
+                assert ("sequence over 2 ranks" in out["ui"]["qwen21_status"][0]) == (parallel != "off")
+            assert (latents[handle is model, "auto"] - latents[handle is model, "off"]).abs().max().item() <= 1e-5
+        assert (latents[True, "off"] - latents[False, "off"]).abs().max().item() > 1e-2  # the LoRA changed the image
         model.pipe.stop_workers()
         assert pool.closed and model.pipe.workers is None
     finally:

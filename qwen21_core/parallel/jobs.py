@@ -163,7 +163,7 @@ class ParallelJob:
         rows = spec.target_shape[0] * spec.target_shape[1]
         shape = (spec.batch, rows, tr.config.in_channels)
         if self.rank == 0:
-            flat = torch.cat([x.reshape(-1), t.reshape(-1).to(x.dtype)])
+            flat = torch.cat([x.reshape(-1).to(tr.dtype), t.reshape(-1).to(tr.dtype)])  # the decode casts to it anyway
         else:
             flat = torch.empty(torch.Size(shape).numel() + spec.batch, dtype=tr.dtype, device=tr.device)
         dist.broadcast(flat, src=0, group=self.group)

@@ -125,6 +125,8 @@ class WorkerPool:
         self.recipe = recipe
         self.world = 1 + len(self.workers)
         self.backend = backend or group.backend_for([self.device] + [w.device for w in self.workers])
+        if self.backend == "nccl" and not torch.distributed.is_nccl_available():
+            raise RuntimeError("several GPUs need PyTorch with NCCL (its Linux CUDA builds); this one has none")
         self.timeout_s = timeout_s or group.seconds_from_env(group.TIMEOUT_ENV, group.DEFAULT_TIMEOUT_S)
         self.load_timeout_s = load_timeout_s or group.seconds_from_env(group.LOAD_TIMEOUT_ENV,
                                                                        group.DEFAULT_LOAD_TIMEOUT_S)  # fmt: skip
