@@ -51,15 +51,17 @@ WATCH_INTERVAL_S = 0.2
 class ParallelError(RuntimeError):
     """A rank of a multi-device run failed. Says which rank and why; the next run works again."""
 
-    def __init__(self, failure: Failure):
+    def __init__(self, failure: Failure, starting: bool = False):
         hint = ""
         if failure.kind == "out of memory":
             hint = " Lower the output size, the batch or the reference images, use fp8 weights or K/V, or parallel off."
-        if failure.kind in ("process exited", "timeout"):
-            after = "The worker is restarted (and loads its DiT again) before the next run."
+        if starting:
+            what, after = "starting the workers", "The workers were stopped; load the model again."
+        elif failure.kind in ("process exited", "timeout"):
+            what, after = "multi-GPU sampling", "The worker is restarted (and loads its DiT again) before the next run."
         else:
-            after = "Every worker stays up; the next run rebuilds the process group."
-        super().__init__(f"multi-GPU sampling failed on {failure.describe()}.{hint} {after}")
+            what, after = "multi-GPU sampling", "Every worker stays up; the next run rebuilds the process group."
+        super().__init__(f"{what} failed on {failure.describe()}.{hint} {after}")
         self.failure = failure
 
 
@@ -163,55 +165,69 @@ class WorkerPool:
         _ACTIVE.append(pool)
         try:
             started = time.perf_counter()
-            for worker in pool.workers:
-                pool._spawn(worker)
-            for worker in pool.workers:
-                pool._load(worker)
+            pool._spawn(pool.workers)  # all at once: each imports torch and reads its DiT in parallel
+            pool._load(pool.workers)
             pool._reader = threading.Thread(target=pool._read, name="qwen21-pool-watchdog", daemon=True)
             pool._reader.start()
             pool._regroup()
             log.info("%r ready in %.1f s", pool, time.perf_counter() - started)
+        except ParallelError as error:
+            pool.shutdown()
+            raise ParallelError(error.failure, starting=True) from None
         except BaseException:
             pool.shutdown()
             raise
         return pool
 
-    def _spawn(self, worker: _Worker) -> None:
+    def _spawn(self, workers: list[_Worker]) -> None:
+        """Start these workers' processes and take their channels as they connect (each says its rank first)."""
         host, port = self._listener.address
-        env = dict(os.environ)
-        env.update({
-            ADDRESS_ENV: f"{host}:{port}",
-            AUTHKEY_ENV: self._authkey.hex(),
-            RANK_ENV: str(worker.rank),
-            "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),  # rank 0's imports
-        })  # fmt: skip
-        worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
-                                          start_new_session=True)  # fmt: skip
-        worker.connection = self._accept(worker)
-        worker.replies = queue.Queue()
+        for worker in workers:
+            env = dict(os.environ)
+            env.update({
+                ADDRESS_ENV: f"{host}:{port}",
+                AUTHKEY_ENV: self._authkey.hex(),
+                RANK_ENV: str(worker.rank),
+                "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),  # rank 0's imports
+            })  # fmt: skip
+            worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
+                                              start_new_session=True)  # fmt: skip
+            worker.connection = None
+            worker.replies = queue.Queue()
+        by_rank = {worker.rank: worker for worker in workers}
+        deadline = time.monotonic() + self.load_timeout_s
+        while any(worker.connection is None for worker in workers):
+            connection = self._accept_one(workers, deadline)
+            kind, rank = receive(connection)
+            if kind != "hello" or rank not in by_rank or by_rank[rank].connection is not None:
+                raise RuntimeError(f"a worker process sent {kind!r} for rank {rank} as its first message")
+            by_rank[rank].connection = connection
 
-    def _accept(self, worker: _Worker):
-        """The worker's channel, once it connects (it says its rank first); fails if its process exits first."""
+    def _accept_one(self, workers: list[_Worker], deadline: float):
+        """The next connection; fails if a worker that has not connected exits first, or at the deadline."""
         accepted: list = []
         thread = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
         thread.start()
-        deadline = time.monotonic() + self.load_timeout_s
-        while thread.is_alive() and worker.alive and time.monotonic() < deadline:
+        waiting = [worker for worker in workers if worker.connection is None]
+        while thread.is_alive() and all(worker.alive for worker in waiting) and time.monotonic() < deadline:
             thread.join(WATCH_INTERVAL_S)
-        if not accepted:
-            code = worker.process.poll()
-            raise RuntimeError(f"worker rank {worker.rank} ({worker.device}) did not start: "
-                               + (f"its process exited with code {code}" if code is not None else "no connection "
-                                  f"within {self.load_timeout_s:.0f} s") + "; see its log lines above")  # fmt: skip
-        connection = accepted[0]
-        kind, rank = receive(connection)
-        if kind != "hello" or rank != worker.rank:
-            raise RuntimeError(f"worker rank {worker.rank}: unexpected first message {kind!r} from rank {rank}")
-        return connection
+        if accepted:
+            return accepted[0]
+        dead = [worker for worker in waiting if not worker.alive]
+        if dead:
+            worker = dead[0]
+            raise RuntimeError(f"worker rank {worker.rank} ({worker.device}) did not start: its process exited with "
+                               f"code {worker.process.poll()}; see its log lines above")  # fmt: skip
+        raise RuntimeError(f"worker ranks {[w.rank for w in waiting]} did not connect within "
+                           f"{self.load_timeout_s:.0f} s ({group.LOAD_TIMEOUT_ENV})")  # fmt: skip
 
-    def _load(self, worker: _Worker) -> None:
-        worker.send("load", self.recipe, str(worker.device), self._store.port, self.world, self.backend, self.timeout_s)
-        worker.info = self._await(worker, self.load_timeout_s, "loading its DiT", direct=self._reader is None)[1]
+    def _load(self, workers: list[_Worker]) -> None:
+        """Every worker builds its DiT (at once), then says so."""
+        for worker in workers:
+            worker.send("load", self.recipe, str(worker.device), self._store.port, self.world, self.backend,
+                        self.timeout_s)  # fmt: skip
+        for worker in workers:
+            worker.info = self._await(worker, self.load_timeout_s, "loading its DiT", direct=self._reader is None)[1]
 
     def shutdown(self) -> None:
         """Stop every worker and leave the group. Idempotent; also runs at interpreter exit."""
@@ -248,11 +264,13 @@ class WorkerPool:
                 continue
             for connection in ready:
                 worker = connections[connection]
+                if connection is not worker.connection:
+                    continue  # replaced meanwhile (a restart)
                 try:
                     message = receive(connection)
                 except (EOFError, OSError):
-                    if not self.closed:
-                        worker.connection.close()
+                    if not self.closed and connection is worker.connection:
+                        connection.close()
                         code = _exit_code(worker.process)
                         self._fail(Failure(worker.rank, str(worker.device), "process exited",
                                            f"the worker process ended (exit code {code})"))  # fmt: skip
@@ -291,14 +309,15 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         while True:
             if direct:
-                if not worker.alive and not worker.connection.poll():
+                try:
+                    message = receive(worker.connection) if worker.connection.poll(WATCH_INTERVAL_S) else None
+                except (EOFError, OSError):
                     code = _exit_code(worker.process)
                     why = f"the worker process ended (exit code {code}) while {what}"
-                    raise ParallelError(Failure(worker.rank, str(worker.device), "process exited", why))
-                if worker.connection.poll(WATCH_INTERVAL_S):
-                    message = receive(worker.connection)
-                    if message[0] == "error":
-                        raise ParallelError(message[1])
+                    raise ParallelError(Failure(worker.rank, str(worker.device), "process exited", why)) from None
+                if message is not None and message[0] == "error":
+                    raise ParallelError(message[1])
+                if message is not None:
                     return message
             else:
                 try:
@@ -318,28 +337,35 @@ class WorkerPool:
         """Form a fresh process group with every worker (restarting any that died or stopped answering)."""
         self.kept.clear()  # every rank starts the new group with nothing kept
         self.failure = None
-        for worker in self.workers:
-            if not worker.alive or not worker.reachable:
-                self._restart(worker)
+        lost = [worker for worker in self.workers if not worker.alive or not worker.reachable]
+        if lost:
+            self._restart(lost)
         self.generation += 1
         for worker in self.workers:
             while not worker.replies.empty():  # stale replies of the failed run
                 worker.replies.get_nowait()
             worker.send("join", self.generation)
-        group.join(self._store, self.generation, 0, self.world, self.backend, self.device, self.timeout_s)
+        try:
+            group.join(self._store, self.generation, 0, self.world, self.backend, self.device, self.timeout_s)
+        except Exception as error:
+            if self.failure is not None:  # a worker could not join: its report says why
+                raise ParallelError(self.failure) from error
+            raise
         for worker in self.workers:
             self._await(worker, self.timeout_s, "joining the process group")
         self.broken = False
 
-    def _restart(self, worker: _Worker) -> None:
-        log.warning("restarting worker rank %d (%s)", worker.rank, worker.device)
-        if worker.process is not None and worker.alive:
-            worker.process.kill()
-            worker.process.wait()
-        if worker.connection is not None:
-            worker.connection.close()
-        self._spawn(worker)
-        self._load(worker)
+    def _restart(self, workers: list[_Worker]) -> None:
+        log.warning("restarting worker rank(s) %s", [worker.rank for worker in workers])
+        for worker in workers:
+            if worker.alive:
+                worker.process.kill()
+                worker.process.wait()
+            old, worker.connection = worker.connection, None  # the reader lets go of it first
+            if old is not None:
+                old.close()
+        self._spawn(workers)
+        self._load(workers)
 
     # ---- runs -----------------------------------------------------------------------------------------------
 
