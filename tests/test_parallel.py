@@ -166,3 +166,39 @@ def test_the_nodes_turn_it_on_with_the_loaders_gpus_and_the_samplers_parallel(tm
         assert pool.closed and model.pipe.workers is None
     finally:
         host.set_models_dir(None)
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_match_one_gpu_and_recover_from_a_worker_fault():
+    """On a machine with 2 GPUs (the x2 H200): the same checks over NCCL, with CUDA graphs in CFG mode and the
+    watchdog's abort ending rank 0's wait when the worker fails mid-step. fp32 (no TF32), so within 1e-4."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (run on nvidia-h200-x2)")
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+
+    dit = tiny_transformer("cuda:0", SEED)
+    graphs = DecodeGraphs(dit)
+    workers = WorkerPool.start(["cuda:1"], FunctionRecipe(tiny_transformer, (SEED,)), "cuda:0", timeout_s=60)
+    try:
+        assert workers.backend == "nccl"
+
+        def run(parallel, cfg):
+            options = SampleOptions(parallel=parallel)
+            sampler = Sampler(dit, QWEN21_SCHEDULER, torch.zeros(Z), torch.ones(Z), options=options,
+                              decode_runner=graphs, workers=workers)  # fmt: skip
+            latents = sampler.sample([_conditioning()], height=64, width=96, steps=3, true_cfg_scale=cfg,
+                                     noise=make_noise(7, (1, Z, 4, 6)))  # fmt: skip
+            return latents.cpu(), sampler.stats
+
+        for parallel, cfg in (("sequence", 1.0), ("cfg", 4.0), ("sequence", 4.0)):
+            expected, _ = run("off", cfg)
+            got, stats = run(parallel, cfg)
+            assert (got - expected).abs().max().item() <= 1e-4, (parallel, cfg)
+            if parallel == "cfg":  # rank 1 captured its negative branch's steps and replayed them
+                assert stats.ranks[0]["decode_graph"].startswith("replay"), stats.ranks
+        workers.inject_fault(1, "in_block", "error")
+        with pytest.raises(ParallelError, match=r"rank 1 \(cuda:1\): RuntimeError: injected fault"):
+            run("sequence", 1.0)
+        assert (run("sequence", 1.0)[0] - run("off", 1.0)[0]).abs().max().item() <= 1e-4
+    finally:
+        workers.shutdown()

@@ -109,8 +109,8 @@ class ParallelJob:
 
     def __init__(self, transformer: QwenImage21Transformer, spec: JobSpec, rank: int, world: int, graphs=None,
                  kept: KeptBranches | None = None, group=None):  # fmt: skip
-        if spec.mode == "cfg" and world != 2:
-            raise ValueError(f"CFG parallel runs the two branches on two ranks; this group has {world}")
+        if spec.mode == "cfg" and (world != 2 or len(spec.branches) != 2):
+            raise ValueError(f"CFG parallel runs two branches on two ranks; got {len(spec.branches)} on {world}")
         self.transformer, self.spec, self.rank, self.world, self.group = transformer, spec, rank, world, group
         self.graphs = graphs if spec.decode_graphs and spec.mode == "cfg" else None
         self.kept = kept

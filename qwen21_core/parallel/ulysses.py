@@ -28,14 +28,18 @@ def _starts(sizes: list[int]) -> list[int]:
     return [sum(sizes[:index]) for index in range(len(sizes))]
 
 
-def all_to_all(pieces: list[torch.Tensor], shapes: list[tuple], group=None) -> torch.Tensor:
+def all_to_all(pieces: list[torch.Tensor], shapes: list[tuple], group=None, packed: torch.Tensor | None = None):
     """Send pieces[j] to rank j and receive one tensor of shapes[j] from each rank j; returns the received data as
-    one flat buffer, rank 0's part first (views of it by `shapes` are the pieces)."""
+    one flat buffer, rank 0's part first (views of it by `shapes` are the pieces). packed: the pieces already laid
+    out one after another in one tensor (then they are sent from it without a copy)."""
     send_sizes = [piece.numel() for piece in pieces]
     recv_sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-    send = torch.empty(sum(send_sizes), dtype=pieces[0].dtype, device=pieces[0].device)
-    for piece, start, size in zip(pieces, _starts(send_sizes), send_sizes, strict=True):
-        send[start : start + size].view(piece.shape).copy_(piece)
+    if packed is not None:
+        send = packed.reshape(-1)
+    else:
+        send = torch.empty(sum(send_sizes), dtype=pieces[0].dtype, device=pieces[0].device)
+        for piece, start, size in zip(pieces, _starts(send_sizes), send_sizes, strict=True):
+            send[start : start + size].view(piece.shape).copy_(piece)
     recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     return recv
@@ -87,7 +91,8 @@ class RowSplit:
         pieces = [attn[:, start : start + size] for start, size in zip(_starts(self.row_sizes), self.row_sizes,
                                                                           strict=True)]  # fmt: skip
         shapes = [(b, self.local_rows, heads, d) for heads in self.head_sizes]
-        return torch.cat(_views(all_to_all(pieces, shapes, self.group), shapes), dim=2)
+        packed = attn if b == 1 and attn.is_contiguous() else None  # rows in rank order: already one after another
+        return torch.cat(_views(all_to_all(pieces, shapes, self.group, packed), shapes), dim=2)
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[B, rows_r, C] from every rank -> [B, rows, C] on every rank."""
