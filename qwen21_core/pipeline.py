@@ -121,8 +121,8 @@ class Qwen21Pipeline:
             load_text_encoder=load_text_encoder,
             weight_formats=weight_formats,
         )
-        own_device = parts.text_encoder is not None and indexed_device(parts.text_encoder.device) != indexed_device(
-            device)  # fmt: skip
+        encoder = parts.text_encoder
+        own_device = encoder is not None and indexed_device(encoder.device) != indexed_device(device)
         pipe = cls(
             parts.transformer,
             parts.vae,

@@ -202,3 +202,25 @@ def test_two_gpus_over_nccl_match_one_gpu_and_recover_from_a_worker_fault():
         assert (run("sequence", 1.0)[0] - run("off", 1.0)[0]).abs().max().item() <= 1e-4
     finally:
         workers.shutdown()
+
+
+@pytest.mark.gpu
+def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches_the_dit(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (run on nvidia-h200-x2)")
+    from test_nodes import SAMPLER_DEFAULTS, encode
+
+    host.set_models_dir(ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models"))
+    try:
+        files = [host.list_weight_files(kind)[0] for kind in ("diffusion_models", "text_encoders", "vae")]
+        (model,) = Qwen21ModelLoader().load(*files, weight_dtype="bf16", device="cuda:0", offload_text_encoder=True)
+        pipe = model.pipe
+        assert pipe.text_encoder_device == torch.device("cuda", 1) and pipe.vae_execution_device.index == 0
+        assert model.text_encoder_own_gpu and not pipe.text_encoder_offload
+        conditioning = encode(model)[0]
+        assert conditioning.positive.embeds.device == torch.device("cuda", 1)
+        assert next(pipe.text_encoder.model.parameters()).device == torch.device("cuda", 1)  # not offloaded
+        out = Qwen21Sampler().sample(model, conditioning, **{**SAMPLER_DEFAULTS, "steps": 2})
+        assert torch.isfinite(out["result"][0]["samples"]).all()
+    finally:
+        host.set_models_dir(None)
