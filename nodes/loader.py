@@ -98,8 +98,9 @@ def _placement_inputs() -> dict:
             {
                 "default": "auto",
                 "tooltip": "Where the text encoder runs. auto: on another GPU than the DiT's when the machine has "
-                "several (the first other one), else with the DiT. On a GPU of its own it stays loaded: a changed "
-                "prompt is encoded without moving the encoder back first, and its memory is off the DiT's GPU.",
+                "several (the first other one with room for its weights), else with the DiT. On a GPU of its own it "
+                "stays loaded: a changed prompt is encoded without moving the encoder back first, and its memory is "
+                "off the DiT's GPU.",
             },
         ),
         "vae_device": (
@@ -125,15 +126,29 @@ def _placement_inputs() -> dict:
     }
 
 
-def component_devices(dit: torch.device, text_encoder: str, vae: str, cuda_count: int):
-    """(text encoder device, VAE device) for the loader's choices; "auto" puts the text encoder on the first GPU other
-    than the DiT's when there is one, the VAE with the DiT."""
-    others = [torch.device("cuda", i) for i in range(cuda_count) if dit.type != "cuda" or i != dit.index]
+ENCODER_ROOM_FACTOR = 1.25  # a GPU takes the text encoder under "auto" if it has this much room for its weights
+
+
+def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes: list[int], encoder_bytes: int = 0):
+    """(text encoder device, VAE device) for the loader's choices. "auto" puts the text encoder on the first GPU
+    other than the DiT's whose memory (gpu_bytes: each GPU's total) holds its weights with room to spare, else with
+    the DiT; the VAE with the DiT."""
+    others = [torch.device("cuda", i) for i, total in enumerate(gpu_bytes)
+              if (dit.type != "cuda" or i != dit.index) and total >= ENCODER_ROOM_FACTOR * encoder_bytes]  # fmt: skip
     if text_encoder == "auto":
         text_encoder_device = others[0] if dit.type == "cuda" and others else dit
     else:
         text_encoder_device = torch.device(text_encoder)
     return text_encoder_device, dit if vae == "auto" else torch.device(vae)
+
+
+def _weight_file_bytes(path) -> int:
+    """Bytes of a weight file, or of the safetensors files in a folder: what the weights take, about."""
+    if path is None:
+        return 0
+    if os.path.isdir(path):
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.endswith(".safetensors"))
+    return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
 def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.device]:
@@ -156,7 +171,10 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder: bool, te
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     cuda_count = torch.cuda.device_count()
-    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, cuda_count)
+    gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count)]
+    encoder_file = source.get("text_encoder") if isinstance(source, dict) else os.path.join(source, "text_encoder")
+    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, gpu_bytes,
+                                              _weight_file_bytes(encoder_file))  # fmt: skip
     extra = worker_devices(target, gpus, cuda_count)
     if weight_dtype not in PRECISIONS or text_encoder_dtype not in TEXT_ENCODER_PRECISIONS:
         got = f"{weight_dtype!r} and {text_encoder_dtype!r}"

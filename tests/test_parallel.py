@@ -124,11 +124,14 @@ def test_parallel_mode_resolution_and_its_errors():
 
 def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus():
     cuda = [torch.device("cuda", i) for i in range(4)]
-    assert component_devices(cuda[0], "auto", "auto", 2) == (cuda[1], cuda[0])  # encoder on the second GPU
-    assert component_devices(cuda[1], "auto", "auto", 2) == (cuda[0], cuda[1])
-    assert component_devices(cuda[0], "auto", "cuda:1", 1) == (cuda[0], cuda[1])  # one GPU: everything on it
-    assert component_devices(torch.device("cpu"), "auto", "auto", 0) == (torch.device("cpu"),) * 2
-    assert component_devices(cuda[0], "cuda:0", "auto", 4) == (cuda[0], cuda[0])
+    gib = 2**30
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib] * 2, 16 * gib) == (cuda[1], cuda[0])  # the 2nd GPU
+    assert component_devices(cuda[1], "auto", "auto", [24 * gib] * 2, 16 * gib) == (cuda[0], cuda[1])
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib, 8 * gib, 24 * gib], 16 * gib)[0] == cuda[2]
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib, 8 * gib], 16 * gib)[0] == cuda[0]  # no room: stay
+    assert component_devices(cuda[0], "auto", "cuda:1", [24 * gib]) == (cuda[0], cuda[1])  # one GPU: with the DiT
+    assert component_devices(torch.device("cpu"), "auto", "auto", []) == (torch.device("cpu"),) * 2
+    assert component_devices(cuda[0], "cuda:0", "auto", [24 * gib] * 4) == (cuda[0], cuda[0])
     assert worker_devices(cuda[1], 1, 4) == [] and worker_devices(cuda[1], 3, 4) == [cuda[0], cuda[2]]
     assert worker_devices(cuda[0], 0, 4) == cuda[1:]
     assert worker_devices(torch.device("cpu"), 2, 0) == [torch.device("cpu")]  # CPU ranks (tests)
