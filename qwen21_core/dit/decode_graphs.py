@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 
 from ..memory.planner import graph_pool_idle_bytes
 from .kv_cache import KVCacheSpec
@@ -96,7 +97,11 @@ def cuda_graph_capture(decode, static_x, static_t):
             decode(static_x, static_t)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # With a process group up (several GPUs, parallel/), its NCCL watchdog thread queries CUDA events while this
+    # thread captures; the default global capture mode forbids other threads such calls, so the capture is
+    # restricted to this thread's calls then.
+    mode = "thread_local" if torch.distributed.is_available() and torch.distributed.is_initialized() else "global"
+    with torch.cuda.graph(graph, capture_error_mode=mode):
         static_out = decode(static_x, static_t)
     return graph, static_out
 
