@@ -40,3 +40,15 @@ def random_dit(config, device, dtype):
             else:
                 param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
     return model.eval()
+
+
+def worker_dit(device, config, dtype, weights=None):
+    """`random_dit` as a worker process builds it (parallel/recipes.py FunctionRecipe): the same weights on every
+    device of a type (one seeded generator per device); weights: a quantised format for every block Linear."""
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    model = random_dit(config, device, dtype)
+    if weights is not None:
+        model.quantize_linears(uniform_plan(FORMATS[weights], config.num_layers))
+    return model

@@ -97,10 +97,93 @@ def _common_inputs() -> dict:
     }
 
 
-def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto",
-          text_encoder_dtype: str = "same") -> Qwen21Model:  # fmt: skip
+# Optional loader inputs, added after the others so saved workflows (positional widget values) keep loading.
+def _placement_inputs() -> dict:
+    return {
+        "text_encoder_device": (
+            _device_choices(),
+            {
+                "default": "auto",
+                "tooltip": "Where the text encoder runs. auto: on another GPU than the DiT's when the machine has "
+                "several (the first other one with room for its weights), else with the DiT. On a GPU of its own it "
+                "stays loaded: a changed prompt is encoded without moving the encoder back first, and its memory is "
+                "off the DiT's GPU.",
+            },
+        ),
+        "vae_device": (
+            _device_choices(),
+            {
+                "default": "auto",
+                "tooltip": "Where the VAE runs. auto: with the DiT. Another GPU leaves the decode's activations "
+                "(the largest at 2048x2048) off the DiT's GPU; the latents move there first.",
+            },
+        ),
+        "gpus": (
+            "INT",
+            {
+                "default": 1,
+                "min": 0,
+                "max": 16,
+                "tooltip": "GPUs the DiT runs on. 1: this one (nothing changes). 2 or more: one worker process per "
+                "extra GPU loads its own copy of the DiT at load time; the sampler's `parallel` then splits the "
+                "work (CFG branches, or image tokens and heads) over them, with the same result within rounding. "
+                "0: every visible GPU. Only tested on CPU over gloo so far: no GPU speed figures yet.",
+            },
+        ),
+    }
+
+
+ENCODER_ROOM_FACTOR = 1.25  # a GPU takes the text encoder under "auto" if it has this much room for its weights
+
+
+def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes: list[int], encoder_bytes: int = 0):
+    """(text encoder device, VAE device) for the loader's choices. "auto" puts the text encoder on the first GPU
+    other than the DiT's whose memory (gpu_bytes: each GPU's total) holds its weights with room to spare, else with
+    the DiT; the VAE with the DiT."""
+    others = [torch.device("cuda", i) for i, total in enumerate(gpu_bytes)
+              if (dit.type != "cuda" or i != dit.index) and total >= ENCODER_ROOM_FACTOR * encoder_bytes]  # fmt: skip
+    if text_encoder == "auto":
+        text_encoder_device = others[0] if dit.type == "cuda" and others else dit
+    else:
+        text_encoder_device = torch.device(text_encoder)
+    return text_encoder_device, dit if vae == "auto" else torch.device(vae)
+
+
+def _weight_file_bytes(path) -> int:
+    """Bytes of a weight file, or of the safetensors files in a folder: what the weights take, about."""
+    if path is None:
+        return 0
+    if os.path.isdir(path):
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.endswith(".safetensors"))
+    return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
+def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.device]:
+    """The devices of the DiT's extra ranks for `gpus` (0 = every GPU): the GPUs after the DiT's, in order. A DiT on
+    the CPU gets CPU ranks (tests: gloo between processes)."""
+    if gpus < 0:
+        raise ValueError(f"gpus must be >= 0 (0 = every GPU, 1 = one), got {gpus}")
+    if dit.type == "cpu":
+        return [torch.device("cpu")] * (max(gpus, 1) - 1)
+    wanted = cuda_count if gpus == 0 else gpus
+    if wanted > cuda_count:
+        raise ValueError(f"gpus is {gpus} but this machine has {cuda_count} CUDA GPU(s); lower `gpus` (0 = all)")
+    others = [i for i in range(cuda_count) if i != dit.index]
+    return [torch.device("cuda", i) for i in others[: wanted - 1]]
+
+
+def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", text_encoder_dtype: str = "same",
+          text_encoder_device: str = "auto", vae_device: str = "auto", gpus: int = 1) -> Qwen21Model:  # fmt: skip
     offload_text_encoder = text_encoder_offload(offload_text_encoder)  # an older workflow's boolean included
     target = host.torch_device() if device == "auto" else torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    cuda_count = torch.cuda.device_count()
+    gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count)]
+    encoder_file = source.get("text_encoder") if isinstance(source, dict) else os.path.join(source, "text_encoder")
+    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, gpu_bytes,
+                                              _weight_file_bytes(encoder_file))  # fmt: skip
+    extra = worker_devices(target, gpus, cuda_count)
     if weight_dtype not in PRECISIONS or text_encoder_dtype not in TEXT_ENCODER_PRECISIONS:
         got = f"{weight_dtype!r} and {text_encoder_dtype!r}"
         raise ValueError(f"weight_dtype must be one of {list(PRECISIONS)} and text_encoder_dtype one of "
@@ -110,7 +193,8 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto",
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     te_format = dit_format if text_encoder_dtype == "same" else PRECISIONS[text_encoder_dtype][1]
     formats = WeightFormats(dit=dit_format, text_encoder=te_format)
-    log.info("loading Qwen-Image-2.1 from %s (%s on %s, weights %s)", source, dtype, target, formats)
+    log.info("loading Qwen-Image-2.1 from %s (%s on %s, text encoder on %s, VAE on %s, weights %s)", source, dtype,
+             target, te_device, vae_target, formats)  # fmt: skip
     pipe = Qwen21Pipeline.from_pretrained(
         source,
         device=target,
@@ -118,7 +202,11 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto",
         # a memory manager places the text encoder (ComfyUI's or ours, memory/manager.py), not the pipeline
         text_encoder_offload=evictable(offload_text_encoder),
         weight_formats=formats,
+        text_encoder_device=te_device,
+        vae_device=vae_target,
     )
+    if extra:
+        pipe.start_workers(extra)  # the same DiT file, dtype and formats on each extra device
     return Qwen21Model(pipe, offload_text_encoder=offload_text_encoder)
 
 
@@ -177,11 +265,12 @@ class Qwen21ModelLoader(_PipelineLoader):
                     {"tooltip": "The RGBA VAE file from models/vae (e.g. qwen_image_2.1_vae_bf16.safetensors)."},
                 ),
                 **_common_inputs(),
-            }
+            },
+            "optional": _placement_inputs(),
         }
 
     def load(self, diffusion_model, text_encoder, vae, weight_dtype, device, offload_text_encoder,
-             text_encoder_dtype="same"):  # fmt: skip
+             text_encoder_dtype="same", text_encoder_device="auto", vae_device="auto", gpus=1):  # fmt: skip
         source = {
             "transformer": host.weight_file_path("diffusion_models", diffusion_model),
             "text_encoder": host.weight_file_path("text_encoders", text_encoder),
@@ -190,7 +279,8 @@ class Qwen21ModelLoader(_PipelineLoader):
         tokenizer = _comfyui_tokenizer(source["text_encoder"])
         if tokenizer is not None:
             source["tokenizer"] = tokenizer
-        return (_load(source, weight_dtype, device, offload_text_encoder, text_encoder_dtype),)
+        return (_load(source, weight_dtype, device, offload_text_encoder, text_encoder_dtype, text_encoder_device,
+                      vae_device, gpus),)  # fmt: skip
 
 
 class Qwen21DiffusersLoader(_PipelineLoader):
@@ -207,9 +297,11 @@ class Qwen21DiffusersLoader(_PipelineLoader):
                     {"tooltip": "A Qwen-Image-2.1 diffusers folder (the Hugging Face layout) under models/diffusers."},
                 ),
                 **_common_inputs(),
-            }
+            },
+            "optional": _placement_inputs(),
         }
 
-    def load(self, folder, weight_dtype, device, offload_text_encoder, text_encoder_dtype="same"):
+    def load(self, folder, weight_dtype, device, offload_text_encoder, text_encoder_dtype="same",
+             text_encoder_device="auto", vae_device="auto", gpus=1):  # fmt: skip
         return (_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder,
-                      text_encoder_dtype),)  # fmt: skip
+                      text_encoder_dtype, text_encoder_device, vae_device, gpus),)  # fmt: skip

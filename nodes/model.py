@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from ..qwen21_core.memory.manager import evictable, offload_after_encode, text_encoder_offload
+from ..qwen21_core.memory.planner import indexed_device
 from . import host
 from .preview import fit_latent_rgb
 
@@ -38,14 +39,17 @@ class Qwen21Model:
         self.device = device = torch.device(device) if device is not None else pipe.device
         self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release,
                                                streamable=pipe.transformer)  # fmt: skip
-        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, device,
+        # the text encoder and the VAE run where the loader put them (another GPU than the DiT's, perhaps)
+        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,
                                                 streamable=pipe.text_encoder)  # fmt: skip
+        self.vae = host.ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
+        encoder = pipe.text_encoder_device
+        self.text_encoder_own_gpu = encoder.type == "cuda" and indexed_device(encoder) != indexed_device(device)
         self.text_encoder.evictable = evictable(self.offload_text_encoder)
-        self.vae = host.ManagedModules({"vae": pipe.vae}, device)
         # a memory manager places the weights (ComfyUI's, or the local one): not the pipeline's own policy
         pipe.manage_weights = False
         # the encoder's weights may leave the device for the DiT: they count as free in the prefix-memory check
-        pipe.text_encoder_offload = evictable(self.offload_text_encoder)
+        pipe.text_encoder_offload = evictable(self.offload_text_encoder) and not self.text_encoder_own_gpu
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
@@ -75,7 +79,7 @@ class Qwen21Model:
         try:
             yield
         finally:
-            if offload_after_encode(self.offload_text_encoder):
+            if offload_after_encode(self.offload_text_encoder, own_gpu=self.text_encoder_own_gpu):
                 self.text_encoder.unload()
 
     def encode(self, **kwargs):
@@ -176,10 +180,12 @@ def sample_status(stats: dict) -> str:
     if cache != "off":
         mib = stats.get("prefix_cache_mib", 0)
         cache += f", {mib:.1f} MiB" if mib < 10 else f", {mib:.0f} MiB"
-    return (
+    line = (
         f"{stats.get('steps_per_second', 0):.2f} steps/s · prefix cache {cache} · "
         f"graphs {stats.get('decode_graph', 'off')} · peak {stats.get('peak_vram_mib', 0) / 1024:.1f} GiB"
     )
+    parallel = stats.get("parallel", "off")
+    return line if parallel == "off" else f"{line} · {parallel}"
 
 
 def decode_status(stats: dict) -> str:

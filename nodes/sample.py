@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from ..qwen21_core.options import SampleOptions
+from ..qwen21_core.options import PARALLEL_MODES, SampleOptions
 from . import host
 from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
@@ -193,6 +193,18 @@ class Qwen21Sampler:
                     "LATENT",
                     {"tooltip": "Start latent for denoise < 1 (ours or native ComfyUI 2.1); it also sets the size."},
                 ),
+                "parallel": (
+                    list(PARALLEL_MODES),
+                    {
+                        "default": "auto",
+                        "tooltip": "With a model loaded on several GPUs (the loader's `gpus`): how a run uses them. "
+                        "auto: cfg at true_cfg_scale > 1 on two GPUs, else sequence. cfg: the positive and negative "
+                        "branches on two GPUs at once. sequence: the image tokens split over every GPU, attention "
+                        "split by heads, each GPU keeping its heads' share of the prompt/reference K/V cache; steps "
+                        "run without CUDA graphs. off: the first GPU alone. Same result within rounding. With a "
+                        "model on one GPU nothing changes. Tested on CPU only so far: no GPU speed figures yet.",
+                    },
+                ),
             },
         }
 
@@ -215,6 +227,7 @@ class Qwen21Sampler:
         latent=None,
         kv_cache="bf16",
         kv_placement="auto",
+        parallel="auto",
     ):
         start = None
         if latent is not None:
@@ -255,6 +268,7 @@ class Qwen21Sampler:
                 compile_blocks=compile_blocks,
                 kv_cache=kv_cache,
                 kv_placement=kv_placement,
+                parallel=parallel,
             ),
         )
         stats = dict(model.pipe.last_sample_stats or {})

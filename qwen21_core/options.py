@@ -15,6 +15,8 @@ from .dit.kv_cache import LAYOUTS as KV_LAYOUTS
 from .dit.kv_cache import PLACEMENTS as KV_PLACEMENTS
 from .dit.kv_cache import KVCacheSpec
 
+PARALLEL_MODES = ("auto", "off", "cfg", "sequence")
+
 
 @dataclass(frozen=True)
 class SampleOptions:
@@ -29,6 +31,10 @@ class SampleOptions:
                        while it fits the free memory, else host RAM).
     kv_layout:         "split" (only the prefix persists; decode merges a prefix and a target attention) or
                        "joint" (the first release's layout, for comparison: every layer's target K/V persist too).
+    parallel:          how a model loaded on several devices (Qwen21Pipeline.start_workers) uses them: "auto" (CFG
+                       parallel at true_cfg_scale > 1 on two devices, else sequence parallel), "cfg" (one CFG branch
+                       per device), "sequence" (image tokens and heads split over every device) or "off" (this
+                       device alone). A model on one device ignores "auto". Same results within rounding.
     """
 
     prefix_cache: bool = True
@@ -38,6 +44,7 @@ class SampleOptions:
     kv_cache: str = "bf16"
     kv_placement: str = "auto"
     kv_layout: str = "split"
+    parallel: str = "auto"
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -48,6 +55,8 @@ class SampleOptions:
             raise ValueError(f"kv_placement must be one of {('auto', *KV_PLACEMENTS)}, got {self.kv_placement!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
 
     def kv_spec(self, placement: str) -> KVCacheSpec:
         """The cache spec with "auto" placement resolved to `placement`."""

@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +33,11 @@ from .lora.reading import LoraFile, read_lora
 from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
 from .options import SampleOptions
 from .quant.plan import WeightFormats
-from .sampler import Sampler, SampleStats
+from .sampler import Sampler, SampleStats, parallel_mode
 from .warmup import KernelWarmup, warmup_enabled
+
+if TYPE_CHECKING:
+    from .parallel.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,8 @@ def default_device() -> torch.device:
 
 
 class Qwen21Pipeline:
+    workers: WorkerPool | None = None  # other devices with the same DiT (start_workers)
+
     def __init__(
         self,
         transformer: QwenImage21Transformer,
@@ -68,12 +75,17 @@ class Qwen21Pipeline:
         self.sources = sources or {}
         # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
         self.execution_device = transformer.device
+        self.text_encoder_device = text_encoder.device if text_encoder is not None else transformer.device
+        self.vae_execution_device = next(vae.parameters()).device
         self.decode_graphs = DecodeGraphs(transformer)
         # Memory: an explicit device budget (bytes; None = what the device has), and whether this pipeline places
         # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
         self.vram_budget: int | None = None
         self.manage_weights = True
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
+        self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
+        self.weight_formats = WeightFormats()  # how the DiT was loaded (a worker loads it the same way)
+        self.workers = None
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
         self.kernel_warmup: KernelWarmup | None = None
@@ -90,11 +102,14 @@ class Qwen21Pipeline:
         text_encoder_offload: bool = True,
         load_text_encoder: bool = True,
         weight_formats: WeightFormats | None = None,
+        text_encoder_device=None,
+        vae_device=None,
     ) -> Qwen21Pipeline:
         """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
 
         dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
-        default keeps each file's own format).
+        default keeps each file's own format). text_encoder_device / vae_device: where those run (default: the
+        DiT's device); a text encoder on a device of its own is never offloaded.
         """
         from .checkpoints.loading import load_components
 
@@ -103,20 +118,25 @@ class Qwen21Pipeline:
             source,
             device,
             dtype,
+            text_encoder_device=text_encoder_device,
+            vae_device=vae_device,
             text_encoder_dtype=text_encoder_dtype,
             vae_dtype=vae_dtype,
             load_text_encoder=load_text_encoder,
             weight_formats=weight_formats,
         )
+        encoder = parts.text_encoder
+        own_device = encoder is not None and indexed_device(encoder.device) != indexed_device(device)
         pipe = cls(
             parts.transformer,
             parts.vae,
             parts.text_encoder,
             parts.scheduler_config,
             parts.pipeline_config,
-            text_encoder_offload=text_encoder_offload,
+            text_encoder_offload=text_encoder_offload and not own_device,
             sources=parts.sources,
         )
+        pipe.weight_formats = weight_formats or WeightFormats()
         pipe.start_kernel_warmup()
         return pipe
 
@@ -209,11 +229,11 @@ class Qwen21Pipeline:
         if self.text_encoder is None:
             raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
         if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
-            self.text_encoder.to(self.execution_device)
+            self.text_encoder.to(self.text_encoder_device)
         try:
             yield
         finally:
-            if self.text_encoder_offload and self.manage_weights and self.execution_device.type == "cuda":
+            if self.text_encoder_offload and self.manage_weights and self.text_encoder_device.type == "cuda":
                 self.text_encoder.offload()
 
     # ---- sample -----------------------------------------------------------------------------------
@@ -234,18 +254,33 @@ class Qwen21Pipeline:
         element = torch.empty(0, dtype=self.dtype).element_size()
         target = (height // 16) * (width // 16)
         slots = sum(h * w for h, w in cond.image_shapes) // 4
-        lengths = [cond.positive.length] + ([cond.negative_length] if true_cfg_scale > 1 and cond.has_negative else [])
+        use_cfg = true_cfg_scale > 1 and cond.has_negative
+        lengths = [cond.positive.length] + ([cond.negative_length] if use_cfg else [])
+        mode = self._parallel_mode(use_cfg, options)
+        ranks = self.workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
+        if mode == "cfg":
+            lengths = lengths[:1]  # the negative branch lives on rank 1
+        heads = -(-cfg.num_attention_heads // ranks)
         caches, activations = {"gpu": 0, "cpu": 0}, 0
         for length in lengths:  # branches run one after another: caches add up, activations do not
             prefix = length + 3 * slots  # every image slot becomes 4 latent tokens
-            shape = CacheShape(cfg.num_layers, batch_size, prefix, target, cfg.num_attention_heads,
-                               cfg.attention_head_dim, self.dtype)  # fmt: skip
+            shape = CacheShape(cfg.num_layers, batch_size, prefix, target, heads, cfg.attention_head_dim,
+                               self.dtype)  # fmt: skip
             for placement in caches:
                 layout = options.kv_layout if placement == "gpu" else "split"
                 caches[placement] += shape.device_bytes(options.kv_cache, placement, layout)
-            tokens = max(prefix, batch_size * target)
+            tokens = -(-max(prefix, batch_size * target) // ranks)
             activations = max(activations, ACTIVATION_FACTOR * tokens * cfg.inner_dim * element)
         return caches, activations
+
+    def _parallel_mode(self, use_cfg: bool, options: SampleOptions) -> str | None:
+        """The mode the sampler will pick (Sampler.parallel_mode), for memory planning; None when unsure."""
+        if self.workers is None or self.workers.closed:
+            return None
+        try:
+            return parallel_mode(options.parallel, self.workers, use_cfg)
+        except ValueError:
+            return None  # the sampler reports it
 
     def plan_sampling(self, cond, height, width, batch_size, true_cfg_scale, options) -> SamplingPlan:
         """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
@@ -338,6 +373,8 @@ class Qwen21Pipeline:
             options=options,
             kv_placement=plan.kv_placement,
             decode_runner=runner,
+            workers=self.workers,
+            lora_stack=self.lora_stack,
         )
         try:
             latents = sampler.sample(
@@ -356,7 +393,9 @@ class Qwen21Pipeline:
             )
         finally:
             stats: SampleStats = sampler.stats
-            if runner is not None:
+            if stats.parallel.startswith("sequence"):
+                pass  # the sampler said why its steps ran eagerly
+            elif runner is not None:
                 stats.decode_graph = self.decode_graphs.describe()
             elif not options.decode_graphs:
                 stats.decode_graph = "off: disabled"
@@ -381,6 +420,7 @@ class Qwen21Pipeline:
         Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
         """
         self.loras.apply(stack)
+        self.lora_stack = tuple((str(lora.path), lora.identity, float(strength)) for lora, strength in stack)
 
     # ---- VAE --------------------------------------------------------------------------------------
 
@@ -421,13 +461,43 @@ class Qwen21Pipeline:
     # ---- lifetime ---------------------------------------------------------------------------------
 
     def idle_cache_bytes(self) -> int:
-        """Device bytes of K/V caches kept from earlier runs that the next run gets back (see DecodeGraphs)."""
-        return self.decode_graphs.idle_cache_bytes()
+        """Device bytes of K/V caches kept from earlier runs that the next run gets back (see DecodeGraphs; the
+        workers' sequence-parallel caches kept on this device too)."""
+        kept = self.workers.idle_cache_bytes if self.workers is not None else 0
+        return self.decode_graphs.idle_cache_bytes() + kept
 
     def release(self):
-        """Free what can be rebuilt (decode graphs, cached memory); weights stay."""
+        """Free what can be rebuilt (decode graphs, cached memory, on every device); weights stay."""
         entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
+        if self.workers is not None:
+            self.workers.release()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         log.info("Qwen21 released %d decode graph entries and cached memory (weights kept)", entries)
+
+    # ---- several devices ----------------------------------------------------------------------------------
+
+    def start_workers(self, devices: Sequence, recipe=None, **pool_options) -> WorkerPool:
+        """Run the DiT on `devices` too (one worker process each, ranks 1..N; this process is rank 0): sampling then
+        splits its work over all of them as `SampleOptions.parallel` says. recipe: how a worker builds the same DiT
+        (parallel/recipes.py); default: from the checkpoint this pipeline loaded, in the same dtype and formats. The
+        workers stop with this pipeline (`stop_workers`, or when it is freed, or at exit)."""
+        from .parallel.pool import WorkerPool
+        from .parallel.recipes import FileRecipe
+
+        self.stop_workers()
+        if recipe is None:
+            path = self.sources.get("transformer", {}).get("path")
+            if not path:
+                raise ValueError("this pipeline's DiT was not loaded from a file: pass start_workers a recipe that "
+                                 "builds the same DiT (parallel/recipes.py FunctionRecipe)")  # fmt: skip
+            recipe = FileRecipe(str(path), self.dtype, self.weight_formats)
+        self.workers = WorkerPool.start([torch.device(d) for d in devices], recipe, self.device, **pool_options)
+        weakref.finalize(self, self.workers.shutdown)
+        return self.workers
+
+    def stop_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None

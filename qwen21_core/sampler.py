@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,8 @@ class SampleStats:
     kv_cache: str = ""
     decode_graph: str = "off"
     peak_vram_bytes: int = 0
+    parallel: str = "off"  # e.g. "sequence over 2 ranks" (parallel/)
+    ranks: list = field(default_factory=list)  # each worker's part: cache, peak VRAM, decode graphs
 
     @property
     def steps_per_second(self) -> float:
@@ -76,7 +78,27 @@ class SampleStats:
             "kv_cache": self.kv_cache,
             "decode_graph": self.decode_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
+            "parallel": self.parallel,
+            "ranks": self.ranks,
         }
+
+
+def parallel_mode(option: str, workers, use_cfg: bool) -> str | None:
+    """How a run uses the workers (SampleOptions.parallel): "cfg", "sequence" or None (this device alone)."""
+    if option == "off" or (option == "auto" and workers is None):
+        return None
+    if workers is None:
+        raise ValueError(f"parallel={option!r} needs a model loaded on several GPUs (the loader's `gpus` >= 2); "
+                         "this one runs on one device: use parallel 'auto' or 'off'")  # fmt: skip
+    if option == "auto":
+        return "cfg" if use_cfg and workers.world == 2 else "sequence"
+    if option == "cfg" and not use_cfg:
+        raise ValueError("parallel='cfg' runs the two CFG branches on two GPUs: it needs true_cfg_scale > 1 and a "
+                         "negative prompt; use 'sequence' (or 'auto') at true_cfg_scale 1")  # fmt: skip
+    if option == "cfg" and workers.world != 2:
+        raise ValueError(f"parallel='cfg' runs on exactly 2 GPUs (one per CFG branch); this model has "
+                         f"{workers.world}: use 'sequence' (or 'auto')")  # fmt: skip
+    return option
 
 
 class Sampler:
@@ -92,6 +114,8 @@ class Sampler:
         options: SampleOptions | None = None,
         kv_placement: str = "gpu",
         decode_runner=None,
+        workers=None,
+        lora_stack: tuple = (),
     ):
         self.transformer = transformer
         self.scheduler_config = scheduler_config
@@ -102,6 +126,8 @@ class Sampler:
         self.attention_backend = self.options.attention_backend
         self.kv = self.options.kv_spec(kv_placement)  # the pipeline resolves "auto" placement from free memory
         self.decode_runner = decode_runner  # e.g. the CUDA-graph manager; None = eager decode
+        self.workers = workers  # a parallel.pool.WorkerPool: other devices holding the same DiT; None = this one only
+        self.lora_stack = lora_stack  # ((path, identity, strength), ...) merged into the weights (for the workers)
         self.stats = SampleStats()
 
     # ---- public ---------------------------------------------------------------------------------
@@ -230,6 +256,7 @@ class Sampler:
         use_cfg = cfg > 1.0 and cond.negative is not None
         if cfg > 1.0 and cond.negative is None:
             log.warning("true_cfg_scale=%s but the conditioning has no negative prompt: guidance is off", cfg)
+        mode = parallel_mode(self.options.parallel, self.workers, use_cfg)
         h, w = target_shape
         sigmas = sigmas.to(device)
         timesteps = timesteps.to(device)
@@ -241,24 +268,18 @@ class Sampler:
             x = sigmas[0] * x + (1 - sigmas[0]) * z0
         x = pack(x).to(dtype)
 
-        branches, cond_tokens = self._branches(cond, target_shape, batch, use_cfg)
         # what a prefix depends on: the conditioning's content, the branch, the weights' dtype and merged LoRAs
         prefix_ids = [
             (cond.content_hash, role, str(dtype), tr.weights_id) if cond.content_hash else None
-            for role in ("positive", "negative")[: len(branches)]
+            for role in ("positive", "negative")[: 2 if use_cfg else 1]
         ]
-        self.stats.cache_bytes += sum(b.cache.nbytes for b, _ in branches)
-        self.stats.cache_host_bytes += sum(b.cache.host_nbytes for b, _ in branches)
+        run = (_LocalRun if mode is None else _ParallelRun)(self, cond, target_shape, batch, use_cfg, prefix_ids, mode)
         self.stats.kv_cache = f"{self.kv.fmt} on {self.kv.placement}"
         total = len(timesteps)
         try:
             for i in range(total):
                 t = (timesteps[i].expand(batch).to(dtype)) / 1000
-                velocities = []
-                for (branch, prompt), prefix_id in zip(branches, prefix_ids, strict=True):
-                    if i == 0 or not self.prefix_cache:
-                        self._prefill(branch, prompt, cond_tokens, prefix_id if self.prefix_cache else None)
-                    velocities.append(self._velocity(branch, x, t))
+                velocities = run.step(x, t, first=i == 0 or not self.prefix_cache)
                 v = velocities[0]
                 if use_cfg:
                     v_neg = velocities[1]
@@ -269,9 +290,85 @@ class Sampler:
                     x0 = x_prev.float() - sigmas[i] * v.float()
                     callback(index * total + i + 1, total * count, self.denormalize(unpack(x0, h, w)))
         finally:
-            for branch, _ in branches:
-                if self.decode_runner is not None:
-                    self.decode_runner.release(branch)
-                else:
-                    branch.release()
+            run.close()
         return self.denormalize(unpack(x, h, w))
+
+
+class _LocalRun:
+    """One conditioning's CFG branches in this process, one after another."""
+
+    def __init__(self, sampler: Sampler, cond, target_shape, batch, use_cfg, prefix_ids, _mode=None):
+        self.sampler = sampler
+        self.branches, self.cond_tokens = sampler._branches(cond, target_shape, batch, use_cfg)
+        self.prefix_ids = prefix_ids
+        sampler.stats.cache_bytes += sum(b.cache.nbytes for b, _ in self.branches)
+        sampler.stats.cache_host_bytes += sum(b.cache.host_nbytes for b, _ in self.branches)
+
+    def step(self, x, t, first: bool) -> list[torch.Tensor]:
+        sampler = self.sampler
+        velocities = []
+        for (branch, prompt), prefix_id in zip(self.branches, self.prefix_ids, strict=True):
+            if first:
+                sampler._prefill(branch, prompt, self.cond_tokens, prefix_id if sampler.prefix_cache else None)
+            velocities.append(sampler._velocity(branch, x, t))
+        return velocities
+
+    def close(self) -> None:
+        for branch, _ in self.branches:
+            if self.sampler.decode_runner is not None:
+                self.sampler.decode_runner.release(branch)
+            else:
+                branch.release()
+
+
+class _ParallelRun:
+    """One conditioning's run over the workers too (parallel/jobs.py): rank 0's part here, theirs by command."""
+
+    def __init__(self, sampler: Sampler, cond, target_shape, batch, use_cfg, prefix_ids, mode: str):
+        from .parallel.jobs import BranchInput, JobSpec
+
+        self.sampler, self.mode = sampler, mode
+        prompts = [cond.positive] + ([cond.negative] if use_cfg else [])
+        roles = ("positive", "negative")
+        inputs = [BranchInput(role, prompt.embeds.detach().cpu(), prompt.image_pad_mask.detach().cpu(), prefix_id)
+                  for role, prompt, prefix_id in zip(roles, prompts, prefix_ids, strict=False)]  # fmt: skip
+        cond_tokens = None
+        if cond.condition_latents:
+            cond_tokens = torch.cat([pack(lat[None].float().cpu())[0] for lat in cond.condition_latents])
+        spec = JobSpec(
+            mode=mode, branches=inputs, image_shapes=list(cond.image_shapes), cond_tokens=cond_tokens,
+            target_shape=tuple(target_shape), batch=batch, kv=sampler.kv, attention_backend=sampler.attention_backend,
+            prefix_cache=sampler.prefix_cache, decode_graphs=sampler.decode_runner is not None,
+            compile_blocks=sampler.transformer.compiled, loras=tuple(sampler.lora_stack),
+        )  # fmt: skip
+        graphs = sampler.decode_runner if mode == "cfg" else None
+        self.run = sampler.workers.run(sampler.transformer, spec, graphs)
+        stats = sampler.stats
+        stats.prefix_tokens = max(stats.prefix_tokens, max(prompt.length for prompt in prompts) + 3 * sum(
+            h * w // 4 for h, w in cond.image_shapes))  # fmt: skip
+        stats.parallel = f"{mode} over {sampler.workers.world} ranks"
+        if mode == "sequence":
+            stats.decode_graph = "off: sequence-parallel steps run eagerly (collectives are not captured)"
+
+    def step(self, x, t, first: bool) -> list[torch.Tensor]:
+        return self.run.step(x, t, first)
+
+    def close(self) -> None:
+        result = self.run.close()
+        stats = self.sampler.stats
+        stats.cache_bytes += result.get("cache_bytes", 0)
+        stats.cache_host_bytes += result.get("cache_host_bytes", 0)
+        prefills, reused = result.get("prefills", 0), result.get("reused", 0)
+        if self.mode == "cfg":  # rank 1 holds the negative branch: its prefill counts too
+            for worker in result["workers"]:
+                prefills += worker.get("prefills", 0)
+                reused += worker.get("reused", 0)
+        stats.prefills += prefills
+        if reused:
+            stats.prefix_cache = "reused"
+        stats.ranks = [{
+            "prefix_cache_bytes": worker.get("cache_bytes", 0),
+            "prefix_cache_mib": round(worker.get("cache_bytes", 0) / 2**20, 1),
+            "peak_vram_mib": round(worker.get("peak_vram_bytes", 0) / 2**20, 1),
+            "decode_graph": worker.get("decode_graph", "off") if self.mode == "cfg" else stats.decode_graph,
+        } for worker in result.get("workers", [])]  # fmt: skip

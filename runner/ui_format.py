@@ -21,20 +21,29 @@ def is_ui_workflow(data) -> bool:
     return isinstance(data, dict) and isinstance(data.get("nodes"), list) and isinstance(data.get("links"), list)
 
 
-def widget_names(node_class, required_only: bool = False) -> list[str]:
+def widget_names(node_class) -> list[str]:
     """Names of the values in a node's `widgets_values`, in order (frontend-only widgets included)."""
-    names = []
+    return [name for name, _section in _widgets(node_class)]
+
+
+def required_widget_count(node_class) -> int:
+    """How many leading `widgets_values` a workflow must have: optional widgets come last, and a workflow saved
+    before one was added lacks it (the frontend then shows its default)."""
+    sections = [section for _name, section in _widgets(node_class)]
+    return max((index + 1 for index, section in enumerate(sections) if section == "required"), default=0)
+
+
+def _widgets(node_class) -> list[tuple[str, str]]:
+    widgets = []
     for name, (section, input_type, options) in input_specs(node_class).items():
         if options.get("forceInput") or not (isinstance(input_type, list) or input_type in WIDGET_TYPES):
             continue
-        if required_only and section != "required":
-            continue
-        names.append(name)
+        widgets.append((name, section))
         if input_type == "INT" and options.get("control_after_generate", name in SEED_NAMES):
-            names.append("control_after_generate")
+            widgets.append(("control_after_generate", section))
         if options.get("image_upload"):
-            names.append("upload")
-    return names
+            widgets.append(("upload", section))
+    return widgets
 
 
 def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
@@ -64,14 +73,10 @@ def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
         for slot, output in enumerate(node.get("outputs", [])):
             if slot >= len(node_class.RETURN_TYPES) or output["type"] != node_class.RETURN_TYPES[slot]:
                 problems.append(f"{where}: output {slot} ({output['type']}) does not match {node_class.RETURN_TYPES}")
-        # a workflow saved before an optional widget was added lacks its value: the frontend uses the default
-        expected, least = widget_names(node_class), len(widget_names(node_class, required_only=True))
-        if not least <= len(node.get("widgets_values", [])) <= len(expected):
-            count = "" if least == len(expected) else f"{least} to "
-            problems.append(
-                f"{where}: {len(node.get('widgets_values', []))} widgets_values, expected {count}{len(expected)} "
-                f"{expected}"
-            )
+        expected = widget_names(node_class)
+        given = len(node.get("widgets_values", []))
+        if not required_widget_count(node_class) <= given <= len(expected):
+            problems.append(f"{where}: {given} widgets_values, expected {len(expected)} {expected}")
     for link in ui["links"]:
         link_id, source, source_slot, target, target_slot, link_type = link
         if source not in nodes or target not in nodes:
@@ -104,7 +109,7 @@ def ui_to_api(ui: dict, node_classes: dict) -> dict:
         node_class = node_classes[node["type"]]
         inputs = {}
         values = node.get("widgets_values", [])
-        for name, value in zip(widget_names(node_class)[: len(values)], values, strict=True):
+        for name, value in zip(widget_names(node_class)[: len(values)], values, strict=True):  # missing: defaults
             if name not in ("control_after_generate", "upload"):
                 inputs[name] = value
         for socket in node.get("inputs", []):

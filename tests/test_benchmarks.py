@@ -107,3 +107,30 @@ def test_bench_lora_runs_every_measurement_on_a_tiny_model(tmp_path):
     assert [r["format"] for r in by_what["lora_targets"]] == formats
     assert all(r["met"]["removal_bit_exact"] for r in by_what["lora_targets"])
     assert list(tmp_path.iterdir()) == []  # the random checkpoint and LoRAs were cleaned up
+
+
+@pytest.mark.slow
+def test_bench_multigpu_runs_every_part_over_gloo_with_two_cpu_processes():
+    """bench_multigpu's smoke mode: rank 0 and one CPU worker (gloo), the tiny DiT in fp32, so the two-rank runs give
+    the one-rank latents exactly; each part prints its line."""
+    script = BENCH_VAE.parent / "bench_multigpu.py"
+    command = [sys.executable, str(script), "--tiny", "--device", "cpu", "--world-size", "2", "--precisions", "bf16",
+               "--cfgs", "4", "--faults", "error", "--steps", "2"]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=script.parents[1])
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by_what = {}
+    for record in lines:
+        by_what.setdefault(record["what"], []).append(record)
+    assert {r["mode"] for r in by_what["multigpu_sampling"]} == {"sequence", "cfg"}
+    for record in by_what["multigpu_sampling"] + by_what["multigpu_kv_cache"]:
+        assert record["psnr_vs_one_gpu"] == float("inf") and record["step_ms"] > 0
+    (kv,) = by_what["multigpu_kv_cache"]
+    assert kv["per_gpu_cache_ratio"] == 0.5 and len(kv["per_gpu_cache_mib"]) == 2
+    (recovery,) = by_what["multigpu_recovery"]
+    assert "rank 1 (cpu): RuntimeError: injected fault" in recovery["error"]
+    assert recovery["next_run_psnr_vs_one_gpu"] == float("inf")
+    encoder = {r["encoder"]: r for r in by_what["multigpu_text_encoder"]}
+    assert set(encoder) == {"resident on GPU 1", "offloaded from GPU 0"}
+    assert all(r["seed_rerun_s"] > 0 and r["changed_prompt_s"] > r["encode_s"] > 0 for r in encoder.values())

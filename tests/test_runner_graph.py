@@ -232,3 +232,23 @@ def test_ui_check_finds_bad_types_links_and_widget_counts():
     assert "link 2: type STRING but node 2 output is NUMBER" in problems
     assert "input 'b' has type IMAGE" in problems
     assert "node 5 (NoSuchNode): unknown node type" in problems
+
+
+class AddScaled(AddNumbers):
+    """AddNumbers with an optional widget added later (after the required ones, as ComfyUI packs add inputs)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        types = super().INPUT_TYPES()
+        types["optional"]["scale"] = ("INT", {"default": 1, "min": 1})
+        return types
+
+
+def test_a_workflow_saved_before_an_optional_widget_was_added_still_loads():
+    classes = {**CLASSES, "AddNumbers": AddScaled}
+    assert widget_names(AddScaled) == ["mode", "scale"]
+    ui = ui_workflow()  # AddNumbers' widgets_values: ["add"], no "scale"
+    assert check_ui_workflow(ui, classes) == []
+    assert ui_to_api(ui, classes)["2"]["inputs"] == {"mode": "add", "a": ["1", 0]}  # the node's default applies
+    ui["nodes"][1]["widgets_values"] = []
+    assert "node 2 (AddNumbers): 0 widgets_values, expected 2" in "\n".join(check_ui_workflow(ui, classes))

@@ -73,6 +73,7 @@ T2I_PROMPT = (
 def _loader(**inputs) -> dict:
     values = {"diffusion_model": DIFFUSION_MODEL, "text_encoder": TEXT_ENCODER, "vae": VAE}
     values.update(weight_dtype="auto", text_encoder_dtype="same", device="auto", offload_text_encoder="auto")
+    values.update(text_encoder_device="auto", vae_device="auto", gpus=1)
     values.update(inputs)
     return {"class_type": "Qwen21ModelLoader", "inputs": values, "_meta": {"title": "Load Qwen-Image-2.1"}}
 
@@ -87,7 +88,7 @@ def _sampler(**inputs) -> dict:
         "model": ["1", 0], "conditioning": ["2", 0], "seed": 42, "steps": 40, "true_cfg_scale": 1.0,
         "width": 0, "height": 0, "batch_size": 1, "schedule": "default", "sigmas": "", "denoise": 1.0,
         "prefix_cache": True, "decode_graphs": True, "kv_cache": "bf16", "kv_placement": "auto",
-        "compile_blocks": False,
+        "compile_blocks": False, "parallel": "auto",
     }  # fmt: skip
     values.update(inputs)
     return {"class_type": "Qwen21Sampler", "inputs": values}
@@ -168,6 +169,9 @@ def workflows() -> dict[str, tuple[dict, str]]:
                         "text_encoder_dtype": "same",
                         "device": "auto",
                         "offload_text_encoder": "auto",
+                        "text_encoder_device": "auto",
+                        "vae_device": "auto",
+                        "gpus": 1,
                     },
                     "_meta": {"title": "Load Qwen-Image-2.1 turbo"},
                 },  # fmt: skip

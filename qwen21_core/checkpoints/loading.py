@@ -90,6 +90,7 @@ def load_components(
     dtype: torch.dtype,
     *,
     text_encoder_device: str | torch.device | None = None,
+    vae_device: str | torch.device | None = None,
     text_encoder_dtype: torch.dtype | None = None,
     vae_dtype: torch.dtype | None = None,
     load_text_encoder: bool = True,
@@ -98,14 +99,15 @@ def load_components(
     """Load transformer, VAE and (optionally) text encoder; see the module docstring for `source`.
 
     device None picks CUDA when available. The VAE and the text encoder default to the transformer's
-    dtype and device. weight_formats: which Linears are quantised, in what format (quant/plan.py); dtype is
-    the compute dtype.
+    dtype and device (text_encoder_device, vae_device: elsewhere). weight_formats: which Linears are quantised,
+    in what format (quant/plan.py); dtype is the compute dtype.
     """
     device = _resolve_device(device)
     dtype = _check_dtype(dtype, "dtype")
     vae_dtype = _check_dtype(vae_dtype or dtype, "vae_dtype")
     te_dtype = _check_dtype(text_encoder_dtype or dtype, "text_encoder_dtype")
     te_device = _resolve_device(text_encoder_device) if text_encoder_device is not None else device
+    vae_device = _resolve_device(vae_device) if vae_device is not None else device
 
     if isinstance(source, Mapping):
         paths, scheduler_config, pipeline_config = _single_files(source, load_text_encoder)
@@ -113,7 +115,7 @@ def load_components(
         paths, scheduler_config, pipeline_config = _diffusers_folder(Path(source))
 
     transformer, transformer_info = load_transformer(paths["transformer"], device, dtype, None, weight_formats)
-    vae, vae_info = load_vae(paths["vae"], device, vae_dtype)
+    vae, vae_info = load_vae(paths["vae"], vae_device, vae_dtype)
     if vae.config.z_dim != transformer.config.in_channels:
         raise ValueError(
             f"the VAE ({paths['vae']}) has z_dim {vae.config.z_dim} but the transformer reads "

@@ -98,8 +98,9 @@ def cuda_graph_capture(decode, static_x, static_t):
             decode(static_x, static_t)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # thread-local: another thread's CUDA work (the kernel warm-up, qwen21_core/warmup.py; ComfyUI's previews) may
-    # go on during the capture; only this thread's calls are checked against it
+    # thread-local: other threads' CUDA work (the kernel warm-up, qwen21_core/warmup.py; ComfyUI's previews; with
+    # several GPUs, the NCCL watchdog's event queries) may go on during the capture; only this thread's calls are
+    # checked against it
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         static_out = decode(static_x, static_t)
     return graph, static_out

@@ -184,17 +184,26 @@ class Block(nn.Module):
         )  # fmt: skip
 
     def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
-        """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last)."""
+        """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last).
+
+        Sequence parallel (branch.shard set): x holds this rank's rows; attention and the stored K/V, its heads."""
+        split = None if branch.shard is None else branch.shard.prefix
+        qkv = self._qkv(x, mod0.scale1, EAGER)
+        if split is not None:
+            qkv = split.to_heads(qkv)
         k_out, v_out = branch.cache.prefill_targets(layer)
         q, k, v = qk_norm_rope(
-            self._qkv(x, mod0.scale1, EAGER), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos,
-            branch.prefix_sin, self.eps, k_out=k_out, v_out=v_out,
+            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos, branch.prefix_sin, self.eps,
+            k_out=k_out, v_out=v_out,
         )  # fmt: skip
+        del qkv
         branch.cache.store_prefix(layer)
         if last:  # later layers read only this layer's K/V
             return None
         attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
         del q
+        if split is not None:
+            attn = split.to_tokens(attn)
         # rows are independent after attention: chunk them so huge prefixes stay in bounded memory
         out = torch.empty_like(x)
         for start in range(0, x.shape[1], PREFILL_ROW_CHUNK):
@@ -203,12 +212,19 @@ class Block(nn.Module):
         return out
 
     def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns, in_graph: bool):
-        """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place."""
+        """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place.
+
+        Sequence parallel (branch.shard set): x holds this rank's rows; attention runs for its heads."""
+        split = None if branch.shard is None else branch.shard.target
+        qkv = self._qkv(x, mod.scale1, fns)
+        if split is not None:
+            qkv = split.to_heads(qkv)
         k_out, v_out = branch.cache.target(layer)
         q, k, v = qk_norm_rope(
-            self._qkv(x, mod.scale1, fns), self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos,
-            branch.target_sin, self.eps, k_out=k_out, v_out=v_out, in_graph=in_graph,
+            qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos, branch.target_sin, self.eps,
+            k_out=k_out, v_out=v_out, in_graph=in_graph,
         )  # fmt: skip
+        del qkv
         cache = branch.cache
         joint = cache.joint(layer)
         if joint is not None:
@@ -217,6 +233,8 @@ class Block(nn.Module):
             kp, vp = cache.prefix(layer)
             attn = shared_prefix_decode_attention(q, kp, vp, k, v, branch.prefix_key_valid)
             cache.done_with(layer)
+        if split is not None:
+            attn = split.to_tokens(attn)
         return self._finish(x, attn, mod, fns)
 
 
@@ -244,6 +262,9 @@ class Branch:
     decode_key_mask: torch.Tensor | None  # [1, 1, 1, P+N] bool on device, None without padding
     attention_backend: str = "auto"
     graph_key: tuple | None = None  # set when a DecodeGraphs manager may capture this branch
+    # Sequence parallel (parallel/ulysses.py SequenceShard): this rank's rows, and heads for attention and the
+    # cache; None: everything here. Duck-typed, so the model never imports torch.distributed.
+    shard: object | None = None
 
     @property
     def batch(self) -> int:
@@ -502,17 +523,20 @@ class QwenImage21Transformer(nn.Module):
         )
 
     def new_branch(
-        self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto", kv: KVCacheSpec | None = None
-    ) -> Branch:
+        self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto", kv: KVCacheSpec | None = None,
+        shard=None,
+    ) -> Branch:  # fmt: skip
         """Allocate the K/V cache (format, placement and layout from `kv`) and the step-invariant tables for one
-        branch of a generation."""
+        branch of a generation. shard: sequence parallel (the cache then holds the shard's heads only)."""
         branch = self.new_branch_tables(layout, attention_backend)
-        branch.cache = PrefixKVCache(*self.cache_shape(layout, batch), self.device, **vars(kv or KVCacheSpec()))
+        heads = None if shard is None else shard.heads
+        branch.cache = PrefixKVCache(*self.cache_shape(layout, batch, heads), self.device, **vars(kv or KVCacheSpec()))
+        branch.shard = shard
         return branch
 
-    def cache_shape(self, layout: SequenceLayout, batch: int) -> tuple:
+    def cache_shape(self, layout: SequenceLayout, batch: int, heads: int | None = None) -> tuple:
         cfg = self.config
-        return (cfg.num_layers, batch, layout.prefix_len, layout.target_len, cfg.num_attention_heads,
+        return (cfg.num_layers, batch, layout.prefix_len, layout.target_len, heads or cfg.num_attention_heads,
                 cfg.attention_head_dim, self.dtype)  # fmt: skip
 
     def _modulation(self, t: torch.Tensor):
@@ -525,6 +549,7 @@ class QwenImage21Transformer(nn.Module):
 
         prompt_embeds:      [L, context_dim] (one prompt, unpadded; image-slot rows are ignored).
         condition_latents:  [I, in_channels] packed condition tokens (all images, in order) or None.
+        Sequence parallel (branch.shard set): every rank passes the same inputs; each fills its heads' K/V.
         """
         layout = branch.layout
         device, dtype = self.device, self.dtype
@@ -537,6 +562,8 @@ class QwenImage21Transformer(nn.Module):
                 raise ValueError(f"condition latents: expected [{layout.image_rows.numel()}, "
                                  f"{self.config.in_channels}] packed tokens, got {got}")  # fmt: skip
             x[0, layout.image_rows.to(device)] = self.img_in(condition_latents.to(device, dtype))
+        if branch.shard is not None:
+            x = branch.shard.prefix.rows(x)  # sequence parallel: this rank's rows from here on
         _, mod0 = self._modulation(torch.zeros(1, device=device))
         last = len(self.transformer_blocks) - 1
         with backend_context(branch.attention_backend):
@@ -549,11 +576,14 @@ class QwenImage21Transformer(nn.Module):
         """Velocity for the target tokens. x: [B, N, in_channels]; t: [B] in [0, 1]. -> [B, N, out_channels].
 
         in_graph: the step is (being) captured into a CUDA graph, which changes the fused-kernel gate.
+        Sequence parallel (branch.shard set): every rank passes the whole x, computes its rows and gets the whole
+        velocity back (gathered).
         """
         if not branch.cache.filled:
             raise RuntimeError("decode called before prefill: the branch's prefix K/V cache is empty")
         temb, mod = self._modulation(t)
-        h = self.img_in(x.to(self.dtype))
+        split = None if branch.shard is None else branch.shard.target
+        h = self.img_in((x if split is None else split.rows(x)).to(self.dtype))
         branch.cache.begin_step()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
@@ -561,4 +591,5 @@ class QwenImage21Transformer(nn.Module):
                 h = block.decode(h, mod, branch, i, fns, in_graph)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
-        return self.proj_out(h)
+        out = self.proj_out(h)
+        return out if split is None else split.gather_rows(out)

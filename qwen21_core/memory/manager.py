@@ -15,6 +15,7 @@ The text encoder's residency (`TEXT_ENCODER_OFFLOAD`, the loaders' `offload_text
 - "always": it leaves right after every encode (the old default: the most room for the DiT, a move per prompt);
 - "never": it is not evicted by this manager (the DiT streams blocks instead); inside ComfyUI its manager can still
   move it off when another model needs the room.
+An encoder on a GPU of its own (the loaders' text_encoder_device) stays there whatever the choice.
 Saved workflows from before this choice have a boolean: True meant "always", False "never".
 """
 
@@ -42,8 +43,10 @@ def text_encoder_offload(value) -> str:
                      f"older workflow), got {value!r}")  # fmt: skip
 
 
-def offload_after_encode(choice: str) -> bool:
-    return choice == "always"
+def offload_after_encode(choice: str, own_gpu: bool = False) -> bool:
+    """Whether the encoder leaves right after an encode: with "always", unless it runs on a GPU of its own (another
+    than the DiT's, chosen in the loader), where nothing else needs its room."""
+    return choice == "always" and not own_gpu
 
 
 def evictable(choice: str) -> bool:

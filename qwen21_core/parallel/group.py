@@ -1,0 +1,106 @@
+"""The process group of a worker pool: joining, leaving, and aborting it when a rank fails or hangs.
+
+torch.distributed's default group, NCCL between GPUs and gloo on CPU. Rank 0 hosts the rendezvous store (a
+TCPStore on a free port); each (re)formed group uses a fresh prefix in it, so a group rebuilt after a failure never
+meets the old one's keys. Every collective has the group's timeout.
+
+Failures: a blocked gloo collective ends with an error as soon as a peer leaves the group or exits (its connection
+closes) and otherwise at the timeout. A blocked NCCL collective ends only when the local communicator is aborted:
+torch's own NCCL watchdog would do that by tearing the whole process down (which would take ComfyUI with it), so
+its error handling is switched off here (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) and our watchdog aborts instead
+(pool.py, worker.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "QWEN21_PARALLEL_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0  # a 2048^2 prefill with 16 reference images, or a first torch.compile, stays below it
+LOAD_TIMEOUT_ENV = "QWEN21_PARALLEL_LOAD_TIMEOUT"
+DEFAULT_LOAD_TIMEOUT_S = 1800.0  # a worker reading its DiT from a slow disk
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds > 0; set it to e.g. 300 or unset it")
+    return value
+
+
+def backend_for(devices) -> str:
+    """NCCL when every rank runs on a CUDA device, else gloo."""
+    return "nccl" if all(torch.device(d).type == "cuda" for d in devices) else "gloo"
+
+
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free local port (store.port says which)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join(store: dist.Store, generation: int, rank: int, world: int, backend: str, device: torch.device,
+         timeout_s: float) -> None:  # fmt: skip
+    """Form group number `generation` (leaving any earlier one first). Blocks until every rank has joined."""
+    leave()
+    if backend == "nccl":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read when the group is made; see the module docstring
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"qwen21-group-{generation}", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+
+
+def leave() -> None:
+    """Leave the group (if any). After a failure the group may be broken; leaving it then still succeeds."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as error:  # noqa: BLE001 - a broken group is left either way
+        log.debug("leaving a broken process group: %s", error)
+        _forget_group()
+
+
+def abort() -> None:
+    """End this rank's blocked collectives now (from any thread). NCCL: abort the communicators. gloo cannot abort
+    from another thread: a blocked op ends when a peer leaves or at the timeout."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as error:  # noqa: BLE001 - best effort: the group is rebuilt afterwards anyway
+        log.warning("aborting the NCCL process group failed: %s", error)
+
+
+def _forget_group() -> None:
+    """Drop torch's record of a default group that could not be destroyed cleanly, so a new one can be made."""
+    world = dist.distributed_c10d._world
+    world.pg_map.clear()
+    world.pg_names.clear()
+    world.pg_group_ranks.clear()
+    world.pg_backend_config.clear()
+    world.pg_to_tag.clear()
+    world.tags_to_pg.clear()
+    dist.distributed_c10d._update_default_pg(None)

@@ -1,0 +1,229 @@
+"""Several devices, on the CPU: rank 0 (this process) and one worker process over gloo, both with the tiny DiT.
+
+Sequence-parallel and CFG-parallel sampling give the single-process result (fp32 compute, <= 1e-5), each rank's
+prefix K/V cache is half the single-process one, and a worker that fails is reported with its rank while the next
+run works. The core tests run the DiT with fp8 block weights (dequantised to fp32 on the CPU), the node test with the
+float weights read from the tiny checkpoint: both weight paths are covered with one worker start each.
+"""
+
+import pytest
+import torch
+from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes.loader import Qwen21ModelLoader, component_devices, worker_devices
+from qwen21_nodes.nodes.lora import Qwen21LoraLoader
+from qwen21_nodes.nodes.sample import Qwen21Sampler
+from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+from qwen21_nodes.qwen21_core.options import SampleOptions
+from qwen21_nodes.qwen21_core.parallel.pool import ParallelError, WorkerPool
+from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_transformer
+from qwen21_nodes.qwen21_core.parallel.ulysses import even_split
+from qwen21_nodes.qwen21_core.sampler import Sampler, make_noise, parallel_mode
+from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+from qwen21_nodes.runner.cli import ensure_tiny_models
+
+SEED = 3
+Z = TINY_TRANSFORMER.in_channels
+CONTEXT = TINY_TRANSFORMER.context_in_dim
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,), {"weights": "fp8"}), "cpu",
+                               timeout_s=60)  # fmt: skip
+    yield workers
+    workers.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dit():
+    return tiny_transformer("cpu", SEED, weights="fp8")
+
+
+def _conditioning(content_hash="") -> Conditioning:
+    """A prompt with one 4x4-latent condition image in its slots (an odd prefix: 5 text + 16 image rows) and a
+    negative prompt, both with the image."""
+    g = torch.Generator().manual_seed(5)
+
+    def prompt(length, slot_start):
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[slot_start : slot_start + 4] = True  # 4 slots = the 4x4 latent tokens of the image
+        return PromptEmbedding(torch.randn(length, CONTEXT, generator=g), mask)
+
+    image = torch.randn(Z, 4, 4, generator=g)
+    return Conditioning(prompt(9, 2), prompt(7, 1), condition_latents=(image,), width=96, height=64,
+                        content_hash=content_hash)  # fmt: skip
+
+
+def _sample(dit, workers, parallel="auto", cfg=1.0, batch=1, **options):
+    sampler = Sampler(dit, QWEN21_SCHEDULER, torch.zeros(Z), torch.ones(Z),
+                      options=SampleOptions(parallel=parallel, **options), workers=workers)  # fmt: skip
+    noise = make_noise(7, (batch, Z, 4, 6))
+    latents = sampler.sample([_conditioning("same")], height=64, width=96, steps=3, true_cfg_scale=cfg, noise=noise,
+                             batch_size=batch)  # fmt: skip
+    return latents, sampler.stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg, kv_cache", [(1.0, "bf16"), (4.0, "fp8")])
+def test_sequence_parallel_equals_one_process_with_the_prefix_cache_sharded_by_heads(pool, dit, cfg, kv_cache):
+    """kv_cache "bf16" is the compute dtype's cache (fp32 here); "fp8" a quantised one."""
+    expected, single = _sample(dit, None, cfg=cfg, batch=2, kv_cache=kv_cache)
+    got, stats = _sample(dit, pool, "sequence", cfg=cfg, batch=2, kv_cache=kv_cache)
+    assert stats.kv_cache.startswith(kv_cache) and dit.quantization.startswith("fp8")
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert stats.parallel == "sequence over 2 ranks" and "eagerly" in stats.decode_graph
+    # 2 heads over 2 ranks: each rank holds exactly half of every cache buffer
+    (worker,) = stats.ranks
+    assert stats.cache_bytes * 2 == single.cache_bytes == worker["prefix_cache_bytes"] * 2
+    if cfg == 1.0:  # a rerun of the same conditioning reuses every rank's kept prefix (no prefill), same result
+        again, rerun = _sample(dit, pool, "sequence", cfg=cfg, batch=2, kv_cache=kv_cache)
+        assert rerun.prefills == 0 and rerun.prefix_cache == "reused"
+        assert torch.equal(again, got)
+
+
+@pytest.mark.slow
+def test_cfg_parallel_equals_one_process(pool, dit):
+    expected, single = _sample(dit, None, cfg=4.0)
+    got, stats = _sample(dit, pool, "cfg", cfg=4.0)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert stats.parallel == "cfg over 2 ranks" and stats.prefills == 2
+    # rank 0 holds the positive branch's cache, rank 1 the negative one's
+    assert 0 < stats.cache_bytes < single.cache_bytes == stats.cache_bytes + stats.ranks[0]["prefix_cache_bytes"]
+
+
+@pytest.mark.slow
+def test_a_failing_worker_is_reported_with_its_rank_and_the_next_run_works(pool, dit):
+    expected, _ = _sample(dit, None)
+    pool.inject_fault(1, "in_block", "error")  # mid-step, rank 0 waiting in an all-to-all
+    with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): RuntimeError: injected fault"):
+        _sample(dit, pool, "sequence")
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+    pool.inject_fault(1, "before_step", "oom")
+    with pytest.raises(ParallelError, match="rank 1 .*out of memory.*Lower the output size"):
+        _sample(dit, pool, "cfg", cfg=4.0)
+    pool.inject_fault(1, "in_block", "exit")  # the worker process dies: it is restarted for the next run
+    with pytest.raises(ParallelError, match="rank 1 .*process exited.*exit code 17"):
+        _sample(dit, pool, "sequence")
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+
+def test_parallel_mode_resolution_and_its_errors():
+    class Two:
+        world = 2
+
+    assert parallel_mode("auto", None, True) is None and parallel_mode("off", Two, True) is None
+    assert parallel_mode("auto", Two, True) == "cfg" and parallel_mode("auto", Two, False) == "sequence"
+    with pytest.raises(ValueError, match="needs a model loaded on several GPUs"):
+        parallel_mode("sequence", None, False)
+    with pytest.raises(ValueError, match="needs true_cfg_scale > 1"):
+        parallel_mode("cfg", Two, False)
+    assert even_split(21, 2) == [11, 10] and even_split(1, 2) == [1, 0]
+
+
+def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus():
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    gib = 2**30
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib] * 2, 16 * gib) == (cuda[1], cuda[0])  # the 2nd GPU
+    assert component_devices(cuda[1], "auto", "auto", [24 * gib] * 2, 16 * gib) == (cuda[0], cuda[1])
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib, 8 * gib, 24 * gib], 16 * gib)[0] == cuda[2]
+    assert component_devices(cuda[0], "auto", "auto", [24 * gib, 8 * gib], 16 * gib)[0] == cuda[0]  # no room: stay
+    assert component_devices(cuda[0], "auto", "cuda:1", [24 * gib]) == (cuda[0], cuda[1])  # one GPU: with the DiT
+    assert component_devices(torch.device("cpu"), "auto", "auto", []) == (torch.device("cpu"),) * 2
+    assert component_devices(cuda[0], "cuda:0", "auto", [24 * gib] * 4) == (cuda[0], cuda[0])
+    assert worker_devices(cuda[1], 1, 4) == [] and worker_devices(cuda[1], 3, 4) == [cuda[0], cuda[2]]
+    assert worker_devices(cuda[0], 0, 4) == cuda[1:]
+    assert worker_devices(torch.device("cpu"), 2, 0) == [torch.device("cpu")]  # CPU ranks (tests)
+    with pytest.raises(ValueError, match="gpus is 3 but this machine has 2 CUDA GPU"):
+        worker_devices(cuda[0], 3, 2)
+
+
+@pytest.mark.slow
+def test_the_nodes_turn_it_on_with_the_loaders_gpus_and_the_samplers_parallel(tmp_path_factory):
+    """Loader gpus=2 (on CPU: a second CPU process) starts a worker with the DiT read from the same file; the
+    sampler's parallel input picks how a run uses it; the workers stop with the model."""
+    from test_nodes import SAMPLER_DEFAULTS, encode
+
+    models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
+    host.set_models_dir(models)
+    try:
+        (model,) = Qwen21ModelLoader().load(
+            host.list_weight_files("diffusion_models")[0], host.list_weight_files("text_encoders")[0],
+            host.list_weight_files("vae")[0], weight_dtype="auto", device="cpu", offload_text_encoder=True, gpus=2,
+        )  # fmt: skip
+        pool = model.pipe.workers
+        assert pool.world == 2 and pool.workers[0].info["quantization"] == "float32"
+        conditioning = encode(model)[0]
+        (with_lora,) = Qwen21LoraLoader().load(model, host.list_weight_files("loras")[0], 0.8)
+        latents = {}
+        for handle in (model, with_lora):  # the workers merge the handle's LoRA as rank 0 does
+            for parallel in ("off", "auto"):  # auto at true_cfg_scale 1 with 2 ranks: sequence
+                inputs = {**SAMPLER_DEFAULTS, "steps": 2, "parallel": parallel}
+                out = Qwen21Sampler().sample(handle, conditioning, **inputs)
+                latents[handle is model, parallel] = out["result"][0]["samples"]
+                assert ("sequence over 2 ranks" in out["ui"]["qwen21_status"][0]) == (parallel != "off")
+            assert (latents[handle is model, "auto"] - latents[handle is model, "off"]).abs().max().item() <= 1e-5
+        assert (latents[True, "off"] - latents[False, "off"]).abs().max().item() > 1e-2  # the LoRA changed the image
+        model.pipe.stop_workers()
+        assert pool.closed and model.pipe.workers is None
+    finally:
+        host.set_models_dir(None)
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_match_one_gpu_and_recover_from_a_worker_fault():
+    """On a machine with 2 GPUs (the x2 H200): the same checks over NCCL, with CUDA graphs in CFG mode and the
+    watchdog's abort ending rank 0's wait when the worker fails mid-step. fp32 (no TF32), so within 1e-4."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (run on nvidia-h200-x2)")
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+
+    dit = tiny_transformer("cuda:0", SEED)
+    graphs = DecodeGraphs(dit)
+    workers = WorkerPool.start(["cuda:1"], FunctionRecipe(tiny_transformer, (SEED,)), "cuda:0", timeout_s=60)
+    try:
+        assert workers.backend == "nccl"
+
+        def run(parallel, cfg):
+            options = SampleOptions(parallel=parallel)
+            sampler = Sampler(dit, QWEN21_SCHEDULER, torch.zeros(Z), torch.ones(Z), options=options,
+                              decode_runner=graphs, workers=workers)  # fmt: skip
+            latents = sampler.sample([_conditioning()], height=64, width=96, steps=3, true_cfg_scale=cfg,
+                                     noise=make_noise(7, (1, Z, 4, 6)))  # fmt: skip
+            return latents.cpu(), sampler.stats
+
+        for parallel, cfg in (("sequence", 1.0), ("cfg", 4.0), ("sequence", 4.0)):
+            expected, _ = run("off", cfg)
+            got, stats = run(parallel, cfg)
+            assert (got - expected).abs().max().item() <= 1e-4, (parallel, cfg)
+            if parallel == "cfg":  # rank 1 captured its negative branch's steps and replayed them
+                assert stats.ranks[0]["decode_graph"].startswith("replay"), stats.ranks
+        workers.inject_fault(1, "in_block", "error")
+        with pytest.raises(ParallelError, match=r"rank 1 \(cuda:1\): RuntimeError: injected fault"):
+            run("sequence", 1.0)
+        assert (run("sequence", 1.0)[0] - run("off", 1.0)[0]).abs().max().item() <= 1e-4
+    finally:
+        workers.shutdown()
+
+
+@pytest.mark.gpu
+def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches_the_dit(tmp_path_factory):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (run on nvidia-h200-x2)")
+    from test_nodes import SAMPLER_DEFAULTS, encode
+
+    host.set_models_dir(ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models"))
+    try:
+        files = [host.list_weight_files(kind)[0] for kind in ("diffusion_models", "text_encoders", "vae")]
+        (model,) = Qwen21ModelLoader().load(*files, weight_dtype="bf16", device="cuda:0", offload_text_encoder=True)
+        pipe = model.pipe
+        assert pipe.text_encoder_device == torch.device("cuda", 1) and pipe.vae_execution_device.index == 0
+        assert model.text_encoder_own_gpu and not pipe.text_encoder_offload
+        conditioning = encode(model)[0]
+        assert conditioning.positive.embeds.device == torch.device("cuda", 1)
+        assert next(pipe.text_encoder.model.parameters()).device == torch.device("cuda", 1)  # not offloaded
+        out = Qwen21Sampler().sample(model, conditioning, **{**SAMPLER_DEFAULTS, "steps": 2})
+        assert torch.isfinite(out["result"][0]["samples"]).all()
+    finally:
+        host.set_models_dir(None)
