@@ -74,9 +74,10 @@ def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
             if slot >= len(node_class.RETURN_TYPES) or output["type"] != node_class.RETURN_TYPES[slot]:
                 problems.append(f"{where}: output {slot} ({output['type']}) does not match {node_class.RETURN_TYPES}")
         expected = widget_names(node_class)
-        given = len(node.get("widgets_values", []))
-        if not required_widget_count(node_class) <= given <= len(expected):
-            problems.append(f"{where}: {given} widgets_values, expected {len(expected)} {expected}")
+        given, least = len(node.get("widgets_values", [])), required_widget_count(node_class)
+        if not least <= given <= len(expected):
+            count = "" if least == len(expected) else f"{least} to "
+            problems.append(f"{where}: {given} widgets_values, expected {count}{len(expected)} {expected}")
     for link in ui["links"]:
         link_id, source, source_slot, target, target_slot, link_type = link
         if source not in nodes or target not in nodes:

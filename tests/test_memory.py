@@ -469,7 +469,8 @@ def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches
 
     handle = Qwen21Model.__new__(Qwen21Model)
     handle.device = torch.device("cpu")
-    handle.offload_text_encoder = False
+    handle.offload_text_encoder = "never"
+    handle.text_encoder_own_gpu = False
     idle = types.SimpleNamespace(load=lambda *a: calls.append("load"), unload=lambda: None)
     handle.vae = handle.text_encoder = idle
     text_encoder = types.SimpleNamespace(estimated_tokens=lambda prompt, images, resolution: 10,

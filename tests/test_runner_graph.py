@@ -251,4 +251,4 @@ def test_a_workflow_saved_before_an_optional_widget_was_added_still_loads():
     assert check_ui_workflow(ui, classes) == []
     assert ui_to_api(ui, classes)["2"]["inputs"] == {"mode": "add", "a": ["1", 0]}  # the node's default applies
     ui["nodes"][1]["widgets_values"] = []
-    assert "node 2 (AddNumbers): 0 widgets_values, expected 2" in "\n".join(check_ui_workflow(ui, classes))
+    assert "node 2 (AddNumbers): 0 widgets_values, expected 1 to 2" in "\n".join(check_ui_workflow(ui, classes))
