@@ -28,7 +28,9 @@ def merge_reference(out_p, lse_p, out_t, lse_t) -> torch.Tensor:
     return (out_t.float() + (out_p.float() - out_t.float()) * weight).to(out_t.dtype)
 
 
-@jit(do_not_specialize=("N",))  # token counts vary: one compile for all (see _triton.jit)
+# Token counts vary, and so do the log-sum-exps' strides, which are products of them ([B, H, N] permuted): none
+# is specialised on, so a new size compiles nothing (the H200 warm-up test found a new variant per stride class).
+@jit(do_not_specialize=("N", "lp_sb", "lp_sn", "lp_sh", "lt_sb", "lt_sn", "lt_sh"))
 def _merge_kernel(
     op_ptr, lp_ptr, ot_ptr, lt_ptr, out_ptr, N, H, D,
     op_sb, op_sn, op_sh, op_sd, lp_sb, lp_sn, lp_sh, ot_sb, ot_sn, ot_sh, ot_sd, lt_sb, lt_sn, lt_sh,
