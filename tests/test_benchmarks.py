@@ -134,3 +134,60 @@ def test_bench_multigpu_runs_every_part_over_gloo_with_two_cpu_processes():
     encoder = {r["encoder"]: r for r in by_what["multigpu_text_encoder"]}
     assert set(encoder) == {"resident on GPU 1", "offloaded from GPU 0"}
     assert all(r["seed_rerun_s"] > 0 and r["changed_prompt_s"] > r["encode_s"] > 0 for r in encoder.values())
+
+
+def _json_lines(stdout: str) -> dict[str, list[dict]]:
+    by_what: dict[str, list[dict]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            by_what.setdefault(record["what"], []).append(record)
+    return by_what
+
+
+def _bench(script: str, *args: str, timeout: int = 900) -> dict[str, list[dict]]:
+    path = BENCH_VAE.parent / script
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=path.parents[1], env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _json_lines(done.stdout)
+
+
+@pytest.mark.slow
+def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
+    """bench_session --tiny on the CPU: two sessions in one child process, every prompt of the plan through the
+    node classes (changed prompts at every shape, edits, the seed-only rerun, the LoRA on and re-weighted), each
+    with its phases, and a summary whose fields the H200 run fills."""
+    by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--tail", "1", "--log-dir", str(tmp_path))
+    prompts, summaries = by_what["session_prompt"], by_what["session_summary"]
+    assert [s["cap_gib"] for s in summaries] == [None, 24] and all(s["errors"] == 0 for s in summaries)
+    assert summaries[0]["kernel_cache"] == "empty" and summaries[1]["kernel_cache"] == "warm"
+    first = [p for p in prompts if p["cap_gib"] is None]
+    assert len(first) == summaries[0]["prompts"] == 15
+    assert {p["label"] for p in first} >= {"t2i_1024", "t2i_1344x768", "t2i_768x1344", "t2i_1536", "edit_1ref",
+                                           "edit_4ref", "t2i_1024:lora"}  # fmt: skip
+    rerun = [p for p in first if not p["changed_prompt"]]
+    assert len(rerun) == 1 and rerun[0]["encode_s"] == 0.0  # the encoder's output reused, as ComfyUI's cache does
+    assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] for p in first)
+    assert [p["lora_strength"] for p in first if p["lora_strength"] is not None] == [1.0, 0.6]
+    for summary in summaries:
+        assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
+    by_what = _bench("bench_cold_start.py", "--tiny", "--device", "cpu")
+    rows = by_what["cold_start"]
+    assert [(r["format"], r["warmup"]) for r in rows] == [("fp8", "off"), ("fp8", "on")]
+    assert all(r["first_step_s"] > 0 and r["vae_first_s"] > 0 for r in rows)
+    overhead = _bench("bench_cold_start.py", "--tiny", "--device", "cpu", "--launch-overhead")["launch_overhead"]
+    assert [r["format"] for r in overhead] == ["bf16", "fp8"]
+    assert all(r["decode_eager_ms"] > 0 and r["profile_tottime_top"] for r in overhead)
+
+
+def test_tune_kernels_lists_every_key_the_dit_meets():
+    """--list needs no GPU: the block's four projections and nine quantiser modes, at each of the 11 M buckets."""
+    keys = _bench("tune_kernels.py", "--list", timeout=120)["tune_key"]
+    assert len(keys) == (4 + 9) * 11
+    assert {k["kernel"] for k in keys} == {"int8_gemm", "quantize_rows"}
+    assert all(k["candidates"] >= 1 and k["rule"] for k in keys)
