@@ -37,8 +37,8 @@ CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.whic
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "web"
 MAX_IMAGES = 16
 RUN_TIMEOUT_MS = 300_000
-EXTENSION_FILES = ("condition_images.js", "run_status.js")
-EXTENSION_NAMES = ("qwen21.conditionImages", "qwen21.runStatus")
+EXTENSION_FILES = ("condition_images.js", "run_status.js", "legacy_inputs.js")
+EXTENSION_NAMES = ("qwen21.conditionImages", "qwen21.runStatus", "qwen21.legacyInputs")
 
 pytestmark = [
     pytest.mark.browser,
@@ -117,6 +117,11 @@ JS_SET_WIDGETS = """(settings) => {
         if (!widget) throw new Error(`node ${nodeId} has no widget ${name}`);
         widget.value = value;
     }
+}"""
+
+JS_WIDGET_VALUE = """([type, name]) => {
+    const node = app.graph.nodes.find((n) => n.type === type);
+    return node.widgets.find((w) => w.name === name).value;
 }"""
 
 JS_STATUS = """(type) => {
@@ -200,9 +205,15 @@ def screenshot(page, name: str) -> Path:
     return path
 
 
+def is_prompt_post(response) -> bool:
+    return response.request.method == "POST" and response.url.split("?")[0].endswith("/prompt")
+
+
 def queue_and_wait_for_status(page, expected: dict[str, str]) -> dict[str, str]:
     """Queue the graph from the page; wait until each node type's status text contains its substring."""
-    page.evaluate("() => { window.qwen21Errors.length = 0; return app.queuePrompt(0, 1); }")
+    with page.expect_response(is_prompt_post) as queued:
+        page.evaluate("() => { window.qwen21Errors.length = 0; return app.queuePrompt(0, 1); }")
+    assert queued.value.status == 200, f"the server refused the prompt: {queued.value.text()}"
     deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
     while True:
         errors = page.evaluate("() => window.qwen21Errors")
@@ -397,6 +408,43 @@ def test_run_from_the_page_shows_the_status_lines_and_updates_them(server, page)
     page.evaluate(JS_SET_WIDGETS, [[sampler_id, "prefix_cache", False]])
     queue_and_wait_for_status(page, {"Qwen21Sampler": "prefix cache off"})
     screenshot(page, "status_after_second_run")
+
+
+@pytest.mark.parametrize(
+    ("name", "loader", "saved", "shown"),
+    [
+        ("text_to_image", "Qwen21ModelLoader", True, "always"),
+        ("turbo_schedule", "Qwen21DiffusersLoader", False, "never"),
+    ],
+)
+def test_an_older_workflows_offload_switch_shows_as_its_choice_and_runs(server, page, name, loader, saved, shown):
+    """offload_text_encoder was an on/off switch (saved as true / false) before it became a choice: such a
+    workflow opens with the choice it meant selected, and what the page queues passes the server's checks."""
+    from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
+
+    declared = NODE_CLASS_MAPPINGS[loader].INPUT_TYPES()
+    index = [*declared["required"], *declared.get("optional", {})].index("offload_text_encoder")
+    workflow = ui_workflow(name)
+    node = next(node for node in workflow["nodes"] if node["type"] == loader)
+    assert node["widgets_values"][index] == "auto", "the widget values are not in the loader's input order"
+    node["widgets_values"][index] = saved
+    before = alerts(page, "Invalid workflow")
+
+    load_workflow(page, workflow)
+
+    assert page.evaluate(JS_WIDGET_VALUE, [loader, "offload_text_encoder"]) == shown
+    assert alerts(page, "Invalid workflow") == before, page.locator(".p-toast-message").last.inner_text()
+    ours = [error for error in page.page_errors if PACK_FOLDER in error or "qwen21" in error]
+    assert not ours, ours
+    saved_again = page.evaluate("() => app.graph.serialize()")
+    (resaved,) = [n for n in saved_again["nodes"] if n["type"] == loader]
+    assert resaved["widgets_values"][index] == shown, "saving the workflow again would keep the old value"
+    queued = page.evaluate("async () => (await app.graphToPrompt()).output")
+    (inputs,) = [node["inputs"] for node in queued.values() if node["class_type"] == loader]
+    assert inputs["offload_text_encoder"] == shown
+
+    point_at_tiny_checkpoint(page, name, server.models)
+    queue_and_wait_for_status(page, {"Qwen21Sampler": "steps/s"})
 
 
 def test_template_browser_shows_a_thumbnail_for_every_template(server, page):
