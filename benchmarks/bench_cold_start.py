@@ -103,8 +103,14 @@ def first_calls(args, device):
     started = time.perf_counter()
     pipe = build(args.format, device, args.tiny)
     sync(device)
-    row = dict(what="cold_start", format=args.format, warmup=args.warmup, cache=args.cache,
-               autotune=os.environ.get("QWEN21_AUTOTUNE", "") == "1", build_s=round(time.perf_counter() - started, 1))
+    row = dict(
+        what="cold_start",
+        format=args.format,
+        warmup=args.warmup,
+        cache=args.cache,
+        autotune=os.environ.get("QWEN21_AUTOTUNE", "") == "1",
+        build_s=round(time.perf_counter() - started, 1),
+    )
     load_done = time.perf_counter()
     if args.warmup == "on":
         pipe.start_kernel_warmup()

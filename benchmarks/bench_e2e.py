@@ -186,6 +186,7 @@ def reset(handle, device):
     host.LOCAL.loaded.clear()
     if handle is not None:
         handle.pipe.release()
+        handle.pipe.set_loras(())
         handle.pipe.transformer.place("cpu")
         handle.pipe.text_encoder.place("cpu")
         handle.pipe.vae.to("cpu")

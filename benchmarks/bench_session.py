@@ -116,7 +116,7 @@ def session_prompt(spec: dict, index: int, args, lora_name: str | None) -> dict:
 
 def run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs: list[dict],
                 fresh: bool) -> None:  # fmt: skip
-    from bench_e2e import cap_memory, classes_with
+    from bench_e2e import cap_memory, classes_with, reset
     from qwen21_nodes.nodes import host
     from qwen21_nodes.runner.graph import execute
 
@@ -229,23 +229,6 @@ def place_as_loaded(handle, cap, device):
     return handle
 
 
-def reset(handle, device):
-    from qwen21_nodes.nodes import host
-
-    host.LOCAL.loaded.clear()
-    host.LOCAL.budget = None
-    if handle is not None:
-        handle.pipe.release()
-        handle.pipe.set_loras(())
-        handle.pipe.transformer.place("cpu")
-        handle.pipe.text_encoder.place("cpu")
-        handle.pipe.vae.to("cpu")
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def build(precision: str, args, device, dtype):
     """(DiT, text encoder model, processor, VAE) of one precision, built and quantised where they run (the GPU): one
     precision per process, so nothing is kept twice and nothing crosses to the CPU (bench_e2e.py builds several
@@ -338,8 +321,12 @@ def orchestrate(args) -> int:
         command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail)]  # fmt: skip
         command += ["--tiny"] if args.tiny else []
-        returncode = stream_child(command, dict(os.environ, TRITON_CACHE_DIR=str(cache)), args.child_timeout,
-                                  Path(args.log_dir or tempfile.gettempdir(), f"session_{number}_{chosen[0][0]}.log"))
+        returncode = stream_child(
+            command,
+            dict(os.environ, TRITON_CACHE_DIR=str(cache)),
+            args.child_timeout,
+            Path(args.log_dir or tempfile.gettempdir(), f"session_{number}_{chosen[0][0]}.log"),
+        )
         if returncode != 0:
             failures += 1
             emit(what="session_child", sessions=[_label(s) for s in chosen], returncode=returncode)

@@ -85,7 +85,7 @@ _architectures: dict[int | None, str] = {}
 
 
 def architecture(device: torch.device) -> str:
-    """"sm_<major><minor>" of a CUDA device (kept per device: asked at every launch)."""
+    """ "sm_<major><minor>" of a CUDA device (kept per device: asked at every launch)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _architectures:
         major, minor = torch.cuda.get_device_capability(index)

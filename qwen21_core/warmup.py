@@ -15,6 +15,7 @@ the rest of its part skipped: those kernels then compile on first use, as before
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -32,6 +33,22 @@ MAX_THREADS = 8
 
 def warmup_enabled() -> bool:
     return os.environ.get(WARMUP_ENV, "").strip() != "0"
+
+
+def shared_copy(module: torch.nn.Module, device: torch.device) -> Callable[[], torch.nn.Module]:
+    """A function giving one copy of `module` on `device`, made by the first job that asks: the warm-up runs on a
+    copy, so the model itself stays free to be loaded, offloaded, streamed or merged with a LoRA meanwhile."""
+    copied: list[torch.nn.Module] = []
+    lock = threading.Lock()
+
+    def get() -> torch.nn.Module:
+        with lock:
+            if not copied:
+                with torch.inference_mode(False):
+                    copied.append(copy.deepcopy(module).to(device))
+        return copied[0]
+
+    return get
 
 
 class KernelWarmup:
@@ -69,7 +86,7 @@ class KernelWarmup:
         try:
             if name not in self.failures:  # after a failure the part's kernels compile on first use instead
                 stream = _side_stream(self.device)
-                with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     job()
                 if stream is not None:
                     stream.synchronize()

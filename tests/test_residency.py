@@ -43,6 +43,7 @@ class Stack:
 def gpu(monkeypatch):
     """A pretend 24 GiB GPU: free memory is 24 GiB less what the stacks hold there."""
     stacks: list[Stack] = []
+
     def free(device, budget=None):
         return 24 * GIB - sum(s.device_weight_bytes() for s in stacks)
 

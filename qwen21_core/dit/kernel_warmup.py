@@ -14,8 +14,6 @@ compiles count.
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from ...kernels.kv_quant import dequantize_kv, quantize_kv
 from ...kernels.launch_configs import all_buckets, forced_bucket
 from ...kernels.qk_norm_rope import qk_norm_rope
+from ..warmup import shared_copy
 from .attention import shared_prefix_decode_attention
 from .transformer import EAGER, Modulation, QwenImage21Transformer
 
@@ -40,16 +39,8 @@ def dit_warmup_jobs(transformer: QwenImage21Transformer, device: torch.device) -
     """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py): QK-norm+RoPE
     and the attention merge once, the K/V-cache formats once, and for every M bucket the QKV projection and the
     block's finish (output projection and MLP) apart, so no job compiles more than a few kernels."""
-    copied: list = []
-    lock = threading.Lock()
     config = transformer.config
-
-    def block():
-        with lock:
-            if not copied:
-                with torch.inference_mode(False):
-                    copied.append(copy.deepcopy(transformer.transformer_blocks[0]).to(device))
-        return copied[0]
+    block = shared_copy(transformer.transformer_blocks[0], device)
 
     def job(part: str, bucket: int = FIRST_BUCKETS[0]):
         return lambda: warm_up(block(), config, part, bucket)

@@ -12,13 +12,12 @@ small jobs on the warm-up's thread pool (qwen21_core/warmup.py): the self-tests 
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable
 
 import torch
 
 from ...kernels import bias_residual, rmsnorm_silu
+from ..warmup import shared_copy
 from .model import QwenImage21VAE
 
 LATENT_SIDES = (2, 4)
@@ -27,16 +26,8 @@ LATENT_SIDES = (2, 4)
 def vae_warmup_jobs(vae: QwenImage21VAE, device: torch.device) -> list[Callable[[], None]]:
     """Independent jobs for a thread pool: each self-test, the small decodes, the small encode (one shared copy of
     the VAE: its exact path keeps no state between calls)."""
-    copied: list = []
-    lock = threading.Lock()
     dtype = vae.dtype
-
-    def model():
-        with lock:
-            if not copied:
-                with torch.inference_mode(False):
-                    copied.append(copy.deepcopy(vae).to(device))
-        return copied[0]
+    model = shared_copy(vae, device)
 
     def decode():
         for side in LATENT_SIDES:
