@@ -7,8 +7,14 @@ import os
 
 import torch
 
-from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, find_tokenizer
-from ..qwen21_core.memory.manager import TEXT_ENCODER_OFFLOAD, evictable, text_encoder_offload
+from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, estimated_loaded_bytes, find_tokenizer
+from ..qwen21_core.memory.manager import (
+    TEXT_ENCODER_OFFLOAD,
+    evictable,
+    text_encoder_load_device,
+    text_encoder_offload,
+)
+from ..qwen21_core.memory.planner import device_free_bytes, indexed_device
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from ..qwen21_core.quant.plan import WeightFormats
 from . import host
@@ -149,6 +155,29 @@ def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes:
     return text_encoder_device, dit if vae == "auto" else torch.device(vae)
 
 
+def _text_encoder_load_device(source, dit_device: torch.device, encoder_device: torch.device,
+                              formats: WeightFormats, dtype: torch.dtype) -> torch.device:  # fmt: skip
+    """Where to read the text encoder to (memory/manager.py decides): its GPU if it fits beside the DiT's weights
+    about to be read there, else the CPU. Sizes from the files' headers, as the chosen formats will load them."""
+    if encoder_device.type != "cuda":
+        return encoder_device
+    part = source.get if isinstance(source, dict) else lambda name: os.path.join(source, name)
+    try:
+        encoder = estimated_loaded_bytes(part("text_encoder"), "text_encoder", formats.text_encoder, dtype)
+        dit = estimated_loaded_bytes(part("transformer"), "transformer", formats.dit, dtype)
+    except (OSError, ValueError) as error:  # a bad file is reported by the loading itself, with its name
+        log.debug("no size estimate before loading (%s)", error)
+        return encoder_device
+    free = device_free_bytes(encoder_device, host.LOCAL.budget)
+    if indexed_device(encoder_device) == indexed_device(dit_device):
+        free -= dit
+    chosen = text_encoder_load_device(encoder_device, free, encoder)
+    if chosen != encoder_device:
+        log.info("the text encoder (%.2f GiB) does not fit beside the DiT on %s (%.2f GiB free): read to the CPU, "
+                 "placed on first use", encoder / 2**30, encoder_device, max(free, 0) / 2**30)  # fmt: skip
+    return chosen
+
+
 def _weight_file_bytes(path) -> int:
     """Bytes of a weight file, or of the safetensors files in a folder: what the weights take, about."""
     if path is None:
@@ -193,6 +222,7 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     te_format = dit_format if text_encoder_dtype == "same" else PRECISIONS[text_encoder_dtype][1]
     formats = WeightFormats(dit=dit_format, text_encoder=te_format)
+    te_load = _text_encoder_load_device(source, target, te_device, formats, dtype)
     log.info("loading Qwen-Image-2.1 from %s (%s on %s, text encoder on %s, VAE on %s, weights %s)", source, dtype,
              target, te_device, vae_target, formats)  # fmt: skip
     pipe = Qwen21Pipeline.from_pretrained(
@@ -203,6 +233,7 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
         text_encoder_offload=evictable(offload_text_encoder),
         weight_formats=formats,
         text_encoder_device=te_device,
+        text_encoder_load_device=te_load,
         vae_device=vae_target,
     )
     if extra:

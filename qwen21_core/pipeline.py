@@ -104,12 +104,15 @@ class Qwen21Pipeline:
         weight_formats: WeightFormats | None = None,
         text_encoder_device=None,
         vae_device=None,
+        text_encoder_load_device=None,
     ) -> Qwen21Pipeline:
         """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
 
         dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
         default keeps each file's own format). text_encoder_device / vae_device: where those run (default: the
-        DiT's device); a text encoder on a device of its own is never offloaded.
+        DiT's device); a text encoder on a device of its own is never offloaded. text_encoder_load_device: where the
+        text encoder's weights are read to (default: where it runs; the CPU when they do not fit there, see
+        memory/manager.py text_encoder_load_device): a memory manager then places them on first use.
         """
         from .checkpoints.loading import load_components
 
@@ -118,7 +121,7 @@ class Qwen21Pipeline:
             source,
             device,
             dtype,
-            text_encoder_device=text_encoder_device,
+            text_encoder_device=text_encoder_load_device or text_encoder_device,
             vae_device=vae_device,
             text_encoder_dtype=text_encoder_dtype,
             vae_dtype=vae_dtype,
@@ -126,7 +129,10 @@ class Qwen21Pipeline:
             weight_formats=weight_formats,
         )
         encoder = parts.text_encoder
-        own_device = encoder is not None and indexed_device(encoder.device) != indexed_device(device)
+        runs_on = indexed_device(text_encoder_device if text_encoder_device is not None else device)
+        if encoder is not None:
+            encoder.device = runs_on  # where it encodes, wherever its weights were read to
+        own_device = encoder is not None and runs_on != indexed_device(device)
         pipe = cls(
             parts.transformer,
             parts.vae,

@@ -229,3 +229,59 @@ def test_the_runner_accepts_an_older_workflows_boolean_and_names_a_bad_choice(tm
     assert problems(True) == [] and problems(False) == [] and problems("never") == []  # as saved before, and now
     (bad,) = problems("sometimes")
     assert "must be one of ['auto', 'always', 'never']" in bad
+
+
+# ---- where the loader reads the text encoder to -------------------------------------------------------------
+
+
+def test_the_encoder_is_read_to_the_cpu_only_when_it_does_not_fit_beside_the_dit():
+    from qwen21_nodes.qwen21_core.memory.manager import text_encoder_load_device
+
+    gpu = torch.device("cuda", 0)
+    assert text_encoder_load_device(gpu, 20 * GIB, 8 * GIB) == gpu
+    assert text_encoder_load_device(gpu, 9 * GIB, 8 * GIB) == torch.device("cpu")  # 8 x 1.15 + 0.5 > 9
+    assert text_encoder_load_device(torch.device("cpu"), 0, 8 * GIB) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "fp8"])
+def test_loaded_sizes_are_estimated_from_the_file_headers(tmp_path, choice):
+    """The estimate the loader decides with, against what loading really puts in memory (fp32 on the CPU; fp8 makes
+    the block / decoder Linears 1 byte a value)."""
+    from qwen21_nodes.qwen21_core.checkpoints.loading import estimated_loaded_bytes, load_components
+    from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
+    from qwen21_nodes.qwen21_core.tiny import make_tiny
+
+    paths = make_tiny(tmp_path)
+    source = {name: paths[name] for name in ("transformer", "vae", "text_encoder", "tokenizer")}
+    parts = load_components(source, "cpu", torch.float32, weight_formats=WeightFormats(dit=choice, text_encoder=choice))
+
+    def loaded(module):
+        return sum(t.numel() * t.element_size() for t in module.parameters())
+
+    for component, module in (("transformer", parts.transformer), ("text_encoder", parts.text_encoder.model)):
+        estimate = estimated_loaded_bytes(paths[component], component, choice, torch.float32)
+        assert abs(estimate - loaded(module)) <= 0.05 * loaded(module), (component, estimate, loaded(module))
+
+
+def test_the_loader_reads_the_encoder_to_the_cpu_on_a_card_too_small_for_both(monkeypatch, tmp_path):
+    """On a pretend 12 GB card with 8 GiB free after the DiT, the loader asks for the encoder to be read to the CPU
+    while it still runs on the GPU (the memory manager places it at the first encode); with room, on the GPU."""
+    from qwen21_nodes.nodes import loader
+    from qwen21_nodes.qwen21_core.tiny import make_tiny
+
+    paths = make_tiny(tmp_path)
+    source = {name: paths[name] for name in ("transformer", "vae", "text_encoder", "tokenizer")}
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(loader, "estimated_loaded_bytes", lambda path, component, choice, dtype: {
+        "transformer": 7 * GIB, "text_encoder": 9 * GIB}[component])  # fmt: skip
+    for free, where in ((12 * GIB, torch.device("cpu")), (40 * GIB, gpu)):
+        monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None, free=free: free)
+        chosen = loader._text_encoder_load_device(source, gpu, gpu, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
+        assert chosen == where
+    # an encoder on a GPU of its own counts only that GPU's room
+    monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None: 12 * GIB)
+    other = torch.device("cuda", 1)
+    assert (
+        loader._text_encoder_load_device(source, gpu, other, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
+        == other
+    )

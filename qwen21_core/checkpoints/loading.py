@@ -279,6 +279,41 @@ def _stored_formats(quant: formats.QuantScheme, convert) -> dict[str, QuantForma
     return out
 
 
+QUANTIZED_CHOICES = ("fp8", "int8", "int8_convrot")
+
+
+def estimated_loaded_bytes(path: str | os.PathLike, component: str, choice: str, dtype: torch.dtype) -> int:
+    """About how many bytes a component's weights take once loaded, from its file's header alone (for placement
+    decisions before loading): the Linear weights the format `choice` quantises (or that the file stores in 8 bits
+    and "auto" keeps) at one byte per value, everything else in `dtype`, per-row scales in fp32; the text
+    encoder's language-model head, which is never loaded, left out. component: "transformer" or "text_encoder"."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    with Checkpoint.open(path) as ckpt:
+        for name, info in ckpt.tensors.items():
+            if "lm_head" in name:
+                continue
+            count = 1
+            for size in info.shape:
+                count *= size
+            stored_8bit = isinstance(info.dtype, torch.dtype) and info.dtype.itemsize == 1
+            linear = len(info.shape) == 2 and _quantisable_name(component, name)
+            if linear and (choice in QUANTIZED_CHOICES or (choice == "auto" and stored_8bit)):
+                total += count
+            elif info.dtype == torch.float32 and len(info.shape) <= 1:
+                total += count * 4
+            else:
+                total += count * element
+    return total
+
+
+def _quantisable_name(component: str, name: str) -> bool:
+    """A weight the loaders may quantise (quant/plan.py): the DiT's block Linears, the text encoder's decoder ones."""
+    if component == "transformer":
+        return "transformer_blocks." in name
+    return ".layers." in f".{name}" and "visual" not in name
+
+
 def load_transformer(
     path: str | os.PathLike,
     device,

@@ -43,6 +43,19 @@ def text_encoder_offload(value) -> str:
                      f"older workflow), got {value!r}")  # fmt: skip
 
 
+ENCODE_ROOM_FACTOR = 1.15  # the weights plus an encode's activations and the allocator's slack, about
+
+
+def text_encoder_load_device(target: torch.device, free_bytes: int, encoder_bytes: int) -> torch.device:
+    """Where a loader reads the text encoder's weights to: the GPU it runs on when they fit there beside what is
+    loaded already, else the CPU, from where the memory manager brings the encoder on first use. A card too small
+    for the DiT and the encoder together (fp8: 6.76 + 8.71 GiB on a 12 or 16 GB card) would otherwise run out of
+    memory while loading, before any manager could decide anything."""
+    if target.type != "cuda" or free_bytes >= encoder_bytes * ENCODE_ROOM_FACTOR + planner.HEADROOM_BYTES:
+        return target
+    return torch.device("cpu")
+
+
 def offload_after_encode(choice: str, own_gpu: bool = False) -> bool:
     """Whether the encoder leaves right after an encode: with "always", unless it runs on a GPU of its own (another
     than the DiT's, chosen in the loader), where nothing else needs its room."""
