@@ -227,3 +227,31 @@ def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches
         assert torch.isfinite(out["result"][0]["samples"]).all()
     finally:
         host.set_models_dir(None)
+
+
+def test_the_command_channel_builds_only_what_the_pack_sends():
+    """A message is read back with an unpickler that takes containers, torch's tensors and dtypes and the pack's own
+    classes, and refuses any other global (os.system here) instead of importing it."""
+    import os
+    import pickle
+    from multiprocessing import Pipe
+
+    from qwen21_nodes.qwen21_core.parallel.channel import Failure, receive, send, trusted_modules
+    from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_transformer
+
+    ours, theirs = Pipe()
+    failure = Failure(1, "cpu", "out of memory", "CUDA out of memory")
+    send(ours, "job", {"x": torch.arange(4.0), "dtype": torch.bfloat16, "device": torch.device("cpu")}, failure)
+    kind, payload, back = receive(theirs)
+    assert kind == "job" and torch.equal(payload["x"], torch.arange(4.0)) and back == failure
+    assert payload["dtype"] is torch.bfloat16 and payload["device"] == torch.device("cpu")
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+
+    ours.send_bytes(pickle.dumps(("job", Exploit())))
+    with pytest.raises(pickle.UnpicklingError, match="refuses (posix|nt|os).system"):
+        receive(theirs)
+    assert trusted_modules(FunctionRecipe(tiny_transformer)) == ""  # the pack's own builder needs no trust
+    assert trusted_modules(FunctionRecipe(test_the_command_channel_builds_only_what_the_pack_sends)) == __name__

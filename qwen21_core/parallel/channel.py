@@ -1,12 +1,19 @@
 """The command channel between rank 0 and a worker: an authenticated local connection (multiprocessing.connection)
 carrying small pickled messages; tensors go over the process group, except the few a job starts with.
 
+Only the pack's own processes hold the connection's key, and a message is read back with an unpickler that builds
+nothing but containers, torch's tensors, dtypes and devices, the pack's own classes, and the functions of modules
+rank 0 names when it starts a worker (a FunctionRecipe's, `TRUSTED_MODULES_ENV`): anything else in a message is
+refused instead of imported (the pack never unpickles a file; this keeps the channel from being a way around that).
+
 Messages are tuples, the first item the message's kind. Rank 0 -> worker: load, join, job, step, end, release,
 fault, shutdown, abort. Worker -> rank 0: hello, ready, joined, done, released, error.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 import sys
 import traceback
@@ -25,12 +32,38 @@ BOOTSTRAP = (
 )
 
 
+TRUSTED_MODULES_ENV = "QWEN21_PARALLEL_MODULES"  # comma-separated modules beyond the pack a message may name
+PACKAGE_ROOT = __name__.removesuffix(".qwen21_core.parallel.channel")
+_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "slice", "range", "complex", "bytes", "bytearray", "str",
+             "int", "float", "bool"}  # fmt: skip
+_ROOTS = ("torch", "collections", "pathlib")
+
+
 def send(connection: Connection, *message) -> None:
     connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(connection: Connection) -> tuple:
-    return pickle.loads(connection.recv_bytes())  # noqa: S301 - our own authenticated process, not a file
+    return _MessageUnpickler(io.BytesIO(connection.recv_bytes())).load()
+
+
+def trusted_modules(*objects) -> str:
+    """The value of TRUSTED_MODULES_ENV for messages carrying `objects`' functions (a FunctionRecipe's)."""
+    names = {getattr(getattr(o, "function", None), "__module__", None) for o in objects}
+    return ",".join(sorted(name for name in names if name and not _allowed_module(name, ())))
+
+
+def _allowed_module(module: str, trusted) -> bool:
+    root = module.split(".")[0]
+    return root in _ROOTS or module == PACKAGE_ROOT or module.startswith(PACKAGE_ROOT + ".") or module in trusted
+
+
+class _MessageUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        trusted = {m for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m}
+        if (module == "builtins" and name in _BUILTINS) or _allowed_module(module, trusted):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the parallel channel refuses {module}.{name} in a message")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import stable_name
 from . import group
-from .channel import Failure, python_command, receive, send
+from .channel import TRUSTED_MODULES_ENV, Failure, python_command, receive, send, trusted_modules
 from .jobs import JobSpec, KeptBranches, ParallelJob
 from .worker import ADDRESS_ENV, AUTHKEY_ENV, RANK_ENV
 
@@ -188,6 +188,7 @@ class WorkerPool:
                 ADDRESS_ENV: f"{host}:{port}",
                 AUTHKEY_ENV: self._authkey.hex(),
                 RANK_ENV: str(worker.rank),
+                TRUSTED_MODULES_ENV: trusted_modules(self.recipe),  # a FunctionRecipe's builder, for its messages
                 "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),  # rank 0's imports
             })  # fmt: skip
             worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
