@@ -110,11 +110,13 @@ class LocalMemoryManager:
             self.offload(other)
         free = room()  # one reading (each takes an allocator snapshot)
         resident = None if free >= managed.full_bytes else managed.resident_for(free)
+        self.loaded.append(managed)
+        if resident is None and managed.device_bytes() >= managed.full_bytes:
+            return  # already whole there: every encode and sample asks, and walking the weights costs time
         log.info("memory manager: %s on %s (%s; %.2f GiB of weights, %.2f GiB more needed, %.2f GiB free)",
                  managed.name, device, "whole" if resident is None else f"{resident} layers resident",
                  managed.full_bytes / 2**30, memory_required / 2**30, free / 2**30)  # fmt: skip
         managed.place(device, resident)
-        self.loaded.append(managed)
 
     def offload(self, managed: Managed) -> None:
         managed.place(self.offload_device)
