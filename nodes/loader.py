@@ -155,19 +155,25 @@ def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes:
     return text_encoder_device, dit if vae == "auto" else torch.device(vae)
 
 
-def _text_encoder_load_device(source, dit_device: torch.device, encoder_device: torch.device,
-                              formats: WeightFormats, dtype: torch.dtype) -> torch.device:  # fmt: skip
-    """Where to read the text encoder to (memory/manager.py decides): its GPU if it fits beside the DiT's weights
-    about to be read there, else the CPU. Sizes from the files' headers, as the chosen formats will load them."""
-    if encoder_device.type != "cuda":
-        return encoder_device
+def _loaded_sizes(source, formats: WeightFormats, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(DiT bytes, text-encoder bytes) once loaded in the chosen formats, from the files' headers; None when a file
+    cannot be read yet (the loading itself then reports it, with its name)."""
     part = source.get if isinstance(source, dict) else lambda name: os.path.join(source, name)
     try:
-        encoder = estimated_loaded_bytes(part("text_encoder"), "text_encoder", formats.text_encoder, dtype)
-        dit = estimated_loaded_bytes(part("transformer"), "transformer", formats.dit, dtype)
-    except (OSError, ValueError) as error:  # a bad file is reported by the loading itself, with its name
+        return (estimated_loaded_bytes(part("transformer"), "transformer", formats.dit, dtype),
+                estimated_loaded_bytes(part("text_encoder"), "text_encoder", formats.text_encoder, dtype))  # fmt: skip
+    except (OSError, ValueError) as error:
         log.debug("no size estimate before loading (%s)", error)
+        return None
+
+
+def _text_encoder_load_device(dit_device: torch.device, encoder_device: torch.device,
+                              sizes: tuple[int, int] | None) -> torch.device:  # fmt: skip
+    """Where to read the text encoder to (memory/manager.py decides): its GPU if it fits beside the DiT's weights
+    about to be read there, else the CPU."""
+    if encoder_device.type != "cuda" or sizes is None:
         return encoder_device
+    dit, encoder = sizes
     free = device_free_bytes(encoder_device, host.LOCAL.budget)
     if indexed_device(encoder_device) == indexed_device(dit_device):
         free -= dit
@@ -176,15 +182,6 @@ def _text_encoder_load_device(source, dit_device: torch.device, encoder_device: 
         log.info("the text encoder (%.2f GiB) does not fit beside the DiT on %s (%.2f GiB free): read to the CPU, "
                  "placed on first use", encoder / 2**30, encoder_device, max(free, 0) / 2**30)  # fmt: skip
     return chosen
-
-
-def _weight_file_bytes(path) -> int:
-    """Bytes of a weight file, or of the safetensors files in a folder: what the weights take, about."""
-    if path is None:
-        return 0
-    if os.path.isdir(path):
-        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.endswith(".safetensors"))
-    return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
 def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.device]:
@@ -207,12 +204,6 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
     target = host.torch_device() if device == "auto" else torch.device(device)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
-    cuda_count = torch.cuda.device_count()
-    gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count)]
-    encoder_file = source.get("text_encoder") if isinstance(source, dict) else os.path.join(source, "text_encoder")
-    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, gpu_bytes,
-                                              _weight_file_bytes(encoder_file))  # fmt: skip
-    extra = worker_devices(target, gpus, cuda_count)
     if weight_dtype not in PRECISIONS or text_encoder_dtype not in TEXT_ENCODER_PRECISIONS:
         got = f"{weight_dtype!r} and {text_encoder_dtype!r}"
         raise ValueError(f"weight_dtype must be one of {list(PRECISIONS)} and text_encoder_dtype one of "
@@ -222,7 +213,13 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     te_format = dit_format if text_encoder_dtype == "same" else PRECISIONS[text_encoder_dtype][1]
     formats = WeightFormats(dit=dit_format, text_encoder=te_format)
-    te_load = _text_encoder_load_device(source, target, te_device, formats, dtype)
+    sizes = _loaded_sizes(source, formats, dtype)  # read off the files' headers once, for both decisions
+    cuda_count = torch.cuda.device_count()
+    gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count)]
+    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, gpu_bytes,
+                                              sizes[1] if sizes else 0)  # fmt: skip
+    te_load = _text_encoder_load_device(target, te_device, sizes)
+    extra = worker_devices(target, gpus, cuda_count)
     log.info("loading Qwen-Image-2.1 from %s (%s on %s, text encoder on %s, VAE on %s, weights %s)", source, dtype,
              target, te_device, vae_target, formats)  # fmt: skip
     pipe = Qwen21Pipeline.from_pretrained(

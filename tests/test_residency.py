@@ -276,12 +276,11 @@ def test_the_loader_reads_the_encoder_to_the_cpu_on_a_card_too_small_for_both(mo
         "transformer": 7 * GIB, "text_encoder": 9 * GIB}[component])  # fmt: skip
     for free, where in ((12 * GIB, torch.device("cpu")), (40 * GIB, gpu)):
         monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None, free=free: free)
-        chosen = loader._text_encoder_load_device(source, gpu, gpu, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
+        sizes = loader._loaded_sizes(source, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
+        chosen = loader._text_encoder_load_device(gpu, gpu, sizes)
         assert chosen == where
     # an encoder on a GPU of its own counts only that GPU's room
     monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None: 12 * GIB)
     other = torch.device("cuda", 1)
-    assert (
-        loader._text_encoder_load_device(source, gpu, other, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
-        == other
-    )
+    sizes = loader._loaded_sizes(source, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
+    assert loader._text_encoder_load_device(gpu, other, sizes) == other
