@@ -226,7 +226,7 @@ def launch_overhead(args, device):
             row["profile_tottime_top"] = [line for line in text.getvalue().splitlines() if line.strip()][-24:]
             branch.release()
             if device.type == "cuda":
-                graphs = DecodeGraphs(model)
+                graphs = DecodeGraphs(model, launch_bound_share=0)
                 gbranch = graphs.new_branch(layout, 1, "auto", "positive")
                 model.prefill(gbranch, embeds, cond)
                 graphs(gbranch, x, t)

@@ -153,7 +153,7 @@ def run_case(name, res, nref, cfg, batch, ours, reference, args, device, dtype):
 
         # ---- ours, CUDA-graph replay (and the prefill through the graph manager's adopted branches)
         if device.type == "cuda":
-            graphs = DecodeGraphs(ours)
+            graphs = DecodeGraphs(ours, launch_bound_share=0)
             gbranches = [
                 graphs.new_branch(layout, batch, args.attention, r) for r in ("positive", "negative")[:branches_n]
             ]
@@ -259,7 +259,7 @@ def quant_case(name, res, nref, cfg, batch, ours, fmt_name, keep, bf16_result, a
         decode_best = row["decode_eager_ms"]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-            graphs = DecodeGraphs(qmodel)
+            graphs = DecodeGraphs(qmodel, launch_bound_share=0)
             gbranches = [
                 graphs.new_branch(layout, batch, args.attention, r) for r in ("positive", "negative")[:branches_n]
             ]
@@ -367,7 +367,7 @@ def latent_quality(ours, args, device, dtype, formats):
     zeros = torch.zeros(ours.config.in_channels)
 
     def run(model):
-        graphs = DecodeGraphs(model) if device.type == "cuda" else None
+        graphs = DecodeGraphs(model, launch_bound_share=0) if device.type == "cuda" else None
         start = time.perf_counter()
         out = Sampler(model, QWEN21_SCHEDULER, zeros, zeros + 1, decode_runner=graphs).sample(
             [cond], height=res, width=res, steps=STEPS, seed=3
@@ -449,7 +449,7 @@ def kv_and_streaming(ours, args, device, dtype):
         for fmt, placement, kv_layout in variants:
             kv = KVCacheSpec(fmt, placement, kv_layout)
             with torch.inference_mode():
-                graphs = DecodeGraphs(ours) if device.type == "cuda" else None
+                graphs = DecodeGraphs(ours, launch_bound_share=0) if device.type == "cuda" else None
                 branch = (
                     graphs.new_branch(layout, 1, args.attention, kv=kv) if graphs else ours.new_branch(layout, 1, kv=kv)
                 )
@@ -484,7 +484,7 @@ def kv_and_streaming(ours, args, device, dtype):
                     continue
                 model.stream_blocks(resident)
                 with torch.inference_mode():
-                    graphs = DecodeGraphs(model) if device.type == "cuda" else None
+                    graphs = DecodeGraphs(model, launch_bound_share=0) if device.type == "cuda" else None
                     branch = graphs.new_branch(layout, 1, args.attention) if graphs else model.new_branch(layout, 1)
                     model.prefill(branch, embeds, cond)
                     step = (lambda: graphs(branch, x, t)) if graphs else (lambda: model.decode(branch, x, t))
@@ -525,7 +525,7 @@ def latents_with_kv(ours, args, device, dtype):
     results = {}
     for fmt in ("bf16", "fp8", "fp8_v", "int8"):
         with torch.inference_mode():
-            graphs = DecodeGraphs(ours) if device.type == "cuda" else None
+            graphs = DecodeGraphs(ours, launch_bound_share=0) if device.type == "cuda" else None
             options = SampleOptions(kv_cache=fmt, kv_placement="gpu")
             sampler = Sampler(ours, QWEN21_SCHEDULER, zeros, zeros + 1, options=options, decode_runner=graphs)
             start = time.perf_counter()
@@ -556,7 +556,7 @@ def compile_cases(cases, ours, reference, args, device, dtype, eager_results):
         t = torch.full((batch,), 0.5, device=device, dtype=dtype)
         layout = build_layout(mask, shapes, target)
         with torch.inference_mode():
-            graphs = DecodeGraphs(ours)
+            graphs = DecodeGraphs(ours, launch_bound_share=0)
             branch = graphs.new_branch(layout, batch, args.attention, "positive")
             ours.prefill(branch, embeds, cond)
             t0 = time.perf_counter()

@@ -99,7 +99,7 @@ def decode_times(model, device, iters, res, prefix: str) -> tuple[dict, torch.Te
         velocity = model.decode(branch, x, t)
         branch.release()
         if device.type == "cuda":
-            graphs = DecodeGraphs(model)
+            graphs = DecodeGraphs(model, launch_bound_share=0)
             gbranch = graphs.new_branch(layout, 1, "auto", "positive")
             model.prefill(gbranch, embeds, cond)
             out[f"{prefix}_decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, iters), 3)
@@ -118,7 +118,7 @@ def sampled_latents(model, device, res, steps) -> tuple[torch.Tensor, float]:
     mask, embeds, _, _, _, _ = case_inputs(res, 0, 1, model.config, device, model.dtype, seed=7)
     cond = Conditioning(PromptEmbedding(embeds, mask.to(device)), width=res, height=res)
     zeros = torch.zeros(model.config.in_channels)
-    graphs = DecodeGraphs(model) if device.type == "cuda" else None
+    graphs = DecodeGraphs(model, launch_bound_share=0) if device.type == "cuda" else None
     with torch.inference_mode():
         sync(device)
         start = time.perf_counter()

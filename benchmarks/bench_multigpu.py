@@ -314,7 +314,7 @@ def main() -> None:
         if not wanted:
             continue
         dit = build_dit(config, devices[0], precision)
-        graphs = DecodeGraphs(dit) if devices[0].type == "cuda" else None
+        graphs = DecodeGraphs(dit, launch_bound_share=0) if devices[0].type == "cuda" else None
         pool = start_pool(args, config, devices, precision)
         try:
             if "sampling" in wanted:

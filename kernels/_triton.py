@@ -80,6 +80,23 @@ def _device_key(device: torch.device | str) -> str:
     return str(device)
 
 
+_torch_ops_only = threading.local()
+
+
+@contextlib.contextmanager
+def torch_ops_only():
+    """In this thread, every self-tested kernel counts as unproven, so its callers use torch's ops. The kernels
+    match those ops bit for bit (that is what the self-tests prove), so results do not change; what changes is that
+    nothing here waits for, or starts, a compile. For the VAE's first decode while the background warm-up is still
+    compiling its kernels (qwen21_core/pipeline.py)."""
+    previous = getattr(_torch_ops_only, "active", False)
+    _torch_ops_only.active = True
+    try:
+        yield
+    finally:
+        _torch_ops_only.active = previous
+
+
 class SelfTests:
     """Results of a kernel module's self-tests, run once per (check, device, dtype) and kept. A kernel that
     claims bit-identity with torch is used only where its self-test passed on that device."""
@@ -92,6 +109,8 @@ class SelfTests:
     def passed(self, check: str, device: torch.device, dtype: torch.dtype, run: Callable[[], bool]) -> bool:
         """The cached result of `run()` (under no_grad) for this check, device and dtype; an exception
         (a compile or launch failure) counts as failed, so callers keep torch's ops."""
+        if getattr(_torch_ops_only, "active", False):
+            return False
         key = (check, _device_key(device), dtype)
         if key in self._passed:  # the hot path: asked at every VAE conv
             return self._passed[key]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels._triton import torch_ops_only
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
@@ -170,6 +171,21 @@ class Qwen21Pipeline:
         if self.kernel_warmup is not None:
             self.kernel_warmup.wait(*parts)
 
+    def _vae_kernels(self, quality: str):
+        """How a VAE call uses its kernels while the warm-up may still be compiling them. The exact path's kernels
+        are self-tested to equal torch's ops bit for bit, so until the warm-up is done an exact decode or encode runs
+        torch's ops (the same image; BENCHMARKS "VAE": 88.7 ms with the norm kernel off against 68.7 ms) instead of
+        waiting: the first decode on a fresh H200 waited 9.3 s here (BENCHMARKS "Session"). The fast path has no
+        torch twin with its numerics, so it waits."""
+        warmup = self.kernel_warmup
+        if warmup is None or "vae" not in warmup.jobs or warmup.done("vae"):
+            return contextlib.nullcontext()
+        if quality != "exact":
+            self._wait_for_kernels("vae")
+            return contextlib.nullcontext()
+        log.info("VAE kernels still compiling in the background: this call uses torch's ops (the same result)")
+        return torch_ops_only()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
@@ -205,9 +221,8 @@ class Qwen21Pipeline:
     ) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
-        if images is not None and len(images):
-            self._wait_for_kernels("vae")  # condition images go through the VAE encoder
-        with self._text_encoder_placed():
+        vae_kernels = self._vae_kernels("exact") if images is not None and len(images) else contextlib.nullcontext()
+        with self._text_encoder_placed(), vae_kernels:  # condition images go through the VAE encoder
             return encode_conditioning(
                 self.text_encoder,
                 self.vae,
@@ -433,11 +448,11 @@ class Qwen21Pipeline:
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
         device = self.vae_device
-        self._wait_for_kernels("vae")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        images = self.vae.decode(latents.to(device), **options)
+        with self._vae_kernels(options.get("quality", "exact")):
+            images = self.vae.decode(latents.to(device), **options)
         stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the images are used right away anyway; this makes the time real
@@ -457,8 +472,8 @@ class Qwen21Pipeline:
             masks = masks_at_image_size(masks, *images.shape[1:3], "the mask", "the image")
             alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
             images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
-        self._wait_for_kernels("vae")
-        return self.vae.encode(images.to(self.vae_device), **options)
+        with self._vae_kernels("exact"):
+            return self.vae.encode(images.to(self.vae_device), **options)
 
     @property
     def vae_device(self) -> torch.device:

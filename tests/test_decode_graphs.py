@@ -44,7 +44,7 @@ def _prefilled(graphs, layout, role="positive", seed=0):
 
 def test_capture_once_then_replay_equals_eager(model):
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     layout = _layout()
     branch = _prefilled(graphs, layout)
     x = torch.randn(1, 16, CHANNELS)
@@ -57,7 +57,7 @@ def test_capture_once_then_replay_equals_eager(model):
 
 def test_second_live_branch_with_the_same_key_decodes_eagerly(model):
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     layout = _layout()
     first, second = _prefilled(graphs, layout), _prefilled(graphs, layout, seed=1)
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
@@ -69,7 +69,7 @@ def test_second_live_branch_with_the_same_key_decodes_eagerly(model):
 
 def test_next_generation_adopts_the_idle_entry_without_recapture(model):
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     layout = _layout()
     first = _prefilled(graphs, layout)
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
@@ -85,7 +85,7 @@ def test_next_generation_adopts_the_idle_entry_without_recapture(model):
 
 
 def test_idle_entries_report_the_cache_bytes_a_new_generation_gets_back(model):
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     branch = _prefilled(graphs, _layout())
     graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
     assert graphs.idle_cache_bytes() == 0  # in use: not free for anyone else
@@ -100,7 +100,7 @@ def test_idle_entries_also_give_back_their_graphs_private_pools(model, monkeypat
     them back: a rerun adopts the entry, pool and all; a different job evicts it."""
     from qwen21_nodes.qwen21_core.dit import decode_graphs
 
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     branch = _prefilled(graphs, _layout())
     graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
     (entry,) = graphs.entries.values()
@@ -115,7 +115,7 @@ def test_the_stand_in_capture_replays_the_recorded_tensors_not_the_python_code(m
     """What makes the replay checks here able to fail: a tensor rebound after capture is seen by eager decode
     but not by a replay (as on the GPU), and a replay after the rebinding is undone gives the captured result."""
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     branch = _prefilled(graphs, _layout())
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     captured = graphs(branch, x, t)
@@ -134,7 +134,7 @@ def test_adopting_an_entry_refreshes_rotary_tables_that_differ_under_the_same_ke
     another rotary frame position (the frame advances by max(h, w)): adoption must copy the new tables into
     the captured buffers in place."""
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     square, wide = _layout(shapes=((4, 4),)), _layout(shapes=((2, 8),))
     assert graphs.key_for(square, 1, "auto", "positive") == graphs.key_for(wide, 1, "auto", "positive")
     assert not torch.equal(model.new_branch_tables(square).target_cos, model.new_branch_tables(wide).target_cos)
@@ -150,7 +150,7 @@ def test_adopting_an_entry_refreshes_rotary_tables_that_differ_under_the_same_ke
 
 
 def test_cache_allocation_out_of_memory_evicts_idle_entries_and_retries(model, monkeypatch):
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     idle = _prefilled(graphs, _layout(text=5))
     graphs(idle, x, t)
@@ -187,7 +187,7 @@ def test_cache_allocation_out_of_memory_evicts_idle_entries_and_retries(model, m
 
 def test_lru_eviction_frees_the_old_entry_before_capturing(model):
     recorder = Recorder()
-    graphs = DecodeGraphs(model, max_entries=1, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, max_entries=1, capture=recorder)
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     first = _prefilled(graphs, _layout(text=5))
     graphs(first, x, t)
@@ -200,7 +200,7 @@ def test_lru_eviction_frees_the_old_entry_before_capturing(model):
 
 
 def test_all_slots_busy_falls_back_to_eager(model):
-    graphs = DecodeGraphs(model, max_entries=1, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, max_entries=1, capture=Recorder())
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     a = _prefilled(graphs, _layout(text=5))
     graphs(a, x, t)
@@ -215,7 +215,7 @@ def test_all_slots_busy_falls_back_to_eager(model):
 )
 def test_capture_failure_is_remembered_and_decodes_eagerly(model, error, words):
     recorder = Recorder(fail=error)
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     layout = _layout()
     branch = _prefilled(graphs, layout)
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
@@ -227,7 +227,7 @@ def test_capture_failure_is_remembered_and_decodes_eagerly(model, error, words):
 
 
 def test_moved_weights_invalidate_all_entries(model, monkeypatch):
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     layout = _layout()
     branch = _prefilled(graphs, layout)
     graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
@@ -245,7 +245,7 @@ def test_no_capture_is_tried_under_the_async_allocator(model, monkeypatch):
 
     monkeypatch.setattr(decode_graphs, "cuda_allocator_backend", lambda: "cudaMallocAsync")
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     branch = _prefilled(graphs, _layout())
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
@@ -254,7 +254,7 @@ def test_no_capture_is_tried_under_the_async_allocator(model, monkeypatch):
 
 
 def test_default_capture_needs_cuda(model):
-    graphs = DecodeGraphs(model)
+    graphs = DecodeGraphs(model, launch_bound_share=0)
     branch = _prefilled(graphs, _layout())
     x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
@@ -269,7 +269,7 @@ def test_sampler_with_graphs_equals_eager(model):
         PromptEmbedding(torch.randn(6, CONTEXT, generator=g), torch.zeros(6, dtype=torch.bool)),
     )
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     kw = dict(height=64, width=64, steps=4, true_cfg_scale=3.0, seed=1)
     eager = Sampler(model, QWEN21_SCHEDULER, mean, std).sample([cond], **kw)
     for _ in range(2):  # the second run adopts the entries
@@ -283,7 +283,7 @@ def test_sampler_with_graphs_equals_eager(model):
 def test_cuda_graph_replay_is_bit_identical_to_eager():
     torch.manual_seed(0)
     model = our_dit(reference_dit()).to("cuda", torch.bfloat16)
-    graphs = DecodeGraphs(model)
+    graphs = DecodeGraphs(model, launch_bound_share=0)
     layout = _layout()
     branch = graphs.new_branch(layout, 1, "auto", "positive")
     model.prefill(
@@ -325,7 +325,7 @@ def test_rerun_of_the_same_conditioning_reuses_the_kept_prefix(model):
     g = torch.Generator().manual_seed(4)
     prompt = PromptEmbedding(torch.randn(9, CONTEXT, generator=g), torch.zeros(9, dtype=torch.bool))
     cond = Conditioning(prompt, content_hash="abc")
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     kw = dict(height=64, width=64, steps=3)
     first = Sampler(model, QWEN21_SCHEDULER, mean, std, decode_runner=graphs)
     first.sample([cond], seed=1, **kw)
@@ -344,7 +344,7 @@ def test_rerun_of_the_same_conditioning_reuses_the_kept_prefix(model):
 
 
 def test_compiled_and_eager_blocks_never_share_a_graph(model):
-    graphs = DecodeGraphs(model, capture=Recorder())
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=Recorder())
     layout = _layout()
     eager_key = graphs.key_for(layout, 1, "auto", "positive")
     model.compile_blocks(True)  # wraps lazily; nothing is compiled until called
@@ -353,3 +353,53 @@ def test_compiled_and_eager_blocks_never_share_a_graph(model):
     finally:
         model.compile_blocks(False)
     assert graphs.key_for(layout, 1, "auto", "positive") == eager_key
+
+
+def test_a_gpu_bound_first_generation_stays_eager_and_the_next_one_captures(model):
+    """A new key whose step the GPU bounds (the host's share of it below `launch_bound_share`) is not worth a
+    capture's warm-up and recording in its first generation: it decodes eagerly, and a later generation with the
+    same key (a new seed) captures and replays."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder, launch_bound_share=1.5)  # no step reaches 1.5: GPU-bound
+    layout = _layout()
+    x = torch.randn(1, 16, CHANNELS)
+    branch = _prefilled(graphs, layout)
+    for t in (0.9, 0.5, 0.2):
+        tt = torch.full((1,), t)
+        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
+    assert recorder.captures == 0 and branch.first_sight == "gpu_bound"
+    assert "decoded eagerly" in graphs.describe()
+    graphs.release(branch)
+    graphs.end_generation()
+    again = _prefilled(graphs, layout, seed=1)
+    for t in (0.9, 0.5):
+        tt = torch.full((1,), t)
+        assert torch.equal(graphs(again, x * t, tt), model.decode(again, x * t, tt))
+    assert recorder.captures == 1 and graphs.describe() == "replay"
+
+
+def test_a_launch_bound_first_step_captures_from_the_second_step(model):
+    """On the CPU the host runs every op itself, so a step is all host time: launch-bound. The first step runs
+    eagerly and is timed, the second captures, the third replays."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder)  # the default share
+    layout = _layout()
+    branch = _prefilled(graphs, layout)
+    x = torch.randn(1, 16, CHANNELS)
+    outputs = [graphs(branch, x * t, torch.full((1,), t)) for t in (0.9, 0.5, 0.2)]
+    assert branch.first_sight == "launch_bound" and branch.host_share >= 0.9
+    assert recorder.captures == 1 and recorder.graphs[0].replays == 2
+    for out, t in zip(outputs, (0.9, 0.5, 0.2), strict=True):
+        assert torch.equal(out, model.decode(branch, x * t, torch.full((1,), t)))
+
+
+def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):
+    graphs = DecodeGraphs(model, capture=Recorder(), launch_bound_share=1.5)
+    for length in range(3, 3 + 300):
+        branch = graphs.new_branch(_layout(text=length), 1, "auto", "positive")
+        graphs.release(branch)
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import SEEN_KEYS_KEPT
+
+    assert len(graphs.seen) == SEEN_KEYS_KEPT
+    graphs.clear()
+    assert not graphs.seen

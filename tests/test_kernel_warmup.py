@@ -159,3 +159,78 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     finally:
         runtime.jit_post_compile_hook = None
     assert compiled == []
+
+
+def test_torch_ops_only_counts_every_self_test_unproven_in_this_thread_only():
+    from qwen21_nodes.kernels._triton import SelfTests, torch_ops_only
+
+    tests, runs, seen_elsewhere = SelfTests("toy"), [], []
+    check = ("check", torch.device("cpu"), torch.float32)
+
+    def run():
+        runs.append(1)
+        return True
+
+    with torch_ops_only():
+        assert tests.passed(*check, run) is False and runs == []  # neither run nor remembered
+        other = threading.Thread(target=lambda: seen_elsewhere.append(tests.passed(*check, run)))
+        other.start()
+        other.join()
+    assert seen_elsewhere == [True] and runs == [1]
+    assert tests.passed(*check, run) is True and runs == [1]
+
+
+def _pipeline_with_vae_warmup(gate: threading.Event):
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+
+    torch.manual_seed(0)
+    pipe = Qwen21Pipeline.__new__(Qwen21Pipeline)  # only what decode touches
+    pipe.vae = QwenImage21VAE(TINY_VAE).eval()
+    pipe.last_decode_stats = {}
+    pipe.kernel_warmup = KernelWarmup({"vae": [lambda: gate.wait(30)]}, torch.device("cpu"), threads=1).start()
+    return pipe
+
+
+def test_an_exact_decode_runs_torch_ops_instead_of_waiting_for_the_vae_warmup():
+    """The exact decode's kernels equal torch's ops bit for bit, so while the warm-up still compiles them a decode
+    uses torch's ops at once (the first image on a fresh H200 waited 9.3 s for them); afterwards it uses them."""
+    gate = threading.Event()
+    pipe = _pipeline_with_vae_warmup(gate)
+    latents = torch.zeros(1, TINY_VAE.z_dim, 2, 2)
+    started = time.perf_counter()
+    during = pipe.decode(latents)
+    assert time.perf_counter() - started < 10 and not pipe.kernel_warmup.done("vae")
+    gate.set()
+    pipe.kernel_warmup.wait()
+    after = pipe.decode(latents)
+    assert torch.equal(during, after)
+
+
+def test_a_fast_decode_waits_for_the_vae_warmup():
+    gate = threading.Event()
+    pipe = _pipeline_with_vae_warmup(gate)
+    finished = []
+    worker = threading.Thread(target=lambda: finished.append(pipe.decode(torch.zeros(1, TINY_VAE.z_dim, 2, 2),
+                                                                         quality="fast")))  # fmt: skip
+    worker.start()
+    worker.join(1.0)
+    assert not finished  # still waiting for the warm-up
+    gate.set()
+    worker.join(60)
+    assert finished and finished[0].shape[-1] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_the_gpu_torch_ops_decode_and_encode_the_same_bits_as_the_kernels(dtype):
+    """What lets a decode skip the wait: the exact path with torch's ops gives the kernels' bits."""
+    from qwen21_nodes.kernels._triton import torch_ops_only
+
+    torch.manual_seed(0)
+    vae = QwenImage21VAE(TINY_VAE).to("cuda", dtype).eval()
+    z = torch.randn(1, TINY_VAE.z_dim, 5, 7, device="cuda")
+    image = torch.rand(1, 64, 96, 4, device="cuda")
+    with torch_ops_only():
+        decoded, encoded = vae.decode(z, tiling="off"), vae.encode(image, tiling="off")
+    assert torch.equal(vae.decode(z, tiling="off"), decoded)
+    assert torch.equal(vae.encode(image, tiling="off"), encoded)

@@ -172,7 +172,7 @@ def test_a_kept_prefix_is_not_reused_across_lora_sets_and_graphs_stay(dit_and_lo
     model, lora = dit_and_lora
     mean, std = torch.zeros(16), torch.ones(16)
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     merger = LoraMerger(model, MemoryOriginals())
     cond, kw = _cond(), dict(height=64, width=64, steps=3, seed=2)
 
@@ -204,7 +204,7 @@ def test_a_kept_prefix_is_not_reused_across_lora_sets_and_graphs_stay(dit_and_lo
 def test_graph_manager_keeps_its_entries_when_a_lora_is_merged(dit_and_lora):
     model, lora = dit_and_lora
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     layout = _layout()
     branch = _prefilled(graphs, layout)
     x, t = torch.randn(1, 16, 16), torch.full((1,), 0.5)
@@ -222,7 +222,7 @@ def test_cuda_graph_replays_the_merged_weights_without_recapture(dit_and_lora):
     model, lora = dit_and_lora
     model = model.to("cuda", torch.bfloat16)
     lora = read_lora(lora.path, layer_shapes(model))
-    graphs = DecodeGraphs(model)
+    graphs = DecodeGraphs(model, launch_bound_share=0)
     layout = _layout()
     g = torch.Generator().manual_seed(0)
     embeds, tokens = torch.randn(layout.prefix_len - 12, 48, generator=g), torch.randn(16, 16, generator=g)

@@ -429,7 +429,7 @@ def test_decode_graphs_are_kept_across_merges_and_rebuilt_for_side_paths(tmp_pat
     _, model = quantized_pair("fp8")
     lora = make_lora(tmp_path, model)
     recorder = Recorder()
-    graphs = DecodeGraphs(model, capture=recorder)
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     branch = _prefilled(graphs, _layout())
     x, t = torch.randn(1, 16, SMALL.in_channels), torch.full((1,), 0.5)
     graphs(branch, x, t)
@@ -456,7 +456,7 @@ def test_cuda_graphs_replay_the_merged_quantised_weights_and_recapture_for_the_s
 
     _, model = quantized_pair(fmt, device="cuda", dtype=torch.bfloat16)
     lora = make_lora(tmp_path, model, size=0.15)  # a LoRA effect well above fp8's rounding of activations
-    graphs = DecodeGraphs(model)
+    graphs = DecodeGraphs(model, launch_bound_share=0)
     layout = _layout()
     g = torch.Generator().manual_seed(0)
     embeds, tokens = torch.randn(layout.prefix_len - 12, SMALL.context_in_dim, generator=g), torch.randn(16, 16)

@@ -405,7 +405,7 @@ def test_streamed_and_host_cached_decode_replays_like_resident_decode_on_the_gpu
     t = torch.full((1,), 0.3, device="cuda", dtype=torch.bfloat16)
 
     def run(kv):
-        graphs = DecodeGraphs(model)
+        graphs = DecodeGraphs(model, launch_bound_share=0)
         branch = graphs.new_branch(layout, 1, kv=kv)
         model.prefill(branch, embeds, cond)
         first, second = graphs(branch, x, t), graphs(branch, x, t)

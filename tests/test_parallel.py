@@ -180,7 +180,7 @@ def test_two_gpus_over_nccl_match_one_gpu_and_recover_from_a_worker_fault():
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 
     dit = tiny_transformer("cuda:0", SEED)
-    graphs = DecodeGraphs(dit)
+    graphs = DecodeGraphs(dit, launch_bound_share=0)
     workers = WorkerPool.start(["cuda:1"], FunctionRecipe(tiny_transformer, (SEED,)), "cuda:0", timeout_s=60)
     try:
         assert workers.backend == "nccl"

@@ -10,6 +10,13 @@ outputs are bit-identical (checked on the GPU).
 Bookkeeping rules:
 - key = (role, batch, prefix length, image layout, target shape, dtype, device, attention backend,
   compiled blocks or not);
+- a key met for the first time is captured only when the step is bound by the host's launches. The first step of
+  its first generation runs eagerly and is timed: if the host spent at least `launch_bound_share` of the step's
+  wall time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against
+  56.63 ms eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the
+  step, a graph gains nothing (1024^2 fp8: eager within 1% of replay, BENCHMARKS "LoRA"), and the whole
+  generation stays eager; the key is captured when a later generation meets it again (a new seed, a batch).
+  A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay;
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -27,6 +34,7 @@ prefix K/V already there: the sampler compares `cache.prefix_id` and skips the p
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,7 +47,15 @@ from .transformer import Branch, QwenImage21Transformer
 
 log = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # lazy cuBLAS workspaces and autotuning happen here, outside the capture
+WARMUP_RUNS = 1  # lazy cuBLAS workspaces and first kernel launches happen here, outside the capture
+# a first-seen key captures from its second step when the host took at least this share of the first's wall time
+LAUNCH_BOUND_SHARE = 0.9
+SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
+GPU_BOUND_REASON = ("first generation of this shape and prompt length, and the GPU (not the host's launches) "
+                    "bounds a step: decoded eagerly, captured if the shape comes again")
+
+
+_MEASURE = object()  # _entry_for's answer for the first step of a first-seen key: run it eagerly, timed
 
 
 @dataclass
@@ -111,7 +127,10 @@ class DecodeGraphs:
     transformer: QwenImage21Transformer
     max_entries: int = 4
     capture: object = cuda_graph_capture  # swapped in tests
+    launch_bound_share: float = LAUNCH_BOUND_SHARE  # 0: capture every key at its first step
     entries: OrderedDict = field(default_factory=OrderedDict)
+    seen: OrderedDict = field(default_factory=OrderedDict)  # keys earlier generations decoded without an entry
+    host_shares: list = field(default_factory=list)  # the current generation's timed first steps
     reasons: list = field(default_factory=list)  # fallback reasons of the current generation
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
@@ -179,23 +198,31 @@ class DecodeGraphs:
 
     def release(self, branch: Branch):
         """End of a generation for this branch: an entry keeps its buffers; others are freed."""
-        entry = self.entries.get(branch.graph_key)
+        key = getattr(branch, "graph_key", None)
+        entry = self.entries.get(key)
         if isinstance(entry, _Entry) and entry.branch is branch:
             entry.in_use = False
-        else:
-            branch.release()
+            return
+        if key is not None:
+            self.seen[key] = True
+            self.seen.move_to_end(key)
+            while len(self.seen) > SEEN_KEYS_KEPT:
+                self.seen.popitem(last=False)
+        branch.release()
 
     def end_generation(self):
         """Mark every entry idle and forget this generation's fallback reasons (after `describe`)."""
         for entry in self.entries.values():
             entry.in_use = False
         self.reasons.clear()
+        self.host_shares.clear()
 
     def clear(self):
         for entry in self.entries.values():
             if isinstance(entry, _Entry):
                 entry.branch.release()
         self.entries.clear()
+        self.seen.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -210,14 +237,18 @@ class DecodeGraphs:
 
     def describe(self) -> str:
         replays = sum(e.replays for e in self.entries.values() if isinstance(e, _Entry))
+        shares = f" (host share of a first step: {', '.join(f'{s:.2f}' for s in self.host_shares)})"
         if self.reasons:
-            return ("replay, " if replays else "off: ") + "; ".join(self.reasons)
+            text = ("replay, " if replays else "off: ") + "; ".join(self.reasons)
+            return text + (shares if self.host_shares else "")
         return "replay" if replays else "off"
 
     # ---- decode -----------------------------------------------------------------------------------
 
     def __call__(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         entry = self._entry_for(branch)
+        if entry is _MEASURE:
+            return self._timed_first_step(branch, x, t)
         if entry is None:
             return self.transformer.decode(branch, x, t)
         entry.static_x.copy_(x)
@@ -252,7 +283,34 @@ class DecodeGraphs:
         if reason is not None:
             self._note(reason)
             return None
+        if key not in self.seen and self.launch_bound_share > 0:  # first generation with this key: capture only
+            # if launches bound the step (a share of 0 captures every key at once)
+            verdict = getattr(branch, "first_sight", None)
+            if verdict is None:
+                return _MEASURE
+            if verdict == "gpu_bound":
+                return None
         return self._capture_new(key, branch)
+
+    def _timed_first_step(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """An eager step, timed: the host's share of its wall time decides whether this generation captures."""
+        cuda = x.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        started = time.perf_counter()
+        out = self.transformer.decode(branch, x, t)
+        host = time.perf_counter() - started
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        total = time.perf_counter() - started
+        share = host / total if total > 0 else 1.0
+        branch.first_sight = "launch_bound" if share >= self.launch_bound_share else "gpu_bound"
+        branch.host_share = round(share, 3)
+        log.debug("decode graphs: first step of a new key, host share %.3f (%s)", share, branch.first_sight)
+        if branch.first_sight == "gpu_bound":
+            self._note(GPU_BOUND_REASON)
+        self.host_shares.append(branch.host_share)  # reported by describe(): what the choice was made on
+        return out
 
     def _evict_idle(self, keep: int):
         """Drop least recently used idle entries until at most `keep` remain."""
