@@ -51,8 +51,10 @@ WARMUP_RUNS = 1  # lazy cuBLAS workspaces and first kernel launches happen here,
 # a first-seen key captures from its second step when the host took at least this share of the first's wall time
 LAUNCH_BOUND_SHARE = 0.9
 SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
-GPU_BOUND_REASON = ("first generation of this shape and prompt length, and the GPU (not the host's launches) "
-                    "bounds a step: decoded eagerly, captured if the shape comes again")
+GPU_BOUND_REASON = (
+    "first generation of this shape and prompt length, and the GPU (not the host's launches) "
+    "bounds a step: decoded eagerly, captured if the shape comes again"
+)
 
 
 _MEASURE = object()  # _entry_for's answer for the first step of a first-seen key: run it eagerly, timed
