@@ -151,8 +151,11 @@ class Qwen21Sampler:
                         "1024x1024 114.4 ms either way, on an H200 (BENCHMARKS: DiT, Appendix). It also keeps the "
                         "step's buffers, so re-running the same prompt with a new seed skips the text/reference "
                         "prefill. A new size pays a capture of 0.1 s (512x512) to 1.9 s (2048x2048) "
-                        "(BENCHMARKS: DiT). Under ComfyUI's default cudaMallocAsync allocator no graph can be "
-                        "captured and the step runs eagerly (the status says so); start ComfyUI with "
+                        "(BENCHMARKS: DiT), so a shape and prompt length met for the first time is captured at "
+                        "once only where launches bound the step; elsewhere that image runs eagerly and the "
+                        "capture waits until the shape comes again. Under ComfyUI's default cudaMallocAsync "
+                        "allocator no graph can be captured and the step runs eagerly (the status says so); "
+                        "start ComfyUI with "
                         "--disable-cuda-malloc for graphs.",
                     },
                 ),
