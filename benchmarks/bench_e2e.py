@@ -230,6 +230,10 @@ def classes_with(handle, output_dir, device, cached_encode=None):
                 spec["required"][name] = ("STRING", {"tooltip": "ignored: the model is built in memory"})
             return spec
 
+        @classmethod
+        def IS_CHANGED(cls, **_inputs):
+            return "in memory"  # no files to watch: an OutputCache keeps the model from the first prompt
+
         def load(self, **_inputs):
             if host.LOCAL.budget is None:  # the loader places the weights it read, as from_pretrained does
                 handle.pipe.transformer.place(device)

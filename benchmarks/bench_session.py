@@ -9,9 +9,12 @@ A session is one process (a child of this script) with full-size random weights 
 builds them (the DiT, the Qwen3-VL-8B text encoder, the VAE; quantised as the loader does), the loader's defaults
 (offload_text_encoder "auto"), and the example workflows run by the in-process runner with the same node classes
 ComfyUI loads, 40 steps. In order: the first image (1024^2 text-to-image), changed prompts at 1024^2, 1344x768,
-768x1344 and 1536^2, an edit with 1 reference and one with 4, back to seen shapes, a seed-only rerun (the encoder's
-output reused, as ComfyUI's cache does), a LoRA (rank 64 on every block Linear) switched on and its strength
-changed, and a mixed tail of changed prompts. Every prompt but the rerun is new text, so the encoder runs each time.
+768x1344 and 1536^2, an edit with 1 reference and one with 4, back to seen shapes, a seed-only rerun, a LoRA (rank 64
+on every block Linear) switched on and its strength changed, and a mixed tail of changed prompts. Every prompt but the
+rerun is new text, so the encoder runs each time. As in ComfyUI, a node whose inputs did not change is not run again:
+each session runs its prompts with one runner OutputCache, so the loader runs once, the LoRA node when the LoRA or
+its strength changes, and the rerun reuses the encoder's output; each prompt's line lists the nodes it took from the
+cache (`cached`, by class) and has no `*_s` for them.
 
 Kernel cache: "empty" is a new TRITON_CACHE_DIR (a fresh machine), "warm" the one an earlier session filled (a
 restart). A cap (24 / 16 / 12 GiB) is `set_per_process_memory_fraction` plus the same budget given to the memory
@@ -76,11 +79,12 @@ SESSIONS = [
 
 
 def plan(tail: int) -> list[dict]:
-    """The session's prompts: shape, whether the text changed, LoRA strength (None: no LoRA)."""
+    """The session's prompts: shape, whether the text changed, LoRA strength (None: no LoRA). The unchanged one
+    follows a prompt of its shape: the output cache keeps only the latest prompt's nodes, as ComfyUI's does."""
     steps = [("t2i_1024", True, None), ("t2i_1024", True, None), ("t2i_1024", True, None),
              ("t2i_1344x768", True, None), ("t2i_768x1344", True, None), ("t2i_1536", True, None),
              ("edit_1ref", True, None), ("edit_4ref", True, None), ("t2i_1024", True, None),
-             ("edit_1ref", True, None), ("t2i_1024", False, None), ("t2i_1024", True, 1.0), ("t2i_1024", True, 0.6),
+             ("t2i_1024", False, None), ("edit_1ref", True, None), ("t2i_1024", True, 1.0), ("t2i_1024", True, 0.6),
              ("t2i_1024", True, None)]  # fmt: skip
     steps += [(TAIL[i % len(TAIL)], True, None) for i in range(tail)]
     return [{"label": label, "changed": changed, "lora": lora} for label, changed, lora in steps]
@@ -89,7 +93,7 @@ def plan(tail: int) -> list[dict]:
 # ---- one session ------------------------------------------------------------------------------------------
 
 
-def session_prompt(spec: dict, index: int, args, lora_name: str | None) -> dict:
+def session_prompt(spec: dict, index: int, args, lora_name: str | None, text_index: int) -> dict:
     from qwen21_nodes.runner.cli import WORKFLOWS_DIR
     from qwen21_nodes.runner.graph import load_prompt
 
@@ -97,7 +101,7 @@ def session_prompt(spec: dict, index: int, args, lora_name: str | None) -> dict:
     if args.tiny:
         width, height = TINY_SIZES[spec["label"]]
     prompt = load_prompt(json.loads((WORKFLOWS_DIR / "api" / workflow).read_text()))
-    text = f"{BASE_PROMPT} {DETAILS[index % len(DETAILS)]}, take {index}"
+    text = f"{BASE_PROMPT} {DETAILS[text_index % len(DETAILS)]}, take {text_index}"
     for node in prompt.values():
         inputs = node["inputs"]
         if node["class_type"] == "Qwen21Encode":
@@ -118,7 +122,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
                 fresh: bool) -> None:  # fmt: skip
     from bench_e2e import cap_memory, classes_with, reset
     from qwen21_nodes.nodes import host
-    from qwen21_nodes.runner.graph import execute
+    from qwen21_nodes.runner.graph import OutputCache, execute
 
     if not fresh:
         reset(handle, device)
@@ -127,13 +131,12 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     handle = place_as_loaded(handle, cap, device)
     load_s = round(time.perf_counter() - load_started, 2)
     classes = classes_with(handle, output_dir, device)
-    previous_text, seen, rows = None, {}, []
+    node_cache = OutputCache()  # one per session, as a ComfyUI server keeps one
+    seen, rows = {}, []
     kind = dict(precision=precision, cap_gib=cap, kernel_cache=cache)
     for index, spec in enumerate(specs):
-        prompt = session_prompt(spec, index if spec["changed"] else index - 1, args, lora_name)
-        run_classes = classes
-        if not spec["changed"] and previous_text is not None:  # ComfyUI's cache: the encoder's output reused
-            run_classes = classes_with(handle, output_dir, device, cached_encode=previous_text)
+        # the unchanged prompt: the previous prompt's text with a new seed
+        prompt = session_prompt(spec, index, args, lora_name, index if spec["changed"] else index - 1)
         shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
         row = dict(what="session_prompt", **kind, i=index, label=shape, first_of_shape=shape not in seen,
                    changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
@@ -141,7 +144,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
         try:
-            result = execute(prompt, run_classes)
+            result = execute(prompt, classes, node_cache)
             sync(device)
         except Exception as error:  # noqa: BLE001 - a failure is a result here; the session goes on
             root = error
@@ -160,8 +163,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             name = phases.get(prompt[node_id]["class_type"])
             if name:
                 row[name] = round(row.get(name, 0) + seconds, 3)
-        encode_id = next(n for n, node in prompt.items() if node["class_type"] == "Qwen21Encode")
-        previous_text = result.outputs[encode_id]
+        row["cached"] = sorted(prompt[node_id]["class_type"] for node_id in result.cached)
         if device.type == "cuda":
             row["allocated_after_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
             row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)

@@ -122,6 +122,16 @@ def diffusers_folder_path(name: str) -> str:
     )
 
 
+def file_identity(path: str) -> str:
+    """What a file, or every file under a folder, is now: path, size and modification time. A loader node's
+    IS_CHANGED returns it, so that ComfyUI's output cache (and the runner's) reads an edited file again."""
+    if not os.path.isdir(path):
+        stat = os.stat(path)
+        return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+    files = sorted(os.path.join(root, name) for root, _dirs, names in os.walk(path, followlinks=True) for name in names)
+    return "\n".join(file_identity(file) for file in files)
+
+
 def comfyui_root() -> str | None:
     """ComfyUI's own folder (where its bundled tokenizers live); None outside ComfyUI."""
     return os.path.dirname(os.path.abspath(comfy_folder_paths.__file__)) if IN_COMFYUI else None

@@ -297,6 +297,12 @@ class Qwen21ModelLoader(_PipelineLoader):
             "optional": _placement_inputs(),
         }
 
+    @classmethod
+    def IS_CHANGED(cls, diffusion_model, text_encoder, vae, **_inputs):
+        """The files' identities: ComfyUI's cache then loads again when a file is replaced under the same name."""
+        files = (("diffusion_models", diffusion_model), ("text_encoders", text_encoder), ("vae", vae))
+        return tuple(host.file_identity(host.weight_file_path(kind, name)) for kind, name in files)
+
     def load(self, diffusion_model, text_encoder, vae, weight_dtype, device, offload_text_encoder,
              text_encoder_dtype="same", text_encoder_device="auto", vae_device="auto", gpus=1):  # fmt: skip
         source = {
@@ -328,6 +334,10 @@ class Qwen21DiffusersLoader(_PipelineLoader):
             },
             "optional": _placement_inputs(),
         }
+
+    @classmethod
+    def IS_CHANGED(cls, folder, **_inputs):
+        return host.file_identity(host.diffusers_folder_path(folder))  # every file of the folder
 
     def load(self, folder, weight_dtype, device, offload_text_encoder, text_encoder_dtype="same",
              text_encoder_device="auto", vae_device="auto", gpus=1):  # fmt: skip

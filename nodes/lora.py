@@ -67,6 +67,10 @@ class Qwen21LoraLoader:
             },
         }
 
+    @classmethod
+    def IS_CHANGED(cls, lora_name, **_inputs):
+        return host.file_identity(host.weight_file_path("loras", lora_name))  # an edited file is read again
+
     def load(self, model, lora_name, strength, mode=MODES[0]):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")

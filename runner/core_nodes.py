@@ -68,6 +68,11 @@ def make_core_nodes(input_dir: str, output_dir: str, temp_dir: str) -> dict[str,
             )
             return {"required": {"image": (files, {"image_upload": True})}}
 
+        @classmethod
+        def IS_CHANGED(cls, image):  # as ComfyUI's: an image replaced under the same name is read again
+            stat = os.stat(os.path.join(input_dir, image))
+            return stat.st_size, stat.st_mtime_ns
+
         def load_image(self, image):
             return load_image_file(os.path.join(input_dir, image))
 

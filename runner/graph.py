@@ -4,7 +4,8 @@ An API-format workflow (what ComfyUI's POST /prompt takes) maps node ids to
 `{"class_type": ..., "inputs": {name: value | [source_node_id, output_index]}}`. `validate` checks
 the whole graph before anything runs and reports every problem at once (unknown node type, missing
 input, wrong link type, bad value, cycle); `execute` then runs the nodes the output nodes need, in
-dependency order, with the same V1 node classes ComfyUI loads.
+dependency order, with the same V1 node classes ComfyUI loads. Given an `OutputCache`, it re-runs only the
+nodes whose inputs changed since the previous prompt, as ComfyUI's executor does.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -258,21 +260,128 @@ def validate(prompt: dict, node_classes: dict) -> list[str]:
 
 @dataclass
 class RunResult:
-    """What a run produced: each node's `ui` dict and outputs, and the seconds each node took."""
+    """What a run produced: each node's `ui` dict and outputs, the seconds each node took, and the nodes whose
+    outputs came from an OutputCache instead (those have no entry in `seconds`: they took no time)."""
 
     ui: dict[str, dict] = field(default_factory=dict)
     outputs: dict[str, tuple] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    cached: set[str] = field(default_factory=set)
 
 
-def execute(prompt: dict, node_classes: dict) -> RunResult:
+@dataclass
+class _Entry:
+    outputs: tuple
+    ui: dict | None
+
+
+class OutputCache:
+    """Node outputs kept across prompts, as ComfyUI's default ("classic") cache keeps them.
+
+    Entries are keyed by a node's signature: its class, its literal inputs, the signatures of the nodes it is linked
+    to (so a change anywhere upstream changes it) and what its class's IS_CHANGED returns for those literal inputs.
+    A node whose signature is found is not run again. Only the entries the latest prompt used are kept, so a long
+    session holds one prompt's models and tensors, not every one it has seen. Give `execute` the same cache for
+    every prompt of a session; one cache per set of node classes.
+    """
+
+    def __init__(self):
+        self.entries: dict[tuple, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+ALWAYS_CHANGED = None  # the signature of a node that must run every time, and of everything downstream of it
+
+
+def _freeze(value):
+    """A JSON-like value as nested tuples, so that it can be hashed; raises TypeError when it cannot be."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), _freeze(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(_freeze(v) for v in value))
+    hash(value)
+    return value
+
+
+def _is_changed(node_id: str, node_class, literals: dict):
+    """The class's IS_CHANGED(**literal inputs), or ALWAYS_CHANGED where it returns NaN, raises or gives a value that
+    cannot be hashed (ComfyUI's rule: such a node counts as changed on every prompt)."""
+    is_changed = getattr(node_class, "IS_CHANGED", None)
+    if is_changed is None:
+        return ()
+    try:
+        value = _freeze(is_changed(**literals))
+    except Exception as error:  # noqa: BLE001 - as ComfyUI: a failing IS_CHANGED means "run it"
+        log.warning("node %s: IS_CHANGED raised %s: %s; running it", node_id, type(error).__name__, error)
+        return ALWAYS_CHANGED
+    if isinstance(value, float) and math.isnan(value):
+        return ALWAYS_CHANGED
+    return ("is_changed", value)
+
+
+def _signatures(prompt: dict, order: list[str], node_classes: dict) -> dict[str, tuple | None]:
+    """Each needed node's signature (ALWAYS_CHANGED where it has none), computed in dependency order."""
+    signatures = {}
+    for node_id in order:
+        node = prompt[node_id]
+        node_class = node_classes[node["class_type"]]
+        specs = input_specs(node_class)
+        inputs = {name: value for name, value in node.get("inputs", {}).items() if name in specs}
+        literals = {name: value for name, value in inputs.items() if not is_link(value)}
+        is_changed = _is_changed(node_id, node_class, literals)
+        upstream = [signatures[value[0]] for value in inputs.values() if is_link(value)]
+        if is_changed is ALWAYS_CHANGED or ALWAYS_CHANGED in upstream:
+            signatures[node_id] = ALWAYS_CHANGED
+            continue
+        parts = [node["class_type"], is_changed]
+        if "UNIQUE_ID" in hidden_specs(node_class).values():  # as ComfyUI: its outputs may depend on its id
+            parts.append(("node_id", node_id))
+        for name in sorted(inputs):
+            value = inputs[name]
+            parts.append((name, ("link", signatures[value[0]], value[1]) if is_link(value) else ("value", value)))
+        try:
+            signatures[node_id] = _freeze(parts)
+        except TypeError:  # a literal value that cannot be hashed
+            signatures[node_id] = ALWAYS_CHANGED
+    return signatures
+
+
+def execute(prompt: dict, node_classes: dict, cache: OutputCache | None = None) -> RunResult:
+    """Validate the workflow, then run the nodes its output nodes need, in dependency order.
+
+    With a `cache`, a node that is not an output node and whose signature (see OutputCache) is in the cache returns
+    its cached outputs and `ui` without running (its id goes to RunResult.cached); the cache then keeps only this
+    prompt's nodes. Output nodes always run (they write files). A node that raised is not cached.
+    """
     order = validate(prompt, node_classes)
+    signatures = {}
+    if cache is not None:
+        signatures = _signatures(prompt, order, node_classes)
+        used = set(signatures.values())
+        for stale in [key for key in cache.entries if key not in used]:  # before running: frees them for this prompt
+            del cache.entries[stale]
     run = RunResult()
     results = run.outputs
     for step, node_id in enumerate(order, start=1):
         node = prompt[node_id]
         class_type = node["class_type"]
         node_class = node_classes[class_type]
+        signature = signatures.get(node_id, ALWAYS_CHANGED)
+        if getattr(node_class, "OUTPUT_NODE", False):
+            signature = ALWAYS_CHANGED
+        if signature is not ALWAYS_CHANGED and signature in cache.entries:
+            entry = cache.entries[signature]
+            log.info("[%d/%d] node %s: %s (cached)", step, len(order), node_id, class_type)
+            results[node_id] = entry.outputs
+            if entry.ui is not None:
+                run.ui[node_id] = entry.ui
+            run.cached.add(node_id)
+            continue
         kwargs = {}
         for name, value in node.get("inputs", {}).items():
             if name in input_specs(node_class):
@@ -291,4 +400,6 @@ def execute(prompt: dict, node_classes: dict) -> RunResult:
                 run.ui[node_id] = returned["ui"]
             returned = returned.get("result", ())
         results[node_id] = tuple(returned or ())
+        if signature is not ALWAYS_CHANGED:
+            cache.entries[signature] = _Entry(results[node_id], run.ui.get(node_id))
     return run

@@ -167,7 +167,11 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     assert {p["label"] for p in first} >= {"t2i_1024", "t2i_1344x768", "t2i_768x1344", "t2i_1536", "edit_1ref",
                                            "edit_4ref", "t2i_1024:lora"}  # fmt: skip
     rerun = [p for p in first if not p["changed_prompt"]]
-    assert len(rerun) == 1 and rerun[0]["encode_s"] == 0.0  # the encoder's output reused, as ComfyUI's cache does
+    # the runner's output cache, as ComfyUI's: the loader runs once; the rerun reuses the encoder's output
+    assert len(rerun) == 1 and "Qwen21Encode" in rerun[0]["cached"] and "encode_s" not in rerun[0]
+    assert "loader_s" in first[0] and all("Qwen21ModelLoader" in p["cached"] for p in first[1:])
+    lora = [p for p in first if p["lora_strength"] is not None]
+    assert all("Qwen21LoraLoader" not in p["cached"] for p in lora)  # on, then its strength changed: both run
     assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] for p in first)
     assert [p["lora_strength"] for p in first if p["lora_strength"] is not None] == [1.0, 0.6]
     for summary in summaries:

@@ -52,6 +52,36 @@ def test_missing_model_file_error_says_where_it_looked(models_dir):
         host.model_folders("checkpoints")
 
 
+def test_loader_and_lora_nodes_watch_their_files(models_dir):
+    """IS_CHANGED (what ComfyUI's output cache and the runner's compare) follows a file replaced under its name."""
+    import os
+
+    from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
+    from qwen21_nodes.nodes.lora import Qwen21LoraLoader
+
+    (models_dir / "vae").mkdir()
+    (models_dir / "vae" / "v.safetensors").write_text("{}")
+    (models_dir / "loras").mkdir()
+    lora = models_dir / "loras" / "l.safetensors"
+    lora.write_text("{}")
+    files = dict(diffusion_model="sub/other.safetensors", text_encoder="qwen3vl_8b_bf16.safetensors",
+                 vae="v.safetensors", weight_dtype="auto")  # fmt: skip
+
+    def states():
+        return (Qwen21ModelLoader.IS_CHANGED(**files),
+                Qwen21DiffusersLoader.IS_CHANGED(folder="Qwen-Image-2.1", device="auto"),
+                Qwen21LoraLoader.IS_CHANGED(lora_name="l.safetensors", strength=1.0))  # fmt: skip
+
+    before = states()
+    assert states() == before
+    lora.write_text("{ }")  # another size
+    (models_dir / "diffusion_models" / "sub" / "other.safetensors").write_text("{ }")
+    config = models_dir / "diffusers" / "Qwen-Image-2.1" / "transformer" / "config.json"
+    os.utime(config, ns=(0, config.stat().st_mtime_ns + 10**9))  # same size, another modification time
+    after = states()
+    assert all(a != b for a, b in zip(after, before, strict=True))
+
+
 def test_no_models_dir_means_no_files():
     host.set_models_dir(None)
     assert host.model_folders("vae") == [] and host.list_weight_files("vae") == []

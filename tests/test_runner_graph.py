@@ -6,7 +6,15 @@ Uses small fake node classes defined here (never shipped), so it needs no model.
 import copy
 
 import pytest
-from qwen21_nodes.runner.graph import NodeError, WorkflowError, apply_overrides, execute, load_prompt, validate
+from qwen21_nodes.runner.graph import (
+    NodeError,
+    OutputCache,
+    WorkflowError,
+    apply_overrides,
+    execute,
+    load_prompt,
+    validate,
+)
 from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api, widget_names
 
 CALLS = []
@@ -92,7 +100,10 @@ def test_runs_needed_nodes_in_dependency_order():
     result = execute(prompt(), CLASSES)
     assert result.ui == {"4": {"numbers": [9]}}
     assert CALLS == [("MakeNumber", "1"), ("MakeNumber", "2"), ("AddNumbers", 5, 4), ("ShowNumber", 9)]
-    assert set(result.seconds) == {"1", "2", "3", "4"}
+    assert set(result.seconds) == {"1", "2", "3", "4"} and result.cached == set()
+    CALLS.clear()
+    execute(prompt(), CLASSES)  # without a cache, every needed node runs every time
+    assert len(CALLS) == 4
 
 
 def test_optional_input_may_be_left_out():
@@ -252,3 +263,112 @@ def test_a_workflow_saved_before_an_optional_widget_was_added_still_loads():
     assert ui_to_api(ui, classes)["2"]["inputs"] == {"mode": "add", "a": ["1", 0]}  # the node's default applies
     ui["nodes"][1]["widgets_values"] = []
     assert "node 2 (AddNumbers): 0 widgets_values, expected 1 to 2" in "\n".join(check_ui_workflow(ui, classes))
+
+
+# ---- the output cache ------------------------------------------------------------------------------------------
+
+WATCHED = {"stamp": 1, "fail": False}
+
+
+class WatchedNumber(MakeNumber):
+    """MakeNumber with an IS_CHANGED that reads WATCHED (as a loader's reads its file), and a switch to fail."""
+
+    @classmethod
+    def IS_CHANGED(cls, value, seed):
+        if WATCHED["stamp"] == "raise":
+            raise OSError("cannot stat")
+        return WATCHED["stamp"]
+
+    def run(self, value, seed, node_id=None):
+        if WATCHED["fail"]:
+            raise RuntimeError("flaky")
+        return super().run(value, seed, node_id)
+
+
+WATCHING = {**CLASSES, "WatchedNumber": WatchedNumber}
+
+
+def watched_prompt():
+    return prompt(**{"2": {"class_type": "WatchedNumber", "inputs": {"value": 4, "seed": 0}}})
+
+
+def test_a_node_whose_inputs_did_not_change_is_not_run_again():
+    cache = OutputCache()
+    first = execute(prompt(), CLASSES, cache)
+    CALLS.clear()
+    second = execute(prompt(), CLASSES, cache)
+    assert CALLS == [("ShowNumber", 9)]  # the output node always runs
+    assert second.cached == {"1", "2", "3"} and set(second.seconds) == {"4"}
+    assert second.outputs == first.outputs and second.ui == first.ui == {"4": {"numbers": [9]}}
+
+
+def test_a_changed_literal_input_reruns_the_node_and_everything_downstream():
+    cache = OutputCache()
+    execute(prompt(), CLASSES, cache)
+    CALLS.clear()
+    graph = prompt()
+    graph["2"]["inputs"]["value"] = 5
+    result = execute(graph, CLASSES, cache)
+    assert CALLS == [("MakeNumber", "2"), ("AddNumbers", 5, 5), ("ShowNumber", 10)]
+    assert result.cached == {"1"}
+
+
+def test_is_changed_decides_whether_a_node_reruns():
+    cache = OutputCache()
+    WATCHED.update(stamp=1, fail=False)
+    execute(watched_prompt(), WATCHING, cache)
+    CALLS.clear()
+    execute(watched_prompt(), WATCHING, cache)
+    assert CALLS == [("ShowNumber", 9)]
+    WATCHED["stamp"] = 2  # e.g. the file was replaced: it and what it feeds run again
+    CALLS.clear()
+    assert execute(watched_prompt(), WATCHING, cache).cached == {"1"}
+    assert CALLS == [("MakeNumber", "2"), ("AddNumbers", 5, 4), ("ShowNumber", 9)]
+    for always in (float("nan"), "raise"):  # as ComfyUI: NaN, or IS_CHANGED raising, means "changed every time"
+        WATCHED["stamp"] = always
+        for _ in range(2):
+            CALLS.clear()
+            assert execute(watched_prompt(), WATCHING, cache).cached == {"1"}
+            assert [call[0] for call in CALLS] == ["MakeNumber", "AddNumbers", "ShowNumber"]
+    WATCHED["stamp"] = 1
+
+
+def test_a_node_that_raised_is_not_cached_and_the_next_run_works():
+    cache = OutputCache()
+    WATCHED.update(stamp=1, fail=True)
+    with pytest.raises(NodeError, match="flaky"):
+        execute(watched_prompt(), WATCHING, cache)
+    WATCHED["fail"] = False
+    CALLS.clear()
+    result = execute(watched_prompt(), WATCHING, cache)
+    assert result.ui == {"4": {"numbers": [9]}} and result.cached == {"1"}  # node 1 ran before the failure
+    assert CALLS == [("MakeNumber", "2"), ("AddNumbers", 5, 4), ("ShowNumber", 9)]
+
+
+def test_the_cache_keeps_only_the_latest_prompts_nodes():
+    cache = OutputCache()
+    execute(prompt(), CLASSES, cache)
+    assert len(cache) == 3  # nodes 1, 2, 3: not the output node, not node 9 (which no output needs)
+    changed = prompt()
+    changed["2"]["inputs"]["value"] = 5
+    execute(changed, CLASSES, cache)
+    assert len(cache) == 3  # the first prompt's nodes 2 and 3 were dropped, not kept beside the new ones
+    CALLS.clear()
+    assert execute(prompt(), CLASSES, cache).cached == {"1"}
+    assert [call[0] for call in CALLS] == ["MakeNumber", "AddNumbers", "ShowNumber"]
+
+
+def test_a_node_given_its_id_is_cached_per_id_and_equal_nodes_share_outputs():
+    """MakeNumber takes UNIQUE_ID, so (as ComfyUI) its id is part of its signature: two equal MakeNumbers under
+    other ids run again; two equal AddNumbers (no id input) in one prompt run once."""
+    cache = OutputCache()
+    execute(prompt(), CLASSES, cache)
+    graph = {("1" + k if k != "4" else k): v for k, v in prompt().items()}
+    graph["13"]["inputs"] = {"a": ["11", 0], "b": ["12", 0], "mode": "add"}
+    graph["4"]["inputs"]["number"] = ["13", 0]
+    graph["5"] = {"class_type": "AddNumbers", "inputs": {"a": ["11", 0], "b": ["12", 0], "mode": "add"}}
+    graph["6"] = {"class_type": "ShowNumber", "inputs": {"number": ["5", 0]}}
+    CALLS.clear()
+    result = execute(graph, CLASSES, cache)
+    assert [call[0] for call in CALLS] == ["MakeNumber", "MakeNumber", "AddNumbers", "ShowNumber", "ShowNumber"]
+    assert result.cached == {"5"} and result.ui == {"4": {"numbers": [9]}, "6": {"numbers": [9]}}
