@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from .parallel.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+# LoRA files kept as read (a rank-64 file on every block Linear is 335.6 MB, BENCHMARKS "LoRA"): a strength change
+# or a switch back re-uses them instead of reading the file again, as ComfyUI's LoraLoader keeps its last file
+READ_LORAS_KEPT = 2
 
 SCHEDULES = ("default", "turbo")
 DECODE_HEADROOM_BYTES = 2 * 2**30  # activations of a decode step at 2048^2 stay below this (bf16)
@@ -85,6 +90,7 @@ class Qwen21Pipeline:
         self.manage_weights = True
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
+        self._read_loras: dict[tuple, LoraFile] = {}  # (path, size, mtime) -> the file as read, latest last
         self.weight_formats = WeightFormats()  # how the DiT was loaded (a worker loads it the same way)
         self.workers = None
         self.last_sample_stats: dict = {}
@@ -433,7 +439,15 @@ class Qwen21Pipeline:
 
         side_path: on quantised weights, run it beside them (exact, extra GEMMs per step) instead of merging it
         into them (requantised, no per-step cost); see lora/merge.py."""
-        return dataclasses.replace(read_lora(path, layer_shapes(self.transformer)), side_path=side_path)
+        stat = os.stat(path)
+        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)  # an edited file is read again
+        lora = self._read_loras.pop(key, None)
+        if lora is None:
+            lora = read_lora(path, layer_shapes(self.transformer))
+        self._read_loras[key] = lora  # most recent last
+        while len(self._read_loras) > READ_LORAS_KEPT:
+            self._read_loras.pop(next(iter(self._read_loras)))
+        return dataclasses.replace(lora, side_path=side_path)
 
     def set_loras(self, stack: Stack) -> None:
         """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.

@@ -67,6 +67,34 @@ def test_node_lists_the_loras_folder_and_returns_a_new_handle(base):
     assert TINY_LORA in repr(stacked)
 
 
+def test_a_strength_change_reuses_the_file_as_read_and_an_edited_file_is_read_again(base, monkeypatch, tmp_path):
+    """As ComfyUI's LoraLoader keeps its last file: the 335.6 MB rank-64 file is not read again for a new strength;
+    a file that changed on disk is."""
+    import os
+    import shutil
+
+    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+
+    reads = []
+    real = pipeline_module.read_lora
+    monkeypatch.setattr(pipeline_module, "read_lora", lambda path, shapes: reads.append(path) or real(path, shapes))
+    path = tmp_path / "copy.safetensors"
+    shutil.copy(host.weight_file_path("loras", TINY_LORA), path)
+    first = base.pipe.load_lora(path)
+    again = base.pipe.load_lora(path, side_path=True)
+    assert len(reads) == 1 and again.side_path and not first.side_path
+    assert first.layers is again.layers  # the same tensors, not a second read
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    base.pipe.load_lora(path)
+    assert len(reads) == 2
+    for index in range(pipeline_module.READ_LORAS_KEPT + 1):  # only the latest few are kept
+        other = tmp_path / f"other_{index}.safetensors"
+        shutil.copy(path, other)
+        base.pipe.load_lora(other)
+    assert len(base.pipe._read_loras) == pipeline_module.READ_LORAS_KEPT
+
+
 def test_branches_with_different_loras_are_each_right_in_any_order(base, models_dir):
     cond = base.encode(prompt="a red apple", output_resolution=64)
     (full,) = Qwen21LoraLoader().load(base, TINY_LORA, 1.0)
