@@ -11,7 +11,7 @@ in, bf16 out) before F.linear reads the result.
 Launch shape: 2-D tiles of BLOCK_ROWS rows x BLOCK_COLS columns, tails masked. The row count is not specialised on
 (a new layer shape compiles nothing); the row width K is, on Triton's "multiple of 16" class, which tells the
 compiler every row starts 16-byte aligned, so it reads 16 fp8 values per instruction. Every real layer's K is a
-multiple of 16; other widths run right, in their own compiled variant.
+multiple of 16; other widths run right, in their own compiled variant (which the gate below leaves to torch).
 
 The gate (`dequantize_for_linear`, used by QuantLinear's weight-only path): the kernel serves a (device, storage
 dtype, output dtype) once it is `ready` there, and torch's expression (same bits) until then, so no encode waits for
