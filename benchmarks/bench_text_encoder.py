@@ -8,10 +8,17 @@ at that tokenizer's.
 
     python benchmarks/bench_text_encoder.py                       # cuda, bf16, full size
     python benchmarks/bench_text_encoder.py --tiny --device cpu   # seconds on a laptop CPU
+    python benchmarks/bench_text_encoder.py --dequant             # fp8 weight-only: torch's dequant vs the kernel
 
 One JSON line per case: tokens, our time and the reference's (median of --repeats after a warm-up),
 their ratio, peak CUDA memory of each, max |ours - reference|, CPU preprocessing time; then one line
 with the cost of offloading the encoder to CPU and bringing it back.
+
+--dequant instead quantises the decoder's Linears in place (weight-only, --dequant-format, what the loader does) and
+times changed-prompt encodes (a different prompt text each, same length) with the weights dequantised by torch's
+expression and by the kernel (kernels/dequantize_weight.py), in one process: one line per image count with both
+medians, their ratio, both peaks and whether the embeddings are identical; then one line for a single layer
+(4096x12288, --tiny: 256x768) at M=128: dequant + F.linear and the dequant alone, both ways.
 """
 
 from __future__ import annotations
@@ -142,6 +149,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-reference", action="store_true", help="skip diffusers' encode_prompt")
     parser.add_argument("--formats", default="", help="also the quantised encoder in these formats, e.g. fp8,int8")
+    parser.add_argument("--dequant", action="store_true",
+                        help="only the weight-only encoder's dequant: torch's expression vs the kernel")  # fmt: skip
+    parser.add_argument("--dequant-format", default="fp8", choices=["fp8", "int8"])
     args = parser.parse_args()
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -165,6 +175,9 @@ def main() -> None:
     params = sum(p.numel() for p in encoder.model.parameters())
     common = dict(tiny=args.tiny, device=str(device), dtype=args.dtype, encoder_params_b=round(params / 1e9, 3))
     print(json.dumps(dict(common, case="build", build_s=round(build_s, 2))), flush=True)
+    if args.dequant:
+        dequant_cases(encoder, common, image_size, device, dtype, args)
+        return
 
     rng = np.random.default_rng(0)
     for count in (int(c) for c in args.images.split(",")):
@@ -229,6 +242,94 @@ def quantized_cases(encoder, model, prompt, image_size, device, args) -> None:
         del language_model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def prompt_variants(encoder: Qwen21TextEncoder, tokens: int, count: int) -> list[str]:
+    """`count` different prompts of about `tokens` tokens each (the words rotated): every encode a changed prompt."""
+    variants = []
+    for shift in range(count):
+        words = []
+        while encoder.count_tokens(" ".join(words), []) < tokens:
+            words.append(WORDS[(len(words) + shift) % len(WORDS)])
+        variants.append(" ".join([str(shift), *words]))
+    return variants
+
+
+def dequant_cases(encoder, common: dict, image_size: int, device, dtype, args) -> None:
+    """Changed-prompt encodes of the weight-only quantised encoder with torch's dequantisation and with the kernel
+    (the gate forced each way, kernels/dequantize_weight.py), then one layer alone. The kernel serves only on CUDA
+    (`kernel` says whether it ran); elsewhere both rows time torch's expression."""
+    import torch.nn.functional as F
+    from qwen21_nodes.kernels import dequantize_weight as D
+    from qwen21_nodes.kernels._triton import triton_runs_on
+    from qwen21_nodes.qwen21_core.quant.linear import quantize_linears_
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS, quantize_weight
+    from qwen21_nodes.qwen21_core.text.encoder import decoder_linear_names
+
+    fmt = FORMATS[args.dequant_format]
+    quantize_linears_(encoder.model, decoder_linear_names(encoder.model), fmt, quantize_activations=False)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    kernel = device.type == "cuda" and triton_runs_on(device)
+    weights = sum(p.numel() * p.element_size() for p in encoder.model.parameters())
+    common = dict(common, format=fmt.name, kernel=kernel, encoder_weights_gib=round(weights / 2**30, 2))
+    prompts = prompt_variants(encoder, args.prompt_tokens, args.repeats + 1)  # the first one warms up
+    rng = np.random.default_rng(2)
+    for count in (int(c) for c in args.images.split(",")):
+        sources = [Image.fromarray(rng.integers(0, 256, (image_size, image_size, 4), dtype=np.uint8), "RGBA")
+                   for _ in range(count)]  # fmt: skip
+        vlm = [prepare_condition_image(image, image_size).vlm for image in sources]
+        row, embeds = {}, {}
+        for name, use_kernel in (("torch", False), ("kernel", True)):
+            with D.forced(device, fmt.storage, dtype, use_kernel=use_kernel):
+                encoder.encode_prompts([prompts[0]], vlm)  # the kernel's compile, the allocator's first blocks
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                times = []
+                for prompt in prompts[1:]:
+                    sync(device)
+                    start = time.perf_counter()
+                    (out,) = encoder.encode_prompts([prompt], vlm)
+                    sync(device)
+                    times.append(time.perf_counter() - start)
+                embeds[name] = out.embeds
+            row[f"{name}_dequant_s"] = round(statistics.median(times), 4)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            row[f"{name}_peak_gib"] = None if peak is None else round(peak / 2**30, 2)
+        print(json.dumps(dict(common, case=f"dequant {count} images", images=count, tokens=int(out.length),
+                              changed_prompts=len(prompts) - 1, **row,
+                              speedup=round(row["torch_dequant_s"] / row["kernel_dequant_s"], 3),
+                              identical=bool(torch.equal(embeds["torch"], embeds["kernel"])))), flush=True)  # fmt: skip
+
+    n, k = (256, 768) if args.tiny else (4096, 12288)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, scale = quantize_weight(torch.randn(n, k, device=device, generator=gen).to(dtype), fmt)
+    x = torch.randn(128, k, device=device, generator=gen).to(dtype)
+    iters = 3 if args.tiny else 50
+
+    def per_call_ms(fn) -> float:
+        fn()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        return (time.perf_counter() - start) / iters * 1e3
+
+    new = D.dequantize_weight_fast if kernel else D.dequantize_weight_reference
+    layer = dict(
+        torch_ms=per_call_ms(lambda: F.linear(x, D.dequantize_weight_reference(q, scale, dtype))),
+        kernel_ms=per_call_ms(lambda: F.linear(x, new(q, scale, dtype))),
+        torch_dequant_only_ms=per_call_ms(lambda: D.dequantize_weight_reference(q, scale, dtype)),
+        kernel_dequant_only_ms=per_call_ms(lambda: new(q, scale, dtype)),
+    )
+    moved = q.numel() * (q.element_size() + torch.empty((), dtype=dtype).element_size())
+    identical = torch.equal(new(q, scale, dtype), D.dequantize_weight_reference(q, scale, dtype))
+    print(json.dumps(dict(common, case="dequant layer", shape=[n, k], rows=128,
+                          **{name: round(ms, 4) for name, ms in layer.items()},
+                          speedup=round(layer["torch_ms"] / layer["kernel_ms"], 3),
+                          kernel_dequant_gb_s=round(moved / layer["kernel_dequant_only_ms"] / 1e6, 1),
+                          identical=identical)), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

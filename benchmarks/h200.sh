@@ -2,7 +2,7 @@
 # Runs the GPU tests and benchmarks on the H200 machine (the device tool), writing JSON lines and logs
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
-#   vae-mem vae-placeholders vae-profile qk te load lora server-gpu tests-memory e2e tune cold overhead
+#   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu session session-turbo tests-gpu-all
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
@@ -92,6 +92,10 @@ for part in "$@"; do
         --no-reference --sensitivity int8_convrot ;;
     e2e) run bench_e2e "${E2E_LIMIT:-420}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} ;;  # E2E_ARGS: --only, ...
     te-quant) run bench_te_quant 150 python3 benchmarks/bench_text_encoder.py --formats fp8,int8 --repeats 3 ;;
+    te-dequant)  # the fp8 weight-only encoder's changed-prompt encode, torch's dequant vs the kernel, and its GPU tests
+      run bench_te_dequant 240 python3 benchmarks/bench_text_encoder.py --dequant --no-reference --repeats 7
+      run tests_dequant 120 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+        tests/test_kernel_dequantize_weight.py ;;
     vae) run bench_vae 240 python3 benchmarks/bench_vae.py ;;
     vae-profile) run bench_vae_profile 150 python3 benchmarks/bench_vae.py --profile --sizes 1024 ;;
     vae-mem) run bench_vae_memory 150 python3 benchmarks/bench_vae.py --measure-memory --sizes 512 1024 ;;

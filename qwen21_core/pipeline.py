@@ -160,16 +160,26 @@ class Qwen21Pipeline:
     # ---- kernel warm-up -----------------------------------------------------------------------------------
 
     def start_kernel_warmup(self) -> KernelWarmup | None:
-        """Compile the DiT's and the VAE's Triton kernels in background threads (qwen21_core/warmup.py), so the
-        first image does not wait for them. Nothing on a CPU, without Triton or with QWEN21_KERNEL_WARMUP=0."""
+        """Compile the text encoder's, the DiT's and the VAE's Triton kernels in background threads
+        (qwen21_core/warmup.py), so the first encode and image do not wait for them. Nothing on a CPU, without Triton
+        or with QWEN21_KERNEL_WARMUP=0.
+
+        "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py), queued first: the
+        encode comes first. Nobody waits for it: the layers use torch's expression until it is done. The DiT's
+        weight-only layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too."""
         from ..kernels._triton import TRITON_AVAILABLE
         from .dit.kernel_warmup import dit_warmup_jobs
+        from .quant.kernel_warmup import dequantize_warmup_jobs
         from .vae.kernel_warmup import vae_warmup_jobs
 
         device = indexed_device(self.execution_device)
         if self.kernel_warmup is not None or device.type != "cuda" or not TRITON_AVAILABLE or not warmup_enabled():
             return self.kernel_warmup
-        parts = {"dit": dit_warmup_jobs(self.transformer, device), "vae": vae_warmup_jobs(self.vae, device)}
+        encoder = self.text_encoder
+        quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
+                     (self.transformer, device)]  # fmt: skip
+        parts = {"text": dequantize_warmup_jobs(quantised), "dit": dit_warmup_jobs(self.transformer, device),
+                 "vae": vae_warmup_jobs(self.vae, device)}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
         return self.kernel_warmup
 

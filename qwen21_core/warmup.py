@@ -2,12 +2,14 @@
 
 The first image in a fresh process used to wait for every Triton kernel to compile on first use (68 s on a fresh
 H200 machine, notes/session_h200.md). `KernelWarmup` compiles them in background threads instead, while the user
-is still loading, typing or encoding: the DiT's kernels for every M bucket (dit/kernel_warmup.py) and the VAE's
+is still loading, typing or encoding: the quantised Linears' weight dequantisation, which the text encoder needs
+first (quant/kernel_warmup.py), the DiT's kernels for every M bucket (dit/kernel_warmup.py) and the VAE's
 (vae/kernel_warmup.py). Triton's compiler releases the GIL for most of its work, so several threads compile at
 once. With compiled kernels on disk (a restart) each job only loads them.
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's before its first step (a kernel compiled
-twice is wasted time), the VAE for its own before decoding. Decode-graph captures are thread-local
+twice is wasted time), the VAE for its own before decoding. Nobody waits for the text encoder's: its layers use
+torch's expression (the same bits) until the kernel is ready. Decode-graph captures are thread-local
 (dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails is logged and
 the rest of its part skipped: those kernels then compile on first use, as before.
 """

@@ -189,6 +189,26 @@ def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
     assert all(r["decode_eager_ms"] > 0 and r["profile_tottime_top"] for r in overhead)
 
 
+@pytest.mark.slow
+def test_bench_text_encoder_dequant_times_both_ways_and_finds_them_identical():
+    """--dequant on the CPU (where both ways are torch's expression: the kernel serves CUDA only): changed-prompt
+    encodes per image count and the single-layer line, with the fields the H200 run fills."""
+    path = BENCH_VAE.parent / "bench_text_encoder.py"
+    done = subprocess.run([sys.executable, str(path), "--tiny", "--device", "cpu", "--dequant", "--repeats", "2",
+                           "--images", "0,1"], capture_output=True, text=True, timeout=600, cwd=path.parents[1],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["case"]: r for r in map(json.loads, filter(lambda line: line.startswith("{"), done.stdout.splitlines()))}
+    for count in (0, 1):
+        row = rows[f"dequant {count} images"]
+        assert row["format"] == "fp8" and row["kernel"] is False and row["changed_prompts"] == 2 and row["identical"]
+        assert row["torch_dequant_s"] > 0 and row["kernel_dequant_s"] > 0 and row["speedup"] > 0
+    assert rows["dequant 1 images"]["tokens"] > rows["dequant 0 images"]["tokens"]
+    layer = rows["dequant layer"]
+    assert layer["shape"] == [256, 768] and layer["rows"] == 128 and layer["identical"]
+    assert all(layer[f"{way}_{what}ms"] > 0 for way in ("torch", "kernel") for what in ("", "dequant_only_"))
+
+
 def test_tune_kernels_lists_every_key_the_dit_meets():
     """--list needs no GPU: the block's four projections and nine quantiser modes, at each of the 11 M buckets."""
     keys = _bench("tune_kernels.py", "--list", timeout=120)["tune_key"]

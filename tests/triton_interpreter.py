@@ -27,8 +27,8 @@ def kernel_device(monkeypatch, skip_reason: str) -> torch.device:
 def round_bf16_like_the_gpu(monkeypatch):
     # Triton's interpreter converts fp32 -> bf16 by truncation and bf16 -> fp32 flushing subnormals; the GPU
     # (and torch) round to nearest even and keep subnormals. Its fp32 -> fp8 e4m3 rounding also loses the
-    # carry into the exponent (8.0 becomes 4.0). Route those conversions through torch so the interpreter
-    # computes what the GPU computes.
+    # carry into the exponent (8.0 becomes 4.0), and its e4m3 -> fp32 reads the NaN patterns (0x7F, 0xFF) as
+    # +-480. Route those conversions through torch so the interpreter computes what the GPU computes.
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -44,6 +44,9 @@ def round_bf16_like_the_gpu(monkeypatch):
         if src_dtype == tl.float32 and dst_dtype == tl.float8e4nv:
             rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.float8_e4m3fn)
             return rounded.view(torch.uint8).numpy()
+        if src_dtype == tl.float8e4nv and dst_dtype == tl.float32:
+            bits = torch.from_numpy(np.ascontiguousarray(values).view(np.uint8))
+            return bits.view(torch.float8_e4m3fn).float().numpy()
         if src_dtype == tl.bfloat16 and dst_dtype == tl.float32:  # the interpreter flushes bf16 subnormals
             bits = torch.from_numpy(np.ascontiguousarray(values).view(np.int16))
             return bits.view(torch.bfloat16).float().numpy()

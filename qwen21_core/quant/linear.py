@@ -8,9 +8,12 @@ How it multiplies, per device (`gemm_backend`):
 - "int_mm": INT8 W8A8 where the Triton kernel cannot run: `torch._int_mm` against the column-major view of
   the row-major [N, K] weight (the fast layout: a row-major second operand ran at 125 TOP/s on the H200),
   int32 out, scales applied by the consumer's kernel (kernels/linear_epilogue.py) or `Projected.dense`;
-- "weight_only": everywhere else (CPU, older GPUs, tiny M): the weight is dequantised just in time, for this
-  layer only, and multiplied in the activation dtype (ConvRot layers rotate the activation instead of the
-  weight: cheaper whenever M < N).
+- "weight_only": everywhere else (CPU, older GPUs, tiny M) and always for the text encoder: the weight is
+  dequantised just in time, for this layer only, and multiplied in the activation dtype (ConvRot layers rotate the
+  activation instead of the weight: cheaper whenever M < N). On CUDA the dequantisation is one Triton kernel
+  (kernels/dequantize_weight.py: one read of the stored weight, one write in the activation dtype, bit-identical to
+  torch's fp32 expression), used once the background warm-up compiled it (quant/kernel_warmup.py) so that no
+  encode waits for the compile; torch's expression serves until then and on the CPU.
 `QWEN21_QUANT_GEMM=weight_only|emulate` overrides the choice; "emulate" computes the W8A8 arithmetic in fp32
 (quantised activations times quantised weights), so CPU tests see what the GPU path computes.
 
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.dequantize_weight import dequantize_for_linear, dequantize_weight_reference
 from ...kernels.int8_gemm import int8_linear
 from ...kernels.linear_epilogue import linear_epilogue
 from ...kernels.quantize_rows import quantize_rows, rotate
@@ -145,8 +149,12 @@ class QuantLinear(nn.Module):
                                rows_per_batch=rows_per_batch)  # fmt: skip
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The stored (rotated, for ConvRot) weight in `dtype`: for the weight-only path."""
-        return (self.qweight.float() * self.weight_scale[:, None]).to(dtype)  # fp32: a bf16 scale would err 0.2%
+        """The stored (rotated, for ConvRot) weight in `dtype`: for the weight-only path. q * scale in fp32, rounded
+        once to `dtype`: on CUDA one kernel (kernels/dequantize_weight.py) once it is compiled, torch's expression
+        until then and on the CPU, with the same bits."""
+        if self.qweight.is_cuda:
+            return dequantize_for_linear(self.qweight, self.weight_scale, dtype)
+        return dequantize_weight_reference(self.qweight, self.weight_scale, dtype)
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.rotation:

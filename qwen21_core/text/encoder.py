@@ -248,7 +248,8 @@ class Qwen21TextEncoder:
     def activation_bytes(self, tokens: int) -> int:
         """Device memory an encode of `tokens` tokens needs beyond the weights (the room a memory manager leaves):
         the activations, plus for quantised weight-only layers the biggest weight's dequantised copy (its fp32
-        product and the bf16 result, alive together while the layer runs)."""
+        product and the bf16 result, alive together while the layer runs: torch's expression, which serves until the
+        dequantisation kernel is compiled; the kernel writes the result only)."""
         element = self._text_model.embed_tokens.weight.element_size()
         weight_only = [m for m in self.model.modules() if isinstance(m, QuantLinear) and not m.quantize_activations]
         dequantised = max((layer.in_features * layer.out_features for layer in weight_only), default=0)
