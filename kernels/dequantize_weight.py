@@ -19,12 +19,17 @@ the compile. The background warm-up (qwen21_core/quant/kernel_warmup.py) marks i
 and `warm_up` makes them ready after a compile, a launch and a bit-for-bit check against torch. A key nobody warms
 up (QWEN21_KERNEL_WARMUP=0, tests, benchmarks) compiles on its first call, synchronously, and is ready after it.
 A failed compile, launch or check is logged once and keeps torch's expression for that key.
+
+Opt-in for now (QWEN21_DEQUANT_KERNEL=1): its bits are checked through the interpreter and on the device before its
+first use, but no H200 run has yet timed it against torch's expression (`bash benchmarks/h200.sh te-dequant`), and
+an optimisation lands with that comparison. Without the variable the gate stays shut and the warm-up skips it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 
 import torch
@@ -120,7 +125,16 @@ def dequantize_weight_fast(
 
 _PENDING, _READY, _FAILED = "pending", "ready", "failed"
 _states: dict[tuple[str, torch.dtype, torch.dtype], str] = {}
+_forced: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}  # forced(): serve (True) or not, whatever the rest
 _lock = threading.Lock()
+
+
+KERNEL_ENV = "QWEN21_DEQUANT_KERNEL"
+
+
+def kernel_enabled() -> bool:
+    """Whether the kernel may serve at all (the module docstring says why it is opt-in)."""
+    return os.environ.get(KERNEL_ENV, "").strip() == "1"
 
 
 def _key(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[str, torch.dtype, torch.dtype]:
@@ -172,7 +186,12 @@ def _serves(q: torch.Tensor, out_dtype: torch.dtype) -> bool:
         return False
     if q.dim() != 2 or q.shape[1] % ALIGNMENT or q.data_ptr() % ALIGNMENT or not q.is_contiguous():
         return False  # another compiled variant than the warm-up's (or no kernel at all): not worth a compile
-    state = _states.get(_key(q.device, q.dtype, out_dtype))
+    key = _key(q.device, q.dtype, out_dtype)
+    if key in _forced:
+        return _forced[key]
+    if not kernel_enabled():
+        return False
+    state = _states.get(key)
     if state is None:  # nobody warms this key up: compile now, unless a CUDA graph is being captured
         return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     return state == _READY
@@ -200,18 +219,23 @@ def forced(device, q_dtype: torch.dtype, out_dtype: torch.dtype, use_kernel: boo
     """For benchmarks and tests: the gate open (kernel) or shut (torch's expression) for this key meanwhile."""
     key = _key(device, q_dtype, out_dtype)
     with _lock:
-        saved = _states.get(key)
+        saved, saved_forced = _states.get(key), _forced.get(key)
         _states[key] = _READY if use_kernel else _FAILED
+        _forced[key] = use_kernel  # also where the kernel is not enabled: the benchmark compares both
     try:
         yield
     finally:
         with _lock:
             _states.pop(key)
+            _forced.pop(key)
             if saved is not None:
                 _states[key] = saved
+            if saved_forced is not None:
+                _forced[key] = saved_forced
 
 
 def clear() -> None:
     """Forget every key's state (tests)."""
     with _lock:
         _states.clear()
+        _forced.clear()

@@ -25,7 +25,9 @@ FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
 
 @pytest.fixture(autouse=True)
-def fresh_gate():
+def fresh_gate(monkeypatch):
+    """Every test but the opt-in ones runs with the kernel enabled (it is opt-in until timed on the H200)."""
+    monkeypatch.setenv(D.KERNEL_ENV, "1")
     D.clear()
     yield
     D.clear()
@@ -261,3 +263,20 @@ def test_cuda_warm_up_part_opens_the_gate_and_the_kernel_runs_in_a_cuda_graph():
         layer.qweight.copy_(torch.randn(256, 512, device="cuda").to(FP8))
     graph.replay()
     assert _same_bits(weight, D.dequantize_weight_reference(layer.qweight, layer.weight_scale, torch.bfloat16))
+
+
+def test_without_the_opt_in_the_gate_stays_shut_and_the_warm_up_compiles_nothing(monkeypatch, launches):
+    from qwen21_nodes.qwen21_core.quant import kernel_warmup
+
+    monkeypatch.delenv(D.KERNEL_ENV)
+    monkeypatch.setattr(kernel_warmup, "dequantize_keys", lambda models: [("cuda:0", FP8, torch.bfloat16)])
+    assert kernel_warmup.dequantize_warmup_jobs([]) == []
+    q, scale = _weight(8, 32, FP8)
+    D.warm_up("cpu", FP8, torch.bfloat16)  # even a key made ready does not serve without the opt-in
+    launches.clear()
+    assert _same_bits(D.dequantize_for_linear(q, scale, torch.bfloat16),
+                      D.dequantize_weight_reference(q, scale, torch.bfloat16))  # fmt: skip
+    assert launches == []
+    with D.forced("cpu", FP8, torch.bfloat16, use_kernel=True):  # the benchmark's comparison still can
+        D.dequantize_for_linear(q, scale, torch.bfloat16)
+    assert len(launches) == 1
