@@ -4,13 +4,16 @@ Why in place: the weights keep their addresses, so captured CUDA graphs (which r
 and replay the merged model, and a merged LoRA costs nothing per step. What depends on the weights' values, the
 prefix K/V kept for reuse, is keyed on `transformer.weights_id`, which names the merged stack.
 
-What a merge computes (`merge_into_weight`, the one place a weight changes), in fp32 on the weight's device:
+What a merge computes (`merge_into_weight`, and `MergingSlot` for a file's floats), in fp32 on the weight's
+device:
 - a float weight: W = round(W_orig + sum_i strength_i * alpha_i / rank_i * B_i @ A_i), rounded once to its dtype
   (the weights diffusers' fuse_lora gives);
 - a quantised weight (quant/linear.py QuantLinear, fp8 or int8 with one scale per row), two ways:
   * from the file's float weight, when the transformer was loaded from a bf16 (fp16, fp32) file and quantised
     while loading: W_q = quantise(W_file + deltas), each checkpoint tensor quantised as the loader quantised it
-    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give;
+    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give.
+    The file is re-read and merged in one pass of the loader's reader (load_into into MergingSlots: the reads
+    overlap the merges on the device), for every weight of the change at once;
   * otherwise (a quantised file, a model built in memory) from the loaded values: the rows a LoRA touches are
     dequantised, the deltas added and the rows requantised in the layer's own format (a new per-row scale); rows
     no LoRA touches keep their bits. int8_convrot stores W H (H the Hadamard rotation), so the sum is formed
@@ -31,10 +34,17 @@ accumulates). A weight whose pieces did not change is left alone. The originals 
   renaming, dequantisation and quantisation, so the same bits: a bf16 file quantised at load is quantised again
   the same way, an fp8_scaled or int8_convrot file's rows are copied as they are). Holds no memory; the file
   must not change while it is in use.
-- `MemoryOriginals`: CPU copies (pinned for CUDA) of each weight, taken before it is first changed and dropped once
-  it is back to its original. Memory: the bytes of the weights the current stack touches (a quantised layer's
-  8-bit values and scales); for a LoRA on every block linear of the full-size model that is all block weights,
-  ~13 GiB in bf16, ~6.6 GiB quantised. For models built in memory.
+- `MemoryOriginals`: copies of each weight, taken before it is first changed and dropped once it is back to its
+  original, packed into a few large buffers per change. Where they go is the memory planner's decision
+  (memory/planner.py copies_place, with the pipeline's VRAM budget): on the GPU while they take at most half of
+  its free memory (restoring is then a copy within the device), else in pinned host RAM (pinning costs about a
+  second per GB, once per change that touches new weights), else pageable. Memory: the bytes of the weights the
+  current stack touches (a quantised layer's 8-bit values and scales); for a LoRA on every block linear of the
+  full-size model that is all block weights, ~13 GiB in bf16, ~6.6 GiB quantised. For models built in memory.
+
+Speed (a change takes a few passes over the touched weights, no per-weight waits): a LoRA's factors go to the
+device before the merges (on_device), the range checks are read once per group (Checks), and the seconds of each
+phase are in LoraMerger.last_stats (bench_lora prints them).
 
 Blocks that stream from pinned host RAM (memory/streaming.py) are changed one at a time, each brought onto the
 device for it and written back to its host copy: a streamed block's parameters otherwise point at a staging
@@ -373,7 +383,8 @@ class MemoryOriginals:
         for device, new in by_device.items():
             sizes = {name: -(-param.numel() * param.element_size() // _ALIGN) * _ALIGN for name, param in new.items()}
             self.place = copies_place(sum(sizes.values()), device, vram_budget)
-            with torch.inference_mode(False):  # ordinary tensors, usable whatever the caller's grad mode
+            # ordinary tensors, usable whatever the caller's mode (inference_mode(False) turns grad on: off again)
+            with torch.inference_mode(False), torch.no_grad():
                 for names, nbytes in _slabs(sizes, self.SLAB_BYTES):
                     slab = torch.empty(nbytes, dtype=torch.uint8, device=device if self.place == "device" else "cpu",
                                        pin_memory=self.place == "pinned")  # fmt: skip
