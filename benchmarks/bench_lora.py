@@ -3,7 +3,11 @@ per measurement.
 
 bf16 (`lora_decode_step`, `lora_bf16_latents`, `lora_switch`): the decode step without and with the LoRA merged
 (eager and CUDA-graph replay; a merged LoRA must cost nothing per step), read + merge and switch times with the
-originals re-read from the checkpoint file and kept as CPU copies, and a bit-exact removal check.
+originals re-read from the checkpoint file and kept as copies (MemoryOriginals: on the GPU when the memory planner
+finds room, else in pinned host RAM), and a bit-exact removal check. Every switch line gives each step's phases
+(`merge_phases`, `switch_strength_phases`, `switch_lora_phases`, `remove_phases`: the LoRA file's read, restoring
+originals, the factors to the device, keeping copies, the file re-read with the merge in the same pass, merging from
+the weights' values, the range checks) and where the copies went (`originals_on`).
 
 fp8, int8, int8_convrot, against the bf16 model with the LoRA merged exactly (lora/merge.py says how each merge
 works). First a quantised copy of the bf16 weights, as a quantised file (Comfy-Org's fp8_scaled / int8_convrot)
@@ -16,7 +20,7 @@ loads, the LoRA merged from its loaded values ("merged_from": "loaded values"):
   first no more than 1 dB below the second) and of the side path; the merge's time and peak extra VRAM; removal;
 - `lora_quant_latents`: 40-step latents PSNR against bf16's: LoRA merged, no LoRA, side path;
 - `lora_quant_switch` (restore_from memory): read + merge, strength change, another LoRA, removal (each <= 2 s),
-  bit-exact removal, with compact CPU copies (8-bit values and scales) of the loaded weights.
+  bit-exact removal, with compact copies (8-bit values and scales) of the loaded weights.
 Then the bf16 checkpoint loaded as that format (a user's bf16 file with weight_dtype fp8/int8/int8_convrot), the
 LoRA merged from the file's float weights ("merged_from": "file floats"): `lora_quant_layers`,
 `lora_quant_file_merge` (velocity PSNR and drop, latents PSNR, merge time and peak) and `lora_quant_switch`
@@ -172,20 +176,39 @@ def applied(merger, stack, device) -> tuple[float, float]:
     return seconds, round(extra, 1)
 
 
+PHASES = ("restore_s", "lora_to_device_s", "keep_originals_s", "file_read_and_merge_s", "merge_s", "check_s")
+
+
+def phases(merger, read_s: float | None = None) -> dict:
+    """Where the last apply's time went (lora/merge.py LoraMerger.last_stats): the LoRA file's read (when one was
+    read for it), then restoring originals, copying the LoRA factors to the device, keeping copies of originals,
+    re-reading the file with the merge in the same pass, merging from the weights' values, the range checks."""
+    stats = merger.last_stats
+    out = {} if read_s is None else {"read_lora_s": read_s}
+    out |= {phase: stats[phase] for phase in PHASES if phase in stats}
+    out["originals_on"] = stats.get("originals_on")
+    return out
+
+
 def switches(model, originals, lora_a_path, lora_b_path, saved, device) -> dict:
-    """Read + merge, strength change, another LoRA, removal: seconds each, with the originals from `originals`."""
+    """Read + merge, strength change, another LoRA, removal: seconds each, with the originals from `originals`,
+    and each one's phases (`*_phases`)."""
     merger = LoraMerger(model, originals)
     shapes = layer_shapes(model)
     out = {}
     lora_a, out["read_s"] = clock(lambda: read_lora(lora_a_path, shapes), device)
     out["merge_s"], out["merge_peak_extra_mib"] = applied(merger, [(lora_a, 1.0)], device)
+    out["merge_phases"] = phases(merger, out["read_s"])
     out["load_and_merge_s"] = round(out["read_s"] + out["merge_s"], 3)
-    out["original_copies_gib"] = round(originals.nbytes / 2**30, 3)  # host memory held while the LoRA is merged
+    out["original_copies_gib"] = round(originals.nbytes / 2**30, 3)  # memory held while the LoRA is merged
     out["switch_strength_s"], _ = applied(merger, [(lora_a, 0.5)], device)
+    out["switch_strength_phases"] = phases(merger)
     lora_b, read_b = clock(lambda: read_lora(lora_b_path, shapes), device)
     merge_b, _ = applied(merger, [(lora_b, 1.0)], device)
     out["switch_lora_s"] = round(read_b + merge_b, 3)
+    out["switch_lora_phases"] = phases(merger, read_b)
     out["remove_s"], _ = applied(merger, [], device)
+    out["remove_phases"] = phases(merger)
     out["bit_identical_after_remove"] = same_weights(model, saved)
     out["weights_touched"] = merger.last_stats.get("weights_restored")
     return out
@@ -374,6 +397,7 @@ def main() -> int:
     res = 64 if args.tiny else args.res
     formats = [f for f in args.formats.split(",") if f]
     work = Path(tempfile.mkdtemp(prefix="bench_lora_", dir=args.dir))
+    started_bench = time.perf_counter()
     try:
         model, _ = build_models(TINY_LORA_CONFIG if args.tiny else {}, device, torch.bfloat16, with_reference=False)
         model.requires_grad_(False)
@@ -420,8 +444,8 @@ def main() -> int:
             torch.cuda.empty_cache()
 
         for fmt in formats:
-            emit(what="lora_targets", **quantized_format(fmt, model, lora_a, lora_b, bf16, checkpoint, args, device,
-                                                         res))  # fmt: skip
+            targets = quantized_format(fmt, model, lora_a, lora_b, bf16, checkpoint, args, device, res)
+            emit(what="lora_targets", **targets, bench_elapsed_s=round(time.perf_counter() - started_bench, 1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -464,7 +464,7 @@ class Qwen21Pipeline:
 
         Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
         """
-        self.loras.apply(stack)
+        self.loras.apply(stack, vram_budget=self.vram_budget)  # copies of originals stay within the budget
         self.lora_stack = tuple((str(lora.path), lora.identity, float(strength)) for lora, strength in stack)
 
     # ---- VAE --------------------------------------------------------------------------------------

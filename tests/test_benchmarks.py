@@ -104,6 +104,12 @@ def test_bench_lora_runs_every_measurement_on_a_tiny_model(tmp_path):
         switches = {r["restore_from"]: r for r in by_what["lora_quant_switch"] if r["format"] == fmt}
         assert set(switches) == {"file", "memory"} and all(r["bit_identical_after_remove"] for r in switches.values())
         assert switches["memory"]["original_copies_gib"] > 0 == switches["file"]["original_copies_gib"]
+        for row in switches.values():  # where each step's time went
+            steps = ("merge_phases", "switch_strength_phases", "switch_lora_phases", "remove_phases")
+            assert all("restore_s" in row[step] for step in steps) and "read_lora_s" in row["switch_lora_phases"]
+        # a bf16 file's floats are re-read and merged in one pass; copies of loaded values sit beside CPU weights
+        assert "file_read_and_merge_s" in switches["file"]["switch_strength_phases"]
+        assert switches["memory"]["merge_phases"]["originals_on"] == "pageable"
     assert [r["format"] for r in by_what["lora_targets"]] == formats
     assert all(r["met"]["removal_bit_exact"] for r in by_what["lora_targets"])
     assert list(tmp_path.iterdir()) == []  # the random checkpoint and LoRAs were cleaned up

@@ -519,3 +519,177 @@ def _velocity_cuda(model, seed=4, target=(4, 4)):
                   torch.randn(16, SMALL.in_channels, generator=gen).to(**cuda))  # fmt: skip
     x = torch.randn(1, target[0] * target[1], SMALL.in_channels, generator=gen).to(**cuda)
     return model.decode(branch, x, torch.tensor([0.4], **cuda))
+
+
+# ---- how a change reads and keeps the originals -----------------------------------------------------------
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    """Counts the passes over the checkpoint file (load_into calls) a merger makes, with the tensors each read."""
+    from qwen21_nodes.qwen21_core.lora import merge
+
+    passes = []
+    real = merge.load_into
+
+    def counted(slots, *args, **kwargs):
+        passes.append(sum(slot is not None for slot in slots.values()))
+        return real(slots, *args, **kwargs)
+
+    monkeypatch.setattr(merge, "load_into", counted)
+    return passes
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_a_bf16_file_is_re_read_once_per_change_and_merged_in_the_same_pass(fmt, tmp_path, monkeypatch):
+    """Re-reading a bf16 file's floats and merging are one pass of the loader for all weights of a change, with no
+    restore pass first; the result is the weights a fresh merge of the same stack gives (nothing left over)."""
+    path = _bf16_file(tmp_path, _small_dit())
+    model, _ = loading.load_transformer(path, "cpu", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    fresh, _ = loading.load_transformer(path, "cpu", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    before = snapshot(model)
+    a = make_lora(tmp_path, model, name="a")
+    b = make_lora(tmp_path, model, layers=EVERY_BLOCK_LINEAR[:7], seed=2, name="b")  # block 0 only
+    LoraMerger(fresh, FileOriginals(path)).apply([(b, 1.0)])
+    passes = _counting_reads(monkeypatch)
+    merger = LoraMerger(model, FileOriginals(path))
+    per_block = len(BLOCK_LINEARS)  # checkpoint tensors of a block's 4 quantised weights
+    merger.apply([(a, 1.0)])
+    assert passes == [per_block * SMALL.num_layers]  # every touched tensor, one pass
+    merger.apply([(a, 0.4)])
+    assert passes[1:] == [per_block * SMALL.num_layers]  # no restore pass before it
+    merger.apply([(b, 1.0)])  # block 1 goes back to its loaded bits, block 0 gets b: one pass each
+    assert passes[2:] == [per_block, per_block]
+    assert all(torch.equal(p, fresh.get_parameter(n)) for n, p in model.named_parameters())
+    merger.apply([])
+    assert passes[4:] == [per_block]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _nan_lora(tmp_path, model, layer: str):
+    factors = random_factors(model, EVERY_BLOCK_LINEAR, seed=7, size=0.05)
+    factors[layer][0][3, 1] = float("nan")
+    return read_lora(write(tmp_path / "nan.safetensors", *lora_state_dict(factors, "comfyui")), layer_shapes(model))
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("source", ["memory", "bf16 file", "quantised file"])
+def test_a_merge_failing_half_way_leaves_the_weights_restorable(fmt, source, tmp_path):
+    """A NaN in a layer in the middle of the order: the checks (read once, after the values were written) fail the
+    change naming the layer, every weight comes back to its loaded bits, and the next change works from them."""
+    float_model = _small_dit()
+    if source == "memory":
+        model, originals = float_model.quantized_copy(uniform_plan(FORMATS[fmt], SMALL.num_layers)), MemoryOriginals()
+    else:
+        path = _bf16_file(tmp_path, float_model) if source == "bf16 file" else _comfy_dit_file(tmp_path, float_model,
+                                                                                                fmt)[0]  # fmt: skip
+        formats = WeightFormats(fmt if source == "bf16 file" else "auto")
+        model, _ = loading.load_transformer(path, "cpu", torch.bfloat16, weight_formats=formats)
+        originals = FileOriginals(path)
+    before = snapshot(model)
+    good = make_lora(tmp_path, model)
+    bad = _nan_lora(tmp_path, model, "transformer_blocks.1.img_mlp.gate_layer")
+    merger = LoraMerger(model, originals)
+    merger.apply([(good, 1.0)])
+    merged = snapshot(model)
+    with pytest.raises(LoraError, match=r"transformer_blocks\.1\.img_mlp\.gate_layer.* gives nan"):
+        merger.apply([(good, 0.5), (bad, 1.0)])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert merger.merged == {} and merger.changed == set() and model.weights_id == ()
+    merger.apply([(good, 1.0)])
+    assert all(torch.equal(p, merged[n]) for n, p in model.named_parameters())
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", *QUANT_FORMATS])
+def test_copies_of_the_originals_are_packed_into_slabs_and_restore_bit_for_bit(fmt, tmp_path, monkeypatch):
+    float_model, model = quantized_pair(fmt) if fmt != "bf16" else (None, _small_dit().to(torch.bfloat16))
+    before = snapshot(model)
+    a, b = make_lora(tmp_path, model, name="a"), make_lora(tmp_path, model, seed=2, name="b")
+    originals = MemoryOriginals()
+    touched = [p for n, p in model.named_parameters() if n.startswith("transformer_blocks.")
+               and n.endswith(("qweight", "weight_scale", "to_qkv.weight", "to_out.weight", "gate_up.weight",
+                               "out.weight"))]  # fmt: skip
+    originals.SLAB_BYTES = sum(p.numel() * p.element_size() for p in touched) // 3  # several slabs, most shared
+    seen = []
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.lora.merge.copies_place",
+                        lambda nbytes, device, budget: seen.append((nbytes, device, budget)) or "pageable")  # fmt: skip
+    merger = LoraMerger(model, originals)
+    merger.apply([(a, 1.0)], vram_budget=12345)
+    first = snapshot(model)
+    slabs = {copy.untyped_storage().data_ptr() for copy in originals.saved.values()}
+    assert 1 < len(slabs) < len(originals.saved) and all(copy.grad_fn is None for copy in originals.saved.values())
+    assert all(copy.untyped_storage().nbytes() <= originals.SLAB_BYTES for copy in originals.saved.values())
+    # one decision for all the copies of the change, asked with the pipeline's budget
+    assert seen == [(sum(-(-t.numel() * t.element_size() // 256) * 256 for t in originals.saved.values()),
+                     torch.device("cpu"), 12345)]  # fmt: skip
+    for stack in ([(a, 0.3)], [(a, -0.5), (b, 2.0)], [(b, 1.0)], [(a, 1.0)]):
+        merger.apply(stack)
+    assert all(torch.equal(p, first[n]) for n, p in model.named_parameters())
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and originals.nbytes == 0
+
+
+def test_slabs_pack_in_order_and_a_large_copy_goes_alone():
+    from qwen21_nodes.qwen21_core.lora.merge import _slabs
+
+    sizes = {"a": 256, "b": 512, "c": 2048, "d": 256, "e": 768}
+    assert _slabs(sizes, 1024) == [(["a", "b"], 768), (["c"], 2048), (["d", "e"], 1024)]
+
+
+def test_where_copies_of_the_originals_go_is_the_planners_decision(monkeypatch):
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+    budgets = []
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: budgets.append(budget) or 20 * gib)
+    monkeypatch.setattr(planner, "host_free_bytes", lambda: 16 * gib)
+    room = planner.KEPT_COPIES_SHARE * (20 * gib - planner.HEADROOM_BYTES)
+    assert planner.copies_place(int(room), cuda, budget=5) == "device" and budgets == [5]
+    assert planner.copies_place(int(room) + 1, cuda) == "pinned"
+    assert planner.copies_place(17 * gib, cuda) == "pageable"  # more than the host can pin
+    assert planner.copies_place(1, torch.device("cpu")) == "pageable"  # weights on the CPU: copies beside them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_gpu_copies_on_the_device_or_pinned_by_budget_and_file_floats_merged_in_one_pass(fmt, tmp_path):
+    """Copies of the originals stay on the GPU when it has room and go to pinned RAM within a tight budget: both
+    restore bit for bit and give the same merged bits. A bf16 file's floats merged on the GPU (the loader's pass,
+    merges overlapping the reads) are quantise(W_file + delta), per checkpoint tensor, computed there."""
+    from qwen21_nodes.qwen21_core.lora.merge import full_fp32_matmul
+    from safetensors.torch import load_file
+
+    _, model = quantized_pair(fmt, device="cuda", dtype=torch.bfloat16)
+    before = snapshot(model)
+    lora = make_lora(tmp_path, model)
+    merged = {}
+    for budget in (None, torch.cuda.memory_allocated() + 1):  # the device's free memory; no room left
+        originals = MemoryOriginals()
+        merger = LoraMerger(model, originals)
+        merger.apply([(lora, 1.0)], vram_budget=budget)
+        copies = list(originals.saved.values())
+        if budget is None:
+            assert originals.place == "device" and all(copy.is_cuda for copy in copies)
+        else:
+            assert originals.place == "pinned" and all(copy.is_pinned() for copy in copies)
+        merged[budget] = snapshot(model)
+        merger.apply([(lora, 0.5)])
+        merger.apply([])
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    first, second = merged.values()
+    assert all(torch.equal(first[n], second[n]) for n in first)
+
+    path = _bf16_file(tmp_path, _small_dit())
+    model, _ = loading.load_transformer(path, "cuda", torch.bfloat16, weight_formats=WeightFormats(fmt))
+    LoraMerger(model, FileOriginals(path)).apply([(lora, 0.9)])
+    wanted = {key: tensor.to("cuda", torch.float32) for key, tensor in load_file(path).items()}
+    with full_fp32_matmul():
+        for piece in lora.layers:
+            delta = piece.up.to("cuda", torch.float32) @ piece.down.to("cuda", torch.float32)
+            wanted[f"{piece.layer}.weight"] += delta * (piece.scale * 0.9)
+    for key, slot in model.checkpoint_slots().items():
+        if hasattr(slot, "layer") and key.endswith(".weight"):
+            q, s = quantize_weight(wanted[key], slot.layer.fmt)
+            assert torch.equal(slot.layer.qweight[slot.rows], q) and torch.equal(slot.layer.weight_scale[slot.rows], s)

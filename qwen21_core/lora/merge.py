@@ -4,13 +4,16 @@ Why in place: the weights keep their addresses, so captured CUDA graphs (which r
 and replay the merged model, and a merged LoRA costs nothing per step. What depends on the weights' values, the
 prefix K/V kept for reuse, is keyed on `transformer.weights_id`, which names the merged stack.
 
-What a merge computes (`merge_into_weight`, the one place a weight changes), in fp32 on the weight's device:
+What a merge computes (`merge_into_weight`, and `MergingSlot` for a file's floats), in fp32 on the weight's
+device:
 - a float weight: W = round(W_orig + sum_i strength_i * alpha_i / rank_i * B_i @ A_i), rounded once to its dtype
   (the weights diffusers' fuse_lora gives);
 - a quantised weight (quant/linear.py QuantLinear, fp8 or int8 with one scale per row), two ways:
   * from the file's float weight, when the transformer was loaded from a bf16 (fp16, fp32) file and quantised
     while loading: W_q = quantise(W_file + deltas), each checkpoint tensor quantised as the loader quantised it
-    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give;
+    (so rows no LoRA touches come out bit-identical). One rounding, as quantising the merged model would give.
+    The file is re-read and merged in one pass of the loader's reader (load_into into MergingSlots: the reads
+    overlap the merges on the device), for every weight of the change at once;
   * otherwise (a quantised file, a model built in memory) from the loaded values: the rows a LoRA touches are
     dequantised, the deltas added and the rows requantised in the layer's own format (a new per-row scale); rows
     no LoRA touches keep their bits. int8_convrot stores W H (H the Hadamard rotation), so the sum is formed
@@ -31,10 +34,17 @@ accumulates). A weight whose pieces did not change is left alone. The originals 
   renaming, dequantisation and quantisation, so the same bits: a bf16 file quantised at load is quantised again
   the same way, an fp8_scaled or int8_convrot file's rows are copied as they are). Holds no memory; the file
   must not change while it is in use.
-- `MemoryOriginals`: CPU copies (pinned for CUDA) of each weight, taken before it is first changed and dropped once
-  it is back to its original. Memory: the bytes of the weights the current stack touches (a quantised layer's
-  8-bit values and scales); for a LoRA on every block linear of the full-size model that is all block weights,
-  ~13 GiB in bf16, ~6.6 GiB quantised. For models built in memory.
+- `MemoryOriginals`: copies of each weight, taken before it is first changed and dropped once it is back to its
+  original, packed into a few large buffers per change. Where they go is the memory planner's decision
+  (memory/planner.py copies_place, with the pipeline's VRAM budget): on the GPU while they take at most half of
+  its free memory (restoring is then a copy within the device), else in pinned host RAM (pinning costs about a
+  second per GB, once per change that touches new weights), else pageable. Memory: the bytes of the weights the
+  current stack touches (a quantised layer's 8-bit values and scales); for a LoRA on every block linear of the
+  full-size model that is all block weights, ~13 GiB in bf16, ~6.6 GiB quantised. For models built in memory.
+
+Speed (a change takes a few passes over the touched weights, no per-weight waits): a LoRA's factors go to the
+device before the merges (on_device), the range checks are read once per group (Checks), and the seconds of each
+phase are in LoraMerger.last_stats (bench_lora prints them).
 
 Blocks that stream from pinned host RAM (memory/streaming.py) are changed one at a time, each brought onto the
 device for it and written back to its host copy: a streamed block's parameters otherwise point at a staging
@@ -52,7 +62,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,8 +71,10 @@ from ...kernels.quantize_rows import rotate
 from ..checkpoints import formats, key_maps
 from ..checkpoints.files import Checkpoint, converted_shapes, identify, load_into
 from ..dit.transformer import QwenImage21Transformer
+from ..memory.host_copy import view as flat_view
+from ..memory.planner import copies_place
 from ..quant.linear import QuantLinear
-from ..quant.slots import QuantSlot
+from ..quant.slots import QuantSlot, StoredQuant
 from ..quant.weights import dequantize_weight, quantize_weight
 from .reading import LoraError, LoraFile, LoraLayer
 
@@ -72,6 +84,7 @@ Stack = Sequence[tuple[LoraFile, float]]  # (LoRA, strength), applied together
 # Elements of a weight merged at once: each fp32 temporary of a merge (the weight, a delta, the requantisation's)
 # is 64 MiB at most, whatever the layer's shape.
 CHUNK_ELEMENTS = 2**24
+_ALIGN = 256  # bytes: where each kept copy starts in its buffer (any dtype's alignment)
 QUANTIZED_WEIGHT = "qweight"  # a quantised layer's weight parameter; its scales are in "weight_scale" beside it
 
 
@@ -208,25 +221,66 @@ class _Delta:
         return (up @ self.down).mul_(self.layer.scale * self.strength)
 
 
-@torch.no_grad()
-def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces, floats: FloatRows | None = None) -> None:
-    """Apply the LoRA pieces of one weight in place (see the module docstring for the arithmetic).
+def on_device(pieces: Pieces, device) -> list[tuple[slice, float, LoraLayer]]:
+    """The pieces with their LoRA factors copied to `device` (as stored), before a merge starts: a copy from pageable
+    host memory waits for the device's queued work, so made inside a merge it would stall the file reads that
+    overlap it. A full difference (.diff, the weight's size) stays where it is and goes over rows at a time."""
+    out = []
+    for rows, strength, layer in pieces:
+        if layer.diff is None:
+            layer = replace(layer, up=layer.up.to(device), down=layer.down.to(device))
+        out.append((rows, strength, layer))
+    return out
 
-    `target` is a float parameter or a QuantLinear. Without `floats` it holds its original values on entry: the
-    rows the pieces touch are processed in chunks of CHUNK_ELEMENTS: read in fp32 (dequantised, in the stored
-    basis), the pieces' deltas added in order, checked, and written back (rounded once, or requantised per row).
-    With `floats` (a QuantLinear's original float rows, covering all its rows: FileOriginals.float_rows) each part
-    gets its deltas and is quantised into the layer as the loader quantised it; the layer's values on entry do
-    not matter.
+
+class Checks:
+    """The merges' range checks (NaN/inf from a file, beyond a float weight's range), gathered on the device and
+    read once at the end: reading a device value waits for all queued work, once per chunk it would serialise the
+    merges with the file reads. A failed check raises after the values were written; the caller restores them."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, torch.dtype | None, str]] = []
+
+    def add(self, merged: torch.Tensor, dtype: torch.dtype | None, names: str) -> None:
+        self.pending.append((merged.abs().amax().float(), dtype, names))
+
+    def verify(self) -> None:
+        if not self.pending:
+            return
+        device = self.pending[0][0].device
+        largest = torch.stack([value.to(device) for value, _, _ in self.pending]).tolist()  # the one sync
+        pending, self.pending = self.pending, []
+        for value, (_, dtype, names) in zip(largest, pending, strict=True):
+            if dtype is None and not math.isfinite(value):
+                raise LoraError(f"merging into {names} gives {value:g}: check the LoRA file (or lower the strength)")
+            if dtype is not None and not value <= torch.finfo(dtype).max:
+                raise LoraError(
+                    f"merging into {names} gives {value:g}, beyond {dtype} (max {torch.finfo(dtype).max:g}): lower "
+                    "the strength or check the LoRA file"
+                )
+
+
+def _names(pieces: Pieces) -> str:
+    return ", ".join(sorted({layer.layer for _, _, layer in pieces}))
+
+
+@torch.no_grad()
+def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces, checks: Checks | None = None) -> None:
+    """Apply the LoRA pieces of one weight in place, from its values on entry (its original values; see the module
+    docstring for the arithmetic).
+
+    `target` is a float parameter or a QuantLinear. The rows the pieces touch are processed in chunks of
+    CHUNK_ELEMENTS: read in fp32 (dequantised, in the stored basis), the pieces' deltas added in order, and written
+    back (rounded once, or requantised per row). The range checks go to `checks` (verified by the caller), or are
+    verified before returning.
     """
-    if floats is not None:
-        _merge_from_floats(target, pieces, floats)
-        return
+    verify_here = checks is None
+    checks = Checks() if checks is None else checks
     quantized = isinstance(target, QuantLinear)
     stored = target.qweight if quantized else target
     rotation = target.fmt.rotation if quantized else 0
     deltas = [(rows, _Delta(layer, strength, stored.device, rotation)) for rows, strength, layer in pieces]
-    names = ", ".join(sorted({layer.layer for _, _, layer in pieces}))
+    names = _names(pieces)
     step = max(1, CHUNK_ELEMENTS // (stored.shape[1] if stored.dim() == 2 else 1))
     for first, last in _touched_ranges(pieces):
         for start in range(first, last, step):
@@ -239,40 +293,44 @@ def merge_into_weight(target: torch.Tensor | QuantLinear, pieces: Pieces, floats
                 lo, hi = max(chunk.start, rows.start), min(chunk.stop, rows.stop)
                 if lo < hi:
                     merged[lo - chunk.start : hi - chunk.start] += delta.rows(slice(lo - rows.start, hi - rows.start))
-            _check(merged, None if quantized else target.dtype, names)
+            checks.add(merged, None if quantized else target.dtype, names)
             if quantized:
                 q, scale = quantize_weight(merged, target.fmt, rotated=True)
                 target.qweight[chunk].copy_(q)
                 target.weight_scale[chunk].copy_(scale)
             else:
                 target[chunk].copy_(merged)
+    if verify_here:
+        checks.verify()
 
 
-def _merge_from_floats(layer: QuantLinear, pieces: Pieces, floats: FloatRows) -> None:
-    deltas = [(rows, _Delta(lora_layer, strength, layer.qweight.device, 0)) for rows, strength, lora_layer in pieces]
-    names = ", ".join(sorted({lora_layer.layer for _, _, lora_layer in pieces}))
-    for part, weight in floats:  # weight: fp32 [rows of the part, K], ours to change
+class MergingSlot(QuantSlot):
+    """Rows of a quantised layer as a destination for the loader (checkpoints/files.py load_into): the file's float
+    tensor for them arrives, the deltas of the pieces on these rows are added in fp32 and the sum is quantised as
+    the loader quantises a float tensor. So re-reading and merging are one pass over the file, and the merged
+    weight carries one rounding. Rows no piece touches come out as loaded."""
+
+    def __init__(self, layer: QuantLinear, rows: slice, pieces: Pieces, checks: Checks, names: str):
+        super().__init__(layer, rows.start, rows.stop)
+        self.pieces, self.checks, self.names = list(pieces), checks, names
+
+    @torch.no_grad()
+    def fill(self, tensor: torch.Tensor, stored: StoredQuant | None = None) -> None:
+        if stored is not None:
+            raise RuntimeError(f"{self.names}: merging from floats got rows the file stores quantised")
+        weight = tensor.to(self.device, torch.float32, copy=True)  # fp32 [rows, K], ours to change
+        deltas = [(rows, _Delta(layer, strength, self.device, 0)) for rows, strength, layer in self.pieces]
         step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+        part = self.rows
         for rows, delta in deltas:
             lo, hi = max(part.start, rows.start), min(part.stop, rows.stop)
             for start in range(lo, hi, step):
                 stop = min(start + step, hi)
                 weight[start - part.start : stop - part.start] += delta.rows(slice(start - rows.start,
                                                                                    stop - rows.start))  # fmt: skip
-        _check(weight, None, names)
-        QuantSlot(layer, part.start, part.stop).fill(weight)  # the loader's own quantisation of a float tensor
-
-
-def _check(merged: torch.Tensor, dtype: torch.dtype | None, names: str) -> None:
-    """One sync per chunk: NaN/inf from a file, or beyond a float weight's range (fp16 overflow)."""
-    largest = float(merged.abs().amax())
-    if dtype is None and not math.isfinite(largest):
-        raise LoraError(f"merging into {names} gives {largest:g}: check the LoRA file (or lower the strength)")
-    if dtype is not None and not largest <= torch.finfo(dtype).max:
-        raise LoraError(
-            f"merging into {names} gives {largest:g}, beyond {dtype} (max {torch.finfo(dtype).max:g}): lower the "
-            "strength or check the LoRA file"
-        )
+        self.checks.add(weight, None, self.names)
+        super().fill(weight)  # the loader's own quantisation of a float tensor
+        self.pieces = []  # its deltas' device memory goes as the load moves on
 
 
 def attach_side_paths(layer: QuantLinear, pieces: Pieces) -> None:
@@ -295,10 +353,19 @@ def attach_side_paths(layer: QuantLinear, pieces: Pieces) -> None:
 
 
 class MemoryOriginals:
-    """CPU copies of the parameters a stack changes, taken before their first change (see the module docstring)."""
+    """Copies of the parameters a stack changes, taken before their first change (see the module docstring).
+
+    The copies of one change are packed into a few large buffers (SLAB_BYTES each) made at once, where the memory
+    planner puts them (memory/planner.py copies_place): on the weights' device when it has room for them, else in
+    pinned host RAM (copies at the bus's rate; torch rounds each pinned allocation up to a power of two, so slabs
+    of one power of two waste nothing), else pageable. The copies are queued on the weights' stream, ahead of the
+    merges that change the weights; nothing waits for them. A slab is freed once none of its copies is needed."""
+
+    SLAB_BYTES = 2**30
 
     def __init__(self):
         self.saved: dict[str, torch.Tensor] = {}
+        self.place = "none"  # where the last copies went
 
     @property
     def nbytes(self) -> int:
@@ -308,12 +375,25 @@ class MemoryOriginals:
     def reading(self):
         yield
 
-    def keep(self, params: dict[str, torch.Tensor]) -> None:
-        with torch.inference_mode(False):  # ordinary tensors, usable whatever the caller's grad mode
-            for name, param in params.items():
-                if name not in self.saved:
-                    pin = param.device.type == "cuda"
-                    self.saved[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin).copy_(param)
+    def keep(self, params: dict[str, torch.Tensor], vram_budget: int | None = None) -> None:
+        by_device = defaultdict(dict)
+        for name, param in params.items():
+            if name not in self.saved:
+                by_device[param.device][name] = param
+        for device, new in by_device.items():
+            sizes = {name: -(-param.numel() * param.element_size() // _ALIGN) * _ALIGN for name, param in new.items()}
+            self.place = copies_place(sum(sizes.values()), device, vram_budget)
+            # ordinary tensors, usable whatever the caller's mode (inference_mode(False) turns grad on: off again)
+            with torch.inference_mode(False), torch.no_grad():
+                for names, nbytes in _slabs(sizes, self.SLAB_BYTES):
+                    slab = torch.empty(nbytes, dtype=torch.uint8, device=device if self.place == "device" else "cpu",
+                                       pin_memory=self.place == "pinned")  # fmt: skip
+                    offset = 0
+                    for name in names:
+                        param = new[name]
+                        copy = flat_view(slab, offset, param.shape, param.dtype)
+                        self.saved[name] = copy.copy_(param, non_blocking=True)
+                        offset += sizes[name]
 
     def restore(self, transformer: QwenImage21Transformer, names: Iterable[str]) -> None:
         for name in names:
@@ -325,6 +405,17 @@ class MemoryOriginals:
     def keep_only(self, names: Iterable[str]) -> None:
         names = set(names)
         self.saved = {name: saved for name, saved in self.saved.items() if name in names}
+
+
+def _slabs(sizes: dict[str, int], slab_bytes: int) -> list[tuple[list[str], int]]:
+    """Names packed in order into buffers of at most `slab_bytes` (a larger one alone): [(names, bytes)]."""
+    slabs: list[tuple[list[str], int]] = []
+    for name, nbytes in sizes.items():
+        if slabs and slabs[-1][1] + nbytes <= slab_bytes:
+            slabs[-1] = (slabs[-1][0] + [name], slabs[-1][1] + nbytes)
+        else:
+            slabs.append(([name], nbytes))
+    return slabs
 
 
 class FileOriginals:
@@ -362,7 +453,7 @@ class FileOriginals:
             self._session = _FileSession(Checkpoint.open(self.path), transformer)
         return self._session
 
-    def keep(self, params: dict[str, torch.Tensor]) -> None:
+    def keep(self, params: dict[str, torch.Tensor], vram_budget: int | None = None) -> None:
         pass  # the file has them
 
     def keep_only(self, names: Iterable[str]) -> None:
@@ -380,14 +471,20 @@ class FileOriginals:
         session = self._open(transformer)
         return all(session.produced[key][0] not in session.quant.layers for key in session.keys_of(target))
 
-    def float_rows(self, transformer: QwenImage21Transformer, target: str) -> FloatRows:
-        """The original float rows of quantised layer `target` as the file stores them, in fp32 on its device."""
+    def merge_floats(self, transformer: QwenImage21Transformer, merges: dict[str, Pieces], checks: Checks) -> None:
+        """Quantised weights (targets whose float weights the file stores) re-read from the file with their pieces'
+        deltas added, each checkpoint tensor quantised as the loader quantised it (MergingSlot): one pass through
+        the loader's reader for all of them, and every row rewritten, so no restore comes first."""
         session = self._open(transformer)
-        device = transformer.get_parameter(target).device
-        parts = {key: torch.empty(session.produced[key][1], dtype=torch.float32, device=device)
-                 for key in session.keys_of(target)}  # fmt: skip
-        session.read(parts)
-        return [(session.holders[key][1], tensor) for key, tensor in parts.items()]
+        slots = {}
+        for target, pieces in merges.items():
+            layer = transformer.get_submodule(target.removesuffix(f".{QUANTIZED_WEIGHT}"))
+            names = _names(pieces)
+            for key in session.keys_of(target):
+                rows = session.holders[key][1]
+                touching = [piece for piece in pieces if piece[0].start < rows.stop and rows.start < piece[0].stop]
+                slots[key] = MergingSlot(layer, rows, touching, checks, names)
+        session.read(slots)
 
 
 class _FileSession:
@@ -439,8 +536,11 @@ class LoraMerger:
         self.last_stats: dict = {}
 
     @torch.no_grad()
-    def apply(self, stack: Stack) -> None:
-        """Make the weights original + `stack` (an empty stack restores the original weights)."""
+    def apply(self, stack: Stack, vram_budget: int | None = None) -> None:
+        """Make the weights original + `stack` (an empty stack restores the original weights).
+
+        vram_budget: the pipeline's device budget (bytes), which decides with the memory planner whether copies
+        of the original weights (MemoryOriginals) may stay on the device."""
         stack_id = stack_identity(stack)
         if stack_id == self.stack_id:
             return
@@ -450,19 +550,13 @@ class LoraMerger:
                   for target, pieces in plan.items()}  # fmt: skip
         changed = {t for t in set(self.merged) | set(wanted) if self.merged.get(t) != wanted.get(t)}
         counts = {"weights_merged": 0, "side_paths": 0}
+        clock = _PhaseClock(self.transformer.device)
         was_changed = set(self.changed)
         try:
             with self.originals.reading(), full_fp32_matmul():
                 for names, place in self._groups(changed):
                     with place:
-                        # weights re-merged from the file's floats need no restore first (every row is rewritten)
-                        rewritten = {n for n in names & set(wanted) if self._from_floats(n, plan[n])}
-                        self._restore(names & set(self.merged), keep=rewritten)
-                        for name in sorted(names & set(wanted)):
-                            merged, side = self._apply_one(name, plan[name])
-                            counts["weights_merged"] += merged
-                            counts["side_paths"] += side
-                            self.merged[name] = wanted[name]
+                        self._bring(names, plan, wanted, counts, clock, vram_budget)
             self.originals.keep_only(p for target in self.changed for p in parameters_of(target))
         except BaseException:
             self._restore_all()  # never leave a half-merged model behind
@@ -473,8 +567,52 @@ class LoraMerger:
         if self.transformer.device.type == "cuda":
             torch.cuda.synchronize(self.transformer.device)
         self.last_stats = {"seconds": round(time.perf_counter() - started, 3), **counts,
-                           "original_copies_mib": round(self.originals.nbytes / 2**20, 1)}  # fmt: skip
+                           "original_copies_mib": round(self.originals.nbytes / 2**20, 1),
+                           "originals_on": getattr(self.originals, "place", "file"), **clock.rounded()}  # fmt: skip
         log.info("LoRA stack %s applied: %s", [lora.path.name for lora, _ in stack], self.last_stats)
+
+    def _bring(self, names: set[str], plan: dict, wanted: dict, counts: dict, clock: _PhaseClock,
+               vram_budget: int | None) -> None:  # fmt: skip
+        """Bring the weights `names` (one group of _groups, in place) from what they hold to what `wanted` says."""
+        targets = sorted(names & set(wanted))
+        merges = {}  # weight -> the pieces merged into it (a quantised weight's side paths are not)
+        for name in targets:
+            pieces = [(rows, s, layer) for rows, s, layer, side, _ in plan[name] if not (side and _is_quantized(name))]
+            if pieces:
+                merges[name] = pieces
+        # weights re-merged from the file's floats need no restore first (every row is rewritten)
+        from_floats = {n for n in merges if _is_quantized(n) and self.originals.stores_floats(self.transformer, n)}
+        with clock("restore_s"):
+            self._restore(names & set(self.merged), keep=from_floats)
+        for name in targets:
+            if _is_quantized(name):
+                beside = [(rows, s, layer) for rows, s, layer, side, _ in plan[name] if side]
+                attach_side_paths(self._layer(name), beside)
+                counts["side_paths"] += int(bool(beside))
+            self.merged[name] = wanted[name]  # from here on a failure takes it off again
+        if not merges:
+            return
+        device = self.transformer.get_parameter(next(iter(merges))).device
+        with clock("lora_to_device_s"):
+            merges = {name: on_device(pieces, device) for name, pieces in merges.items()}
+        with clock("keep_originals_s"):
+            self.originals.keep({p: self.transformer.get_parameter(p) for name in merges for p in parameters_of(name)},
+                                vram_budget)  # fmt: skip
+        self.changed |= set(merges)  # before the merges: a failure half way through is undone too
+        checks = Checks()
+        with clock("file_read_and_merge_s"):
+            if from_floats:
+                self.originals.merge_floats(self.transformer, {n: merges[n] for n in sorted(from_floats)}, checks)
+        with clock("merge_s"):
+            for name in sorted(set(merges) - from_floats):
+                target = self._layer(name) if _is_quantized(name) else self.transformer.get_parameter(name)
+                merge_into_weight(target, merges[name], checks)
+        with clock("check_s"):
+            checks.verify()
+        counts["weights_merged"] += len(merges)
+
+    def _layer(self, name: str) -> QuantLinear:
+        return self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}"))
 
     def _plan(self, stack: Stack) -> dict[str, list]:
         layers = lora_layers(self.transformer)
@@ -491,30 +629,6 @@ class LoraMerger:
                                     f"{list(shape)} there, {expected} here")  # fmt: skip
                 plan[slot.param].append((slot.rows, float(strength), layer, lora.side_path, lora.identity))
         return plan
-
-    def _apply_one(self, name: str, pieces: list) -> tuple[int, int]:
-        """Merge a weight's pieces (or attach them as side paths); returns (weights merged, side paths) as 0/1."""
-        if not _is_quantized(name):
-            self._merge(self.transformer.get_parameter(name), name, [(rows, s, layer) for rows, s, layer, *_ in pieces])
-            return 1, 0
-        layer = self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}"))
-        merged = [(rows, s, lora_layer) for rows, s, lora_layer, side, _ in pieces if not side]
-        beside = [(rows, s, lora_layer) for rows, s, lora_layer, side, _ in pieces if side]
-        attach_side_paths(layer, beside)
-        if merged:
-            floats = self.originals.float_rows(self.transformer, name) if self._from_floats(name, pieces) else None
-            self._merge(layer, name, merged, floats)
-        return int(bool(merged)), int(bool(beside))
-
-    def _from_floats(self, name: str, pieces: list) -> bool:
-        """Whether quantised weight `name` is merged from the file's float weight (see the module docstring)."""
-        return (_is_quantized(name) and any(not side for *_, side, _ in pieces)
-                and self.originals.stores_floats(self.transformer, name))  # fmt: skip
-
-    def _merge(self, target, name: str, pieces: Pieces, floats: FloatRows | None = None) -> None:
-        self.originals.keep({p: self.transformer.get_parameter(p) for p in parameters_of(name)})
-        self.changed.add(name)  # before the merge: a failure half way through is undone too
-        merge_into_weight(target, pieces, floats)
 
     def _groups(self, names: set[str]) -> Iterator[tuple[set[str], contextlib.AbstractContextManager]]:
         """`names` split into what is changed together: every weight outside streamed blocks first, then each
@@ -535,7 +649,7 @@ class LoraMerger:
         rewritten whole)."""
         for name in names:
             if _is_quantized(name):
-                self.transformer.get_submodule(name.removesuffix(f".{QUANTIZED_WEIGHT}")).set_side_paths([])
+                self._layer(name).set_side_paths([])
         weights = sorted((names & self.changed) - keep)
         self.originals.restore(self.transformer, [p for target in weights for p in parameters_of(target)])
         self.changed -= names - keep
@@ -551,3 +665,25 @@ class LoraMerger:
     def _set_id(self, stack_id: tuple) -> None:
         self.stack_id = stack_id
         self.transformer.weights_id = stack_id
+
+
+class _PhaseClock:
+    """Seconds per phase of one stack change, summed over the groups (where the time goes, for the benchmark). On
+    CUDA each phase ends with a synchronisation, so the device work it queued counts in it: a few per change."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[phase] += time.perf_counter() - start
+
+    def rounded(self) -> dict[str, float]:
+        return {phase: round(seconds, 3) for phase, seconds in self.seconds.items()}

@@ -90,6 +90,25 @@ def _meminfo_available_bytes() -> int | None:
     return None
 
 
+KEPT_COPIES_SHARE = 0.5  # of the device's free memory, what long-lived copies beside the weights may take
+
+
+def copies_place(nbytes: int, device, budget: int | None = None) -> str:
+    """Where `nbytes` of long-lived copies of a model's weights go (a LoRA merge's originals, lora/merge.py
+    MemoryOriginals): "device" when the weights are on a CUDA device and the copies take at most KEPT_COPIES_SHARE
+    of what device_free_bytes(device, budget) leaves beyond HEADROOM_BYTES (sampling keeps the larger part of the
+    free memory; putting a weight back is then a copy within the device); else "pinned" host RAM when
+    host_free_bytes holds them (copies at the bus's rate, but pinning costs about 1 s per GB once); else
+    "pageable" host RAM (also the place for weights on the CPU)."""
+    device = indexed_device(device)
+    if device.type != "cuda":
+        return "pageable"
+    if nbytes <= KEPT_COPIES_SHARE * (device_free_bytes(device, budget) - HEADROOM_BYTES):
+        return "device"
+    host = host_free_bytes()
+    return "pinned" if host is None or nbytes <= host else "pageable"
+
+
 @dataclass(frozen=True)
 class SamplingPlan:
     kv_placement: str  # "gpu" | "cpu"
