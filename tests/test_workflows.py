@@ -175,8 +175,12 @@ def test_make_tiny_runs_inside_a_real_comfyui_folder(tmp_path):
 
     comfyui = os.environ["COMFYUI_DIR"]
     python = os.environ.get("COMFYUI_PYTHON") or sys.executable
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(qwen21_nodes.__file__)))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": package_parent, "CUDA_VISIBLE_DEVICES": ""}
+    # the package importable by its name whatever its checkout's folder is called (custom_nodes/qwen21_nodes in
+    # ComfyUI; a clone may be named otherwise)
+    package_parent = tmp_path / "packages"
+    package_parent.mkdir()
+    (package_parent / "qwen21_nodes").symlink_to(os.path.dirname(os.path.abspath(qwen21_nodes.__file__)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(package_parent), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([python, "-m", "qwen21_nodes", "make-tiny", str(tmp_path / "models")], cwd=comfyui,
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
