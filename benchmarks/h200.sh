@@ -3,7 +3,7 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
-#   tests-kernels-gpu session session-turbo tests-gpu-all
+#   tests-kernels-gpu session session-turbo tests-gpu-all copy-rates
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +102,7 @@ for part in "$@"; do
     vae-placeholders) run bench_vae_placeholders "${VAE_LIMIT:-420}" python3 benchmarks/bench_vae.py --placeholders ${VAE_ARGS:-} ;;
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
+    copy-rates) run bench_copy_rates 60 python3 benchmarks/bench_copy_rates.py ;;
     lora) run bench_lora "${LORA_LIMIT:-580}" python3 benchmarks/bench_lora.py ${LORA_ARGS:-} ;;  # LORA_ARGS: --formats ...
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
