@@ -3,7 +3,7 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
-#   tests-kernels-gpu session session-turbo tests-gpu-all copy-rates
+#   tests-kernels-gpu session session-turbo session-comfyui tests-gpu-all copy-rates
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,18 @@ run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat t
   local start=$SECONDS
   timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
   echo "=== $name rc=$? $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+}
+
+unpack_comfyui() {  # ComfyUI from .carry/comfyui (benchmarks/comfyui_carry.sh) into /tmp/comfyui, its missing
+  # requirements into /tmp/comfysite; PyAV is replaced by a stand-in module, the frontend by an empty folder
+  rm -rf /tmp/comfyui /tmp/comfysite && mkdir -p /tmp/comfyui /tmp/comfysite/av/subtitles /tmp/frontend
+  tar xzf .carry/comfyui/comfyui.tar.gz -C /tmp/comfyui
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/comfysite .carry/comfyui/wheels/*.whl
+  local stand_in='def __getattr__(name):  # a stand-in for PyAV: ComfyUI imports it at start, we never use it
+    return type(name, (), {})'
+  for module in av/__init__ av/container av/subtitles/__init__ av/subtitles/stream; do
+    echo "$stand_in" > "/tmp/comfysite/$module.py"
+  done
 }
 
 for part in "$@"; do
@@ -107,19 +119,18 @@ for part in "$@"; do
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
       run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;
-    server-gpu)  # the server tests that need ComfyUI on a GPU (--lowvram, --novram): .carry/comfyui from
-      # benchmarks/comfyui_carry.sh; PyAV is replaced by a stand-in module, the frontend by an empty folder
-      rm -rf /tmp/comfyui /tmp/comfysite && mkdir -p /tmp/comfyui /tmp/comfysite/av/subtitles /tmp/frontend
-      tar xzf .carry/comfyui/comfyui.tar.gz -C /tmp/comfyui
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/comfysite .carry/comfyui/wheels/*.whl
-      stand_in='def __getattr__(name):  # a stand-in for PyAV: ComfyUI imports it at start, these tests never use it
-    return type(name, (), {})'
-      for module in av/__init__ av/container av/subtitles/__init__ av/subtitles/stream; do
-        echo "$stand_in" > "/tmp/comfysite/$module.py"
-      done
+    server-gpu)  # the server tests that need ComfyUI on a GPU (--lowvram, --novram)
+      unpack_comfyui
       COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
         PYTHONPATH=/tmp/comfysite:$PYTHONPATH run server_gpu "${SERVER_LIMIT:-240}" python3 -m pytest -v -p no:cacheprovider \
         tests/test_comfyui_server.py -k lowvram ;;
+    session-comfyui)  # bench_session's session once through a real ComfyUI (its default flags), full size, fp8.
+      # The random files are 17.6 GB (from the shapes); bench_load wrote 14.2 GB in 15.1 s, so expect 20-30 s of
+      # writing; a tail of 8 (22 prompts, as the in-process H200 sessions) keeps the rest inside the call
+      unpack_comfyui
+      COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
+        PYTHONPATH=/tmp/comfysite:$PYTHONPATH run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
+        python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
     *) echo "unknown part $part" ;;
   esac
 done

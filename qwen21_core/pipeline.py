@@ -164,9 +164,10 @@ class Qwen21Pipeline:
         (qwen21_core/warmup.py), so the first encode and image do not wait for them. Nothing on a CPU, without Triton
         or with QWEN21_KERNEL_WARMUP=0.
 
-        "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; empty unless that
-        kernel is opted into, kernels/dequantize_weight.py), queued first: the encode comes first. Nobody waits for it: the layers use torch's expression until it is done. The DiT's
-        weight-only layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too."""
+        "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; empty when that
+        kernel is turned off, kernels/dequantize_weight.py), queued first: the encode comes first. Nobody waits for
+        it: the layers use torch's expression until it is done. The DiT's weight-only layers share its keys (it is
+        the same kernel), so the DiT's QuantLinears are scanned too."""
         from ..kernels._triton import TRITON_AVAILABLE
         from .dit.kernel_warmup import dit_warmup_jobs
         from .quant.kernel_warmup import dequantize_warmup_jobs

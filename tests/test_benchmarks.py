@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 BENCH_VAE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vae.py"
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
 
 def _run(*args, interpreter=False):
@@ -182,6 +183,75 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     assert [p["lora_strength"] for p in first if p["lora_strength"] is not None] == [1.0, 0.6]
     for summary in summaries:
         assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_comfyui_session_writes_files_our_loaders_read_as_comfy_orgs_fp8_scaled(tmp_path, monkeypatch):
+    """The full-size file writers of bench_comfyui_session.py, on the tiny models: the DiT and the text encoder as
+    fp8_scaled files (block / language-model Linears fp8, the rest bf16), the VAE in bf16, all in ComfyUI's layouts,
+    read back by our loaders."""
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    import bench_comfyui_session as bench
+    import torch
+    from qwen21_nodes.qwen21_core.checkpoints import loading
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.text.encoder import decoder_linear_names
+    from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+
+    torch.manual_seed(0)
+    dit = QwenImage21Transformer(TINY_TRANSFORMER).to(torch.bfloat16)
+    bench.write_dit(tmp_path / "dit.safetensors", dit)
+    loaded, info = loading.load_transformer(tmp_path / "dit.safetensors", "cpu", torch.bfloat16)
+    assert (info["layout"], info["stored"]) == ("comfyui", "fp8 e4m3fn, scaled")
+    assert info["weights"] == f"fp8 ({4 * TINY_TRANSFORMER.num_layers}/{4 * TINY_TRANSFORMER.num_layers} block linears)"
+    assert torch.equal(loaded.img_in.weight, dit.img_in.weight)  # outside the blocks: bf16, as it was
+
+    text, processor = build_tiny_text_encoder()
+    bench.write_text_encoder(tmp_path / "te.safetensors", text)
+    (tmp_path / "te.json").write_text(text.config.to_json_string())
+    processor.save_pretrained(tmp_path / "te")
+    encoder, info = loading.load_qwen3vl(tmp_path / "te.safetensors", "cpu", torch.float32)
+    linears = len(decoder_linear_names(text.model))  # every Linear of its language model
+    assert info["stored"] == "fp8 e4m3fn, scaled" and info["weights"].startswith(f"fp8 ({linears}/")
+
+    vae = QwenImage21VAE(TINY_VAE)
+    bench.write_vae(tmp_path / "vae.safetensors", vae)
+    loaded_vae, info = loading.load_vae(tmp_path / "vae.safetensors", "cpu", torch.float32)
+    assert (info["layout"], info["stored"]) == ("comfyui", "bfloat16")
+    assert torch.equal(loaded_vae.decoder.conv_out.weight, vae.decoder.conv_out.weight.bfloat16().float())
+
+
+@pytest.mark.slow
+@pytest.mark.comfyui
+@pytest.mark.skipif(
+    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the session through a ComfyUI server",
+)
+def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(tmp_path):
+    """bench_comfyui_session --tiny on the CPU: bench_session's prompts queued over ComfyUI's HTTP API, every one
+    ending in success, with ComfyUI's own output cache at work (the loader runs once, the seed-only rerun reuses
+    the encoder's output, the LoRA node runs when its strength changes)."""
+    pytest.importorskip(
+        "websocket", reason="bench_comfyui_session needs websocket-client (pip install websocket-client)"
+    )
+    by_what = _bench("bench_comfyui_session.py", "--tiny", "--device", "cpu", "--tail", "1", "--log-dir", str(tmp_path))
+    prompts, (summary,) = by_what["session_prompt"], by_what["session_summary"]
+    assert all(line["via"] == "comfyui" and line["comfyui_flags"][0] == "--cpu" for line in prompts + [summary])
+    assert [p for p in prompts if "error" in p] == [] and summary["errors"] == 0
+    assert len(prompts) == summary["prompts"] == 15  # bench_session's plan with a tail of 1
+    assert "loader_s" in prompts[0] and "Qwen21ModelLoader" not in prompts[0]["cached"]
+    assert all("Qwen21ModelLoader" in p["cached"] and "loader_s" not in p for p in prompts[1:])
+    (rerun,) = [p for p in prompts if not p["changed_prompt"]]
+    assert "Qwen21Encode" in rerun["cached"] and "encode_s" not in rerun
+    changed = [p for p in prompts if p["changed_prompt"]]
+    assert all("Qwen21Encode" not in p["cached"] and p["encode_s"] > 0 for p in changed)
+    lora = [p for p in prompts if p["lora_strength"] is not None]
+    assert [p["lora_strength"] for p in lora] == [1.0, 0.6] and all(p["lora_s"] > 0 for p in lora)
+    assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] and p["sample_inner_s"] > 0 for p in prompts)
+    assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
+    assert "Requested to load Qwen21Weights" in (tmp_path / "comfyui_session_server.txt").read_text()
 
 
 @pytest.mark.slow

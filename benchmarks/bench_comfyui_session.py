@@ -1,0 +1,467 @@
+"""The session of bench_session.py once through a real ComfyUI server, over its HTTP API, as a user's client sees it.
+
+    COMFYUI_DIR=... COMFYUI_PYTHON=... python benchmarks/bench_comfyui_session.py             # H200, full size, fp8
+    ... python benchmarks/bench_comfyui_session.py --extra-args=--disable-cuda-malloc         # compare a flag
+    ... python benchmarks/bench_comfyui_session.py --tiny --device cpu --tail 1              # smoke test
+
+bench_session.py measures the session through our node classes in one process; this one starts ComfyUI (its
+default flags on the GPU, so its default cudaMallocAsync allocator and its memory manager are in the measurement;
+`--cpu` with `--device cpu`) and queues the same prompts (bench_session's `plan` and `session_prompt`) one at a time
+over POST /prompt, the loader pointed at model files on disk as a user has them:
+- `--tiny`: the tiny checkpoint set (`make_tiny`), the DiT and text encoder quantised to fp8 while loading;
+- full size: random-weight files written once into `--models-dir` (reused when its written.json is there): the DiT
+  as Comfy-Org's fp8_scaled file (every block Linear float8_e4m3fn with a per-tensor scale and its comfy_quant
+  marker, the rest bf16), the Qwen3-VL-8B text encoder as an fp8_scaled file too (its language model's Linears fp8,
+  the vision tower and embeddings bf16, no lm_head: the loader drops it anyway) with ComfyUI's own Qwen tokenizer
+  beside it, the VAE in bf16 (ComfyUI layout) and a rank-64 LoRA on every block Linear (bench_lora's).
+ComfyUI caches node outputs between prompts, so the loader runs once and the seed-only rerun reuses the encoder's
+output. Each prompt is timed from the POST to the websocket's execution_success (or error); a phase (encode_s,
+sample_s, decode_s, loader_s, lora_s) is the time from its node's `executing` message to the next node's, so it
+includes what ComfyUI does around the node (its memory manager loading or unloading models), and other_s sums the
+rest (LoadImage, SaveImage); `sample_inner_s` is the sampler's own time from its `ui` stats. `cached` lists the
+nodes ComfyUI took from its cache. Memory after a prompt comes from /system_stats: `allocated_after_gib` is torch's
+active bytes, `reserved_after_gib` what its allocator holds. `memory_log` has the server log's model-placement lines
+of that prompt.
+
+Output, one JSON line each, streamed: `session_models` (files written or reused, seconds: setup, not the session),
+`session_setup`, `session_prompt` per prompt and one `session_summary` (bench_session's `summary`), each with
+"via": "comfyui" and the ComfyUI flags. The server's log goes to --log-dir. Needs `websocket-client`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import emit  # noqa: E402
+from bench_session import plan, session_prompt, summary  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+GIB = 2**30
+PRECISION = "fp8"
+PACK_FOLDER = "qwen21-nodes"
+# full size: file names in --models-dir, by the loader input (or folder) that takes them
+FULL_SIZE_FILES = {
+    "diffusion_model": "diffusion_models/qwen_image_2.1_random_fp8_scaled.safetensors",
+    "text_encoder": "text_encoders/qwen3vl_8b_random_fp8_scaled.safetensors",
+    "vae": "vae/qwen_image_2.1_vae_random_bf16.safetensors",
+    "lora": "loras/session_lora_rank64.safetensors",
+}
+LORA_RANK = 64
+FULL_SIZE_DIR = "/tmp/qwen21_session_models"
+PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
+          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s"}  # fmt: skip
+# server log lines that say where ComfyUI's memory manager and our loader put the models
+MEMORY_LINE = re.compile(r"Requested to load|loaded completely|loaded partially|[Uu]nload|qwen21: ")
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.uint8: "U8"}
+
+
+# ---- model files ---------------------------------------------------------------------------------------------
+
+
+def fp8_scaled(tensors: dict, quantized) -> tuple[list, object]:
+    """A ComfyUI fp8_scaled layout of `tensors` (name -> tensor, on any device): each 2-D `.weight` whose name
+    `quantized(name)` accepts as float8_e4m3fn with a per-tensor fp32 `.weight_scale` and a `.comfy_quant` marker,
+    the rest bf16. -> (header entries (name, dtype, shape), a generator of the tensors in that order), so a writer
+    quantises one tensor at a time where it lies."""
+    from quant_files import marker, quantize_fp8  # tests/: the formats as Comfy-Org's files store them
+
+    conf = marker({"format": "float8_e4m3fn"})
+
+    def is_quantized(name, tensor):
+        return name.endswith(".weight") and tensor.dim() == 2 and quantized(name)
+
+    header = []
+    for name, tensor in tensors.items():
+        if is_quantized(name, tensor):
+            layer = name.removesuffix(".weight")
+            header += [(name, torch.float8_e4m3fn, tuple(tensor.shape)), (f"{layer}.weight_scale", torch.float32, ()),
+                       (f"{layer}.comfy_quant", torch.uint8, tuple(conf.shape))]  # fmt: skip
+        else:
+            header.append((name, torch.bfloat16, tuple(tensor.shape)))
+
+    def values():
+        for name, tensor in tensors.items():
+            if is_quantized(name, tensor):
+                q, scale, _conf = quantize_fp8(tensor)
+                yield from (q, scale.float(), conf)
+            else:
+                yield tensor.to(torch.bfloat16)
+
+    return header, values()
+
+
+def write_safetensors(path: Path, header: list, values) -> None:
+    """Stream a safetensors file, one tensor at a time to the host (a .part file renamed when complete)."""
+    entries, offset = {}, 0
+    for name, dtype, shape in header:
+        size = int(torch.Size(shape).numel()) * dtype.itemsize
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                         "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    entries["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for (name, dtype, shape), value in zip(header, values, strict=True):
+            if value.dtype != dtype or tuple(value.shape) != shape:
+                raise ValueError(f"{name}: made {value.dtype} {tuple(value.shape)}, the header says {dtype} {shape}")
+            f.write(memoryview(value.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    part.rename(path)
+
+
+def write_dit(path: Path, dit) -> None:
+    """Our DiT as Comfy-Org's fp8_scaled single file: ComfyUI's key layout, every block Linear fp8."""
+    from qwen21_nodes.qwen21_core.checkpoints import key_maps
+
+    comfy = key_maps.dit_to_comfyui({name: tensor.detach() for name, tensor in dit.checkpoint_slots().items()})
+    write_safetensors(path, *fp8_scaled(comfy, lambda name: ".transformer_blocks." in name))
+
+
+def write_text_encoder(path: Path, model) -> None:
+    """A transformers Qwen3-VL model as Comfy-Org's fp8_scaled file: its language model's Linears fp8, the vision
+    tower and the embeddings bf16, without the lm_head (our loader reads past it)."""
+    weights = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    write_safetensors(path, *fp8_scaled(weights, lambda name: name.startswith("model.language_model.layers.")))
+
+
+def write_vae(path: Path, vae) -> None:
+    """Our VAE in bf16, ComfyUI (Wan 2.2) layout, with the temporal keys the loader reads past (random)."""
+    from qwen21_nodes.qwen21_core.checkpoints import key_maps
+
+    dropped = vae.dropped_checkpoint_keys()
+    device = next(vae.parameters()).device
+    weights = {name: t.detach() if t is not None else 0.02 * torch.randn(dropped[name], device=device)
+               for name, t in vae.checkpoint_slots().items()}  # fmt: skip
+    write_safetensors(path, *fp8_scaled(key_maps.vae_to_comfyui(weights, vae.config.num_res_blocks), lambda _: False))
+
+
+def write_full_size(models: Path, device: torch.device, comfyui_dir: Path) -> None:
+    """The full-size random-weight files (FULL_SIZE_FILES), each model built where it is made fast (the GPU) and
+    freed before the next. Runs in a child process, so the benchmark's own process never holds GPU memory."""
+    from _common import random_dit
+    from bench_lora import write_lora
+    from bench_text_encoder import build_full_size
+    from qwen21_nodes.qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR
+    from qwen21_nodes.qwen21_core.config import TransformerConfig, VAEConfig
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+
+    started = time.perf_counter()
+    paths = {role: models / name for role, name in FULL_SIZE_FILES.items()}
+    with torch.no_grad():
+        dit = random_dit(TransformerConfig(), device, torch.bfloat16)
+        paths["lora"].parent.mkdir(parents=True, exist_ok=True)
+        write_lora(paths["lora"], dit, LORA_RANK, seed=3)
+        write_dit(paths["diffusion_model"], dit)
+        del dit
+        _free(device)
+        text, _processor = build_full_size(device, torch.bfloat16)
+        write_text_encoder(paths["text_encoder"], text)
+        del text
+        _free(device)
+        tokenizer = paths["text_encoder"].with_suffix("")  # the loader looks for a folder named after the file
+        if not tokenizer.is_dir():
+            shutil.copytree(comfyui_dir / COMFYUI_TOKENIZER_DIR, tokenizer)  # ComfyUI's own
+        torch.manual_seed(0)
+        write_vae(paths["vae"], QwenImage21VAE(VAEConfig()).to(device, torch.bfloat16))
+    sizes = {role: round(path.stat().st_size / 1e9, 2) for role, path in paths.items()}
+    (models / "written.json").write_text(json.dumps(FULL_SIZE_FILES))
+    emit(what="session_models", written=True, gb=sizes, seconds=round(time.perf_counter() - started, 1))
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def model_files(args) -> dict[str, str]:
+    """The loader's file names (and the LoRA's), with the files made if they are not there yet."""
+    models = Path(args.models_dir)
+    if args.tiny:
+        from qwen21_nodes.qwen21_core.tiny import make_tiny
+
+        started = time.perf_counter()
+        paths = make_tiny(models)
+        emit(what="session_models", written=True, tiny=True, seconds=round(time.perf_counter() - started, 1))
+        return {role: paths[name].name for role, name in
+                (("diffusion_model", "transformer"), ("text_encoder", "text_encoder"), ("vae", "vae"),
+                 ("lora", "lora"))}  # fmt: skip
+    marker = models / "written.json"
+    if marker.is_file() and json.loads(marker.read_text()) == FULL_SIZE_FILES:
+        sizes = {role: round((models / name).stat().st_size / 1e9, 2) for role, name in FULL_SIZE_FILES.items()}
+        emit(what="session_models", written=False, gb=sizes, seconds=0)
+    else:
+        # a child process: the writer's GPU memory and CUDA context are gone before ComfyUI starts
+        command = [sys.executable, str(Path(__file__).resolve()), "--write-models", "--models-dir", str(models),
+                   "--device", args.device]  # fmt: skip
+        subprocess.run(command, check=True)
+    return {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+
+
+# ---- the server ----------------------------------------------------------------------------------------------
+
+
+class ComfyUI:
+    """A ComfyUI server of our own (private base directory, the pack linked into custom_nodes, the models folder
+    through extra_model_paths.yaml, the example images in input/), and one websocket client of it."""
+
+    def __init__(self, comfyui_dir: Path, python: str, models: Path, flags: list[str], log_path: Path):
+        import websocket
+        from qwen21_nodes.runner.cli import EXAMPLE_INPUTS
+
+        self.base = Path(tempfile.mkdtemp(prefix="qwen21_comfyui_session_"))
+        for folder in ("custom_nodes", "input", "output", "temp", "user"):
+            (self.base / folder).mkdir()
+        (self.base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
+        for image in EXAMPLE_INPUTS.glob("*.png"):  # the edits' reference images
+            shutil.copyfile(image, self.base / "input" / image.name)
+        kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras"))
+        (self.base / "extra_model_paths.yaml").write_text(f"qwen21_session:\n    base_path: {models}\n{kinds}")
+        port = _free_port()
+        command = [python, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(self.base),
+                   "--extra-model-paths-config", str(self.base / "extra_model_paths.yaml"),
+                   "--database-url", "sqlite:///:memory:", *flags]  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "w") as log_file:
+            self.process = subprocess.Popen(command, cwd=comfyui_dir, stdout=log_file, stderr=subprocess.STDOUT,
+                                            env=env)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                self.stats = self.get("/system_stats")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("ComfyUI did not answer in 300 s:\n" + self.log()[-4000:]) from None
+                time.sleep(0.5)
+        self.client_id = f"qwen21-session-{port}"
+        self.socket = websocket.create_connection(f"ws://127.0.0.1:{port}/ws?clientId={self.client_id}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    def queue(self, prompt: dict) -> tuple[int, dict]:
+        body = json.dumps({"prompt": prompt, "client_id": self.client_id}).encode()
+        request = urllib.request.Request(self.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"{}")
+
+    def messages(self, prompt_id: str, timeout: float):
+        """(arrival time, type, data) of this prompt's JSON messages until it ends (binary previews skipped)."""
+        self.socket.settimeout(timeout)
+        while True:
+            frame = self.socket.recv()
+            now = time.perf_counter()
+            if not isinstance(frame, str):
+                continue
+            message = json.loads(frame)
+            data = message.get("data") or {}
+            if data.get("prompt_id") != prompt_id:
+                continue
+            yield now, message["type"], data
+            if message["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                return
+
+    def close(self) -> None:
+        try:
+            self.socket.close()
+        finally:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ---- the session ---------------------------------------------------------------------------------------------
+
+
+def with_files(prompt: dict, files: dict[str, str]) -> dict:
+    """bench_session's prompt with the loader pointed at our files, in the session's precision."""
+    for node in prompt.values():
+        if node["class_type"] == "Qwen21ModelLoader":
+            node["inputs"].update(diffusion_model=files["diffusion_model"], text_encoder=files["text_encoder"],
+                                  vae=files["vae"], weight_dtype=PRECISION)  # fmt: skip
+    return prompt
+
+
+def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None:
+    """Queue one prompt and wait for its end; fills `row` with its times, cache hits, stats and memory."""
+    log_start = len(server.log())
+    started = time.perf_counter()
+    status, reply = server.queue(prompt)
+    if status != 200:
+        row["error"] = f"rejected ({status}): {json.dumps(reply)[:400]}"
+        return
+    starts, outputs, cached, end = [], {}, [], None
+    for now, kind, data in server.messages(reply["prompt_id"], timeout):
+        if kind == "execution_cached":
+            cached = data.get("nodes") or []
+        elif kind == "executing" and data.get("node") is not None:
+            starts.append((data["node"], now))
+        elif kind == "executed":
+            outputs[data["node"]] = data.get("output") or {}
+        elif kind == "execution_error":
+            error = f"{data.get('exception_type')}: {data.get('exception_message')}"
+            row["error"] = f"{data.get('node_type')}: {error}"[:400]
+        elif kind == "execution_interrupted":
+            row["error"] = f"interrupted in {data.get('node_type')}"
+        end = now
+    row["total_s"] = round(end - started, 3)
+    # a node's time: from its `executing` message to the next node's (the last one's: to the end)
+    for (node, at), (_next, until) in zip(starts, starts[1:] + [(None, end)], strict=True):
+        name = PHASES.get(prompt[node]["class_type"], "other_s")
+        row[name] = round(row.get(name, 0) + until - at, 3)
+    row["cached"] = sorted(prompt[node]["class_type"] for node in cached)
+    for node, output in outputs.items():
+        if prompt[node]["class_type"] == "Qwen21Sampler" and output.get("qwen21_stats"):
+            stats = output["qwen21_stats"][0]
+            row["sample_inner_s"] = stats.get("seconds")
+            row["plan"] = stats.get("plan")
+            row["decode_graph"] = stats.get("decode_graph")
+            if stats.get("peak_vram_mib"):
+                row["sample_peak_gib"] = round(stats["peak_vram_mib"] / 1024, 2)
+    device = server.get("/system_stats")["devices"][0]
+    if device.get("type") == "cuda":
+        row["allocated_after_gib"] = round((device["torch_vram_total"] - device["torch_vram_free"]) / GIB, 2)
+        row["reserved_after_gib"] = round(device["torch_vram_total"] / GIB, 2)
+    row["memory_log"] = [line.strip()[:200] for line in server.log()[log_start:].splitlines()
+                         if MEMORY_LINE.search(line)][:12]  # fmt: skip
+
+
+def run_session(args, files: dict[str, str], flags: list[str]) -> int:
+    """One ComfyUI server, bench_session's prompts in order; -> the number of failed prompts."""
+    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    found = "warm" if cache_dir.is_dir() and any(cache_dir.iterdir()) else "empty"
+    kind = dict(precision=PRECISION, cap_gib=None, kernel_cache=found, via="comfyui", comfyui_flags=flags)
+    log_dir = Path(args.log_dir or tempfile.gettempdir())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags,
+                     log_dir / "comfyui_session_server.txt")  # fmt: skip
+    try:
+        system = server.stats.get("system", {})
+        emit(what="session_setup", **kind, start_s=round(time.perf_counter() - started, 1), steps=args.steps,
+             comfyui_version=system.get("comfyui_version"), pytorch=system.get("pytorch_version"),
+             device=server.stats["devices"][0].get("name"), log=str(server.log_path), files=files)  # fmt: skip
+        rows, seen = [], set()
+        for index, spec in enumerate(plan(args.tail)):
+            text_index = index if spec["changed"] else index - 1  # the rerun: the previous prompt's text
+            prompt = with_files(session_prompt(spec, index, args, files["lora"], text_index), files)
+            shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
+            row = dict(what="session_prompt", **kind, i=index, label=shape, first_of_shape=shape not in seen,
+                       changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
+            seen.add(shape)
+            lost = None
+            try:
+                run_prompt(server, prompt, row, args.prompt_timeout)
+            except Exception as error:  # noqa: BLE001 - the client lost the server (a timeout, an exit): stop here
+                lost = row["error"] = f"client: {type(error).__name__}: {str(error)[:300]}"
+                row["server_returncode"] = server.process.poll()
+            emit(**row)
+            rows.append(row)
+            if lost:
+                break
+        emit(**summary(rows, kind, rows[0].get("loader_s") if rows else None, None))
+        return sum("error" in row for row in rows)
+    finally:
+        server.close()
+
+
+def comfyui_flags(args) -> list[str]:
+    """The server's flags that change what is measured: --cpu on the CPU, COMFYUI_EXTRA_ARGS (as the server tests
+    take it) and --extra-args."""
+    flags = ["--cpu"] if args.device == "cpu" else []
+    flags += shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", ""))
+    return flags + [flag for value in args.extra_args for flag in shlex.split(value)]
+
+
+def _default_python(comfyui_dir: str) -> str:
+    for venv in ("venv", ".venv"):
+        candidate = Path(comfyui_dir) / venv / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    return sys.executable
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tail", type=int, default=20, help="the mixed tail's length (bench_session's plan)")
+    parser.add_argument("--models-dir", default="", help="model files; full size: written once, reused if present")
+    parser.add_argument("--extra-args", action="append", default=[],
+                        help="ComfyUI flags, e.g. --extra-args=--disable-cuda-malloc (repeatable)")  # fmt: skip
+    parser.add_argument("--comfyui-dir", default=os.environ.get("COMFYUI_DIR", ""))
+    parser.add_argument("--comfyui-python", default=os.environ.get("COMFYUI_PYTHON", ""))
+    parser.add_argument("--prompt-timeout", type=float, default=600, help="seconds one prompt may take")
+    parser.add_argument("--log-dir", default="")
+    parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tiny:
+        args.steps = min(args.steps, 2)
+        args.tail = min(args.tail, 2)
+    if not args.comfyui_dir or not (Path(args.comfyui_dir) / "main.py").is_file():
+        parser.error("give a ComfyUI checkout (with main.py) as COMFYUI_DIR or --comfyui-dir")
+    if not args.tiny and args.device == "cpu":
+        parser.error("the full-size session needs --device cuda (on a CPU: --tiny)")
+    args.comfyui_python = args.comfyui_python or _default_python(args.comfyui_dir)
+    if args.write_models:
+        write_full_size(Path(args.models_dir or FULL_SIZE_DIR), torch.device(args.device), Path(args.comfyui_dir))
+        return 0
+    # stopped at a time limit (SIGTERM): leave through the `finally` that stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    temporary = args.tiny and not args.models_dir  # tiny files made for this run only
+    if temporary:
+        args.models_dir = tempfile.mkdtemp(prefix="qwen21_session_tiny_")
+    args.models_dir = args.models_dir or FULL_SIZE_DIR
+    try:
+        return 1 if run_session(args, model_files(args), comfyui_flags(args)) else 0
+    finally:
+        if temporary:
+            shutil.rmtree(args.models_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
