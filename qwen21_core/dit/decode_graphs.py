@@ -14,7 +14,7 @@ Bookkeeping rules:
   its first generation runs eagerly and is timed: if the host spent at least `launch_bound_share` of the step's
   wall time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against
   56.63 ms eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the
-  step, a graph gains nothing (1024^2 fp8: eager within 1% of replay, BENCHMARKS "LoRA"), and the whole
+  step, a graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"), and the whole
   generation stays eager; the key is captured when a later generation meets it again (a new seed, a batch).
   A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay;
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
