@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -137,16 +138,23 @@ def check_prompt_length(text_encoder, prompt: str, source_sizes=(), output_resol
     _check_prompt_fits(text_encoder.count_tokens(prompt, pad_counts), sizes)
 
 
+# a VAE module's fingerprint, taken once: it reads weights back from the GPU (two copies that wait for the device),
+# and every encode asks; a VAE's weights never change in place (no LoRA reaches it), a new VAE is a new module
+_vae_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _vae_identity(vae) -> str:
     identity = getattr(vae, "identity", None)
     if identity is not None:
         return str(identity)
     if isinstance(vae, torch.nn.Module):
-        parameters = list(vae.parameters())
-        fingerprint = hashlib.sha256()
-        for tensor in (parameters[0], parameters[-1]) if parameters else ():
-            fingerprint.update(tensor.detach().flatten()[:256].float().cpu().numpy().tobytes())
-        return f"{type(vae).__qualname__}:{fingerprint.hexdigest()[:16]}"
+        if vae not in _vae_fingerprints:
+            parameters = list(vae.parameters())
+            fingerprint = hashlib.sha256()
+            for tensor in (parameters[0], parameters[-1]) if parameters else ():
+                fingerprint.update(tensor.detach().flatten()[:256].float().cpu().numpy().tobytes())
+            _vae_fingerprints[vae] = f"{type(vae).__qualname__}:{fingerprint.hexdigest()[:16]}"
+        return _vae_fingerprints[vae]
     # Unknown object: never share a cache entry with another instance.
     return f"{type(vae).__qualname__}@{id(vae)}"
 

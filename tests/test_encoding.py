@@ -213,6 +213,24 @@ def test_content_hash_changes_with_every_input(encoder, vae):
     assert reference_hash not in hashes and len(hashes) == len(variants)
 
 
+def test_a_vae_is_fingerprinted_once_and_another_vae_differs(vae, monkeypatch):
+    """The content hash names the VAE by a fingerprint of its weights, read back from the device: taken once per VAE
+    module, not at every encode; a VAE with other weights gets another."""
+    import copy
+
+    from qwen21_nodes.qwen21_core import encoding
+
+    other = copy.deepcopy(vae)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    first = encoding._vae_identity(vae)
+    reads = []
+    real = type(vae).parameters
+    monkeypatch.setattr(type(vae), "parameters", lambda self, *a, **k: reads.append(self) or real(self, *a, **k))
+    assert encoding._vae_identity(vae) == first and reads == []  # kept
+    assert encoding._vae_identity(other) != first and reads == [other]
+
+
 def test_at_most_16_condition_images(encoder, vae):
     images = [Image.new("RGB", (32, 32))] * 17
     with pytest.raises(ValueError, match="got 17 condition images but at most 16 are accepted"):
