@@ -152,8 +152,9 @@ def _key(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[str, tor
 
 
 def ready(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Whether the kernel is compiled and checked for (device, storage dtype, output dtype)."""
-    return _states.get(_key(device, q_dtype, out_dtype)) == _READY
+    """Whether the kernel is compiled and checked for (device, storage dtype, output dtype), or forced on."""
+    key = _key(device, q_dtype, out_dtype)
+    return _forced.get(key, _states.get(key) == _READY)
 
 
 def expect_warm_up(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
@@ -216,7 +217,7 @@ def dequantize_for_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     if not _serves(q, dtype, rows) or scale.dtype != torch.float32 or scale.data_ptr() % ALIGNMENT or q.numel() == 0:
         return dequantize_weight_reference(q, scale, dtype)
     key = _key(q.device, q.dtype, dtype)
-    if _states.get(key) == _READY:
+    if ready(q.device, q.dtype, dtype):
         return dequantize_weight_fast(q, scale, dtype)
     try:  # the first call of a key nobody warms up
         out = dequantize_weight_fast(q, scale, dtype)
@@ -232,19 +233,15 @@ def forced(device, q_dtype: torch.dtype, out_dtype: torch.dtype, use_kernel: boo
     """For benchmarks and tests: the gate open (kernel) or shut (torch's expression) for this key meanwhile."""
     key = _key(device, q_dtype, out_dtype)
     with _lock:
-        saved, saved_forced = _states.get(key), _forced.get(key)
-        _states[key] = _READY if use_kernel else _FAILED
+        saved = _forced.get(key)
         _forced[key] = use_kernel  # also where the kernel is not enabled: the benchmark compares both
     try:
         yield
     finally:
         with _lock:
-            _states.pop(key)
             _forced.pop(key)
             if saved is not None:
-                _states[key] = saved
-            if saved_forced is not None:
-                _forced[key] = saved_forced
+                _forced[key] = saved
 
 
 def clear() -> None:

@@ -159,7 +159,7 @@ class QuantLinear(nn.Module):
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.rotation:
             x = rotate(x.float(), self.fmt.rotation).to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype, rows=x.reshape(-1, x.shape[-1]).shape[0]))
+        return F.linear(x, self.dequantized_weight(x.dtype, rows=x.numel() // x.shape[-1]))
 
     def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in the original (unrotated) basis, for checks and for LoRA merges of dequantised copies."""
