@@ -24,7 +24,8 @@ class SampleOptions:
                           for checking; identical results, slower).
     decode_graphs:     replay decode steps from CUDA graphs (CUDA only; bit-identical to eager decode).
     compile_blocks:    regional torch.compile of the bf16 block math (opt-in; not bit-identical).
-    attention_backend: SDPA backend, one of ATTENTION_BACKENDS ("auto" lets torch choose).
+    attention_backend: SDPA backend, one of ATTENTION_BACKENDS ("auto" lets torch choose, but not cuDNN in the prefill,
+                       whose shapes change with every prompt: dit/attention.py backend_context).
     kv_cache:          how the prefix K/V are stored: "bf16" (the compute dtype, exact), "fp8" (K and V in e4m3,
                        one scale per token and head), "fp8_v" (V only) or "int8" (K and V): lossy, half the memory.
     kv_placement:      "gpu", "cpu" (pinned host RAM, each layer prefetched one layer ahead) or "auto" (the GPU

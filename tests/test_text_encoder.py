@@ -93,6 +93,22 @@ def test_embedding_is_the_last_decoder_layer_before_the_final_norm(tiny, encoder
     assert not torch.allclose(embedding.embeds, normed[-embedding.length :])
 
 
+def test_the_encoders_attention_never_runs_on_cudnn(tiny, encoder):
+    """Every changed prompt is a new length; SDPA's cuDNN kernel plans each new shape on the host (37-67 ms a prompt on
+    the H200), so the encoder's forward runs with it switched off, and the flags are restored afterwards."""
+    model, _, _ = tiny
+    seen = []
+    layer = model.model.language_model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        encoder.encode_prompts([PROMPT])
+    finally:
+        handle.remove()
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_system_turn_is_dropped_up_to_the_second_im_start(tiny, encoder):
     _, processor, reference = tiny
     (embedding,) = encoder.encode_prompts([PROMPT])

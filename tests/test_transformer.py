@@ -214,12 +214,13 @@ def test_decode_before_prefill_is_an_error(models):
 
 
 @pytest.mark.gpu
-def test_shared_prefix_attention_matches_joint_attention_on_cuda():
+@pytest.mark.parametrize("p", [77, 1100])  # a text-only prefix (flash) and a longer one (cuDNN)
+def test_shared_prefix_attention_matches_joint_attention_on_cuda(p):
     """The LSE merge (cuDNN or flash with log-sum-exp) equals one SDPA over [prefix | target] per row."""
     from qwen21_nodes.qwen21_core.dit.attention import decode_attention, shared_prefix_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, n, p, h, d = 3, 256, 77, 4, 128
+    b, n, h, d = 3, 256, 4, 128
     q, k_t, v_t = (torch.randn(b, n, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     k_p, v_p = (torch.randn(1, p, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     merged = shared_prefix_decode_attention(q, k_p, v_p, k_t, v_t)
@@ -228,3 +229,43 @@ def test_shared_prefix_attention_matches_joint_attention_on_cuda():
     expected = decode_attention(q, joint_k, joint_v)
     assert merged.shape == expected.shape and merged.dtype == torch.bfloat16
     assert (merged.float() - expected.float()).abs().max().item() <= 2e-2
+
+
+def test_text_runs_use_torchs_lower_right_causal_bias_on_cuda_and_the_same_mask_elsewhere():
+    """On CUDA a text run's triangle is torch's lower-right causal bias (the flash kernel runs it; a boolean mask
+    would send SDPA to cuDNN or the efficient kernel): it must be exactly the boolean mask used on the CPU."""
+    from qwen21_nodes.qwen21_core.dit.attention import prefix_masks
+    from qwen21_nodes.qwen21_core.dit.sequence import Segment
+
+    segments = (Segment(0, 5, True), Segment(5, 21, False), Segment(21, 28, True))
+    on_cpu = prefix_masks(segments, None, "cpu")
+    on_cuda = prefix_masks(segments, None, torch.device("cuda"))  # builds nothing on the device
+    assert on_cpu[1] is None and on_cuda[1] is None
+    for cpu_mask, bias in ((on_cpu[0], on_cuda[0]), (on_cpu[2], on_cuda[2])):
+        assert type(bias).__name__ == "CausalBias"
+        assert torch.equal(bias._materialize("cpu"), cpu_mask[0, 0])
+    valid = torch.ones(28, dtype=torch.bool)
+    valid[2] = False  # a padded prompt token: a boolean mask that also hides it, on every device
+    padded = prefix_masks(segments, valid, "cpu")
+    assert padded[0].dtype == torch.bool and not padded[0][0, 0, :, 2].any()
+
+
+def test_the_prefill_keeps_sdpa_off_cudnn_and_the_decode_step_keeps_torchs_choice():
+    """A changed prompt's prefill meets new shapes, where cuDNN plans on the host (~50 ms on the H200): "auto" keeps
+    SDPA off it there, and only there (a decode step's shapes repeat; cuDNN was up to 2x faster on them). The flags
+    come back as they were afterwards (ComfyUI's other nodes share them); a user's explicit choice is kept."""
+    from qwen21_nodes.qwen21_core.dit.attention import PLANNED_KERNELS, backend_context, prefix_kernels
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    with backend_context("auto", prefill=True):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with backend_context("auto"):
+        assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with backend_context("cudnn", prefill=True):
+        assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    # the decode step's prefix half: flash over a text-only prefix (a new length at every prompt), cuDNN first over
+    # a prefix with condition images (4096+ keys at 1024^2), as over the target's own keys
+    assert prefix_kernels(120)[0] == "flash" and prefix_kernels(4196) == PLANNED_KERNELS == ("cudnn", "flash")

@@ -20,18 +20,22 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ...kernels import attention_merge
+from ..sdpa import planless_kernels
 from .sequence import Segment
 
 # SDPA backend names accepted by the `attention_backend` option.
 BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
-def backend_context(name: str):
-    """A context manager restricting SDPA to one backend ("auto" = let torch choose)."""
+def backend_context(name: str, prefill: bool = False):
+    """A context manager restricting SDPA to one backend. "auto": torch's choice, except in the prefill
+    (`prefill`), whose shapes are new at every changed prompt: there torch chooses among the kernels that plan
+    nothing per shape (qwen21_core/sdpa.py; cuDNN's first call at a new length took about 50 ms on the H200)."""
     if name == "auto":
-        return contextlib.nullcontext()
+        return planless_kernels() if prefill else contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     choice = {
@@ -52,15 +56,22 @@ def _sdpa(q, k, v, mask=None):
 
 
 def prefix_masks(segments: tuple[Segment, ...], key_valid: torch.Tensor | None, device) -> list:
-    """One boolean mask (or None) per segment, built once per generation and shared by all layers."""
+    """One mask (or None) per segment, built once per generation and shared by all layers. A text run's causal
+    triangle is bottom-right aligned (its queries see every key before the run); on CUDA, without padded keys, it is
+    torch's lower-right causal bias, which the flash kernel runs with no mask in memory, else a boolean mask."""
     masks = []
+    on_cuda = torch.device(device).type == "cuda"
     for seg in segments:
+        padded = key_valid is not None and not bool(key_valid[: seg.end].all())
         mask = None
+        if seg.is_text and on_cuda and not padded:
+            masks.append(causal_lower_right(seg.end - seg.start, seg.end))
+            continue
         if seg.is_text:
             n = seg.end - seg.start
             causal = torch.ones(n, seg.end, dtype=torch.bool).tril(seg.start)
             mask = causal
-        if key_valid is not None and not bool(key_valid[: seg.end].all()):
+        if padded:
             valid = key_valid[: seg.end][None, :]
             mask = valid if mask is None else mask & valid
         masks.append(None if mask is None else mask.to(device)[None, None])
@@ -79,13 +90,28 @@ def decode_attention(q, k, v, key_mask=None):
     return _sdpa(q, k, v, key_mask)
 
 
-_LSE_KERNELS = ["cudnn", "flash"]  # tried in order on CUDA; one that fails is dropped for the process
+# Decode attention's kernels with a log-sum-exp output, tried in order on CUDA; one that fails is dropped for the
+# process. At a repeated shape cuDNN ran 1.7-2x faster than flash at 4096+ keys (a 1024^2 target, a prefix with
+# references), but it plans each new shape on the host (about 66 ms on the H200), and a short text prefix changes
+# length with every prompt, where flash was also faster (0.11 against 0.23 ms over ~100 keys): BENCHMARKS
+# "Attention at a new length". So the target half and long prefixes run cuDNN, a text-only prefix flash.
+PLANNED_KERNELS = ("cudnn", "flash")
+SHORT_PREFIX_KERNELS = ("flash", "cudnn")
+SHORT_PREFIX_KEYS = 1024  # a text-only prefix is shorter; one condition image at 512^2 already adds 1024 keys
+_FAILED_LSE_KERNELS: set[str] = set()
 
 
-def _cuda_lse_attention(q, k, v):
-    while _LSE_KERNELS:
+def prefix_kernels(num_keys: int) -> tuple[str, ...]:
+    """The kernels' order for the decode step's prefix half over `num_keys` cached keys."""
+    return SHORT_PREFIX_KERNELS if num_keys <= SHORT_PREFIX_KEYS else PLANNED_KERNELS
+
+
+def _cuda_lse_attention(q, k, v, kernels=PLANNED_KERNELS):
+    for kernel in kernels:
+        if kernel in _FAILED_LSE_KERNELS:
+            continue
         try:
-            if _LSE_KERNELS[0] == "cudnn":
+            if kernel == "cudnn":
                 out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
             else:
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
@@ -93,14 +119,15 @@ def _cuda_lse_attention(q, k, v):
         except (RuntimeError, NotImplementedError):
             if torch.cuda.is_current_stream_capturing():
                 raise  # never switch kernels in the middle of a capture
-            _LSE_KERNELS.pop(0)
+            _FAILED_LSE_KERNELS.add(kernel)
     raise RuntimeError("no CUDA attention kernel with log-sum-exp output is available")
 
 
-def _sdpa_with_lse(q, k, v, key_mask=None):
-    """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD; key_mask [1,1,1,K] bool."""
+def _sdpa_with_lse(q, k, v, key_mask=None, kernels=PLANNED_KERNELS):
+    """Attention output [B,H,S,D] and log-sum-exp [B,H,S] (fp32), inputs in BHSD; key_mask [1,1,1,K] bool; kernels:
+    the CUDA kernels' order of preference."""
     if q.is_cuda and key_mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return _cuda_lse_attention(q, k, v)
+        return _cuda_lse_attention(q, k, v, kernels)
     if q.is_cuda and key_mask is not None and k.shape[2] % 16 == 0:
         # a padded prefix: the memory-efficient kernel takes an additive bias and returns the lse
         bias = _additive(key_mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -134,7 +161,8 @@ def shared_prefix_decode_attention(q, k_prefix, v_prefix, k_target, v_target, pr
     b, n, h, d = q.shape
     q_folded = q.reshape(1, b * n, h, d).transpose(1, 2)  # [1, H, B*N, D], no copy
     mask = None if prefix_key_mask is None else prefix_key_mask[None, None, None, :]
-    out_p, lse_p = _sdpa_with_lse(q_folded, k_prefix.transpose(1, 2), v_prefix.transpose(1, 2), mask)
+    kernels = prefix_kernels(k_prefix.shape[1])
+    out_p, lse_p = _sdpa_with_lse(q_folded, k_prefix.transpose(1, 2), v_prefix.transpose(1, 2), mask, kernels)
     out_t, lse_t = _sdpa_with_lse(q.transpose(1, 2), k_target.transpose(1, 2), v_target.transpose(1, 2))
     out_p = out_p.transpose(1, 2).reshape(b, n, h, d)  # back to BSHD rows
     lse_p = lse_p.reshape(h, b, n).permute(1, 2, 0)  # [B, N, H]

@@ -566,7 +566,7 @@ class QwenImage21Transformer(nn.Module):
             x = branch.shard.prefix.rows(x)  # sequence parallel: this rank's rows from here on
         _, mod0 = self._modulation(torch.zeros(1, device=device))
         last = len(self.transformer_blocks) - 1
-        with backend_context(branch.attention_backend):
+        with backend_context(branch.attention_backend, prefill=True):
             for i, block in self._blocks():
                 x = block.prefill(x, mod0, branch, i, last=i == last)
         branch.cache.filled = True

@@ -32,6 +32,7 @@ from ..memory.host_copy import HostCopy
 from ..memory.planner import indexed_device
 from ..memory.streaming import place_with_streaming
 from ..quant.linear import QuantLinear
+from ..sdpa import planless_kernels
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +384,8 @@ class Qwen21TextEncoder:
             for name in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
             if name in inputs
         }
-        with _final_norm_skipped(self._text_model):
+        # every changed prompt is a new length: no kernel that plans each new shape (qwen21_core/sdpa.py)
+        with _final_norm_skipped(self._text_model), planless_kernels():
             hidden = self.model(**model_inputs, use_cache=False).last_hidden_state[0]  # [L_full, hidden]
         start = self._drop_count(ids.tolist())
         image_pad_mask = (ids[start:] == self._image_pad_id).to(self._device)
