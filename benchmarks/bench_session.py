@@ -29,10 +29,12 @@ allocated-memory bound and the warm-up's timings).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import logging
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -132,7 +134,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     load_s = round(time.perf_counter() - load_started, 2)
     classes = classes_with(handle, output_dir, device)
     node_cache = OutputCache()  # one per session, as a ComfyUI server keeps one
-    seen, rows = {}, []
+    seen, rows, profiles = {}, [], []
     kind = dict(precision=precision, cap_gib=cap, kernel_cache=cache)
     for index, spec in enumerate(specs):
         # the unchanged prompt: the previous prompt's text with a new seed
@@ -142,10 +144,21 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
                    changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        profiled = (args.profile == "steady" and index >= 2) or (
+            args.profile == "new-shapes" and index > 0 and row["first_of_shape"]
+        )
+        profiler = cProfile.Profile() if profiled else None
         started = time.perf_counter()
         try:
-            result = execute(prompt, classes, node_cache)
-            sync(device)
+            if profiler is not None:
+                profiler.enable()
+            try:
+                result = execute(prompt, classes, node_cache)
+                sync(device)
+            finally:
+                if profiler is not None:
+                    profiler.disable()
+                    profiles.append(profiler)
         except Exception as error:  # noqa: BLE001 - a failure is a result here; the session goes on
             root = error
             while root.__cause__ is not None:
@@ -176,6 +189,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         rows.append(row)
     warmup = handle.pipe.kernel_warmup
     emit(**summary(rows, kind, load_s, warmup))
+    if profiles:
+        emit(**profile_summary(profiles, kind, args))
     host.LOCAL.loaded.clear()
 
 
@@ -207,6 +222,42 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
         out["warmup_parts_s"] = warmup.seconds
         out["warmup_failures"] = warmup.failures
     return out
+
+
+def profile_summary(profiles: list, kind: dict, args, top: int = 45) -> dict:
+    """--profile: the host's time over the profiled prompts, by function (cumulative and own seconds per prompt), the
+    largest first; the whole table goes to --log-dir as a pstats file."""
+    stats = pstats.Stats(profiles[0])
+    for more in profiles[1:]:
+        stats.add(more)
+    if args.log_dir:
+        stats.dump_stats(str(Path(args.log_dir, f"session_{kind['precision']}_{kind['cap_gib']}.pstats")))
+    rows = []
+    for (path, line, name), (_calls, ncalls, own, cumulative, _callers) in stats.stats.items():
+        where = f"{Path(path).parent.name}/{Path(path).name}:{line}:{name}" if path != "~" else name
+        rows.append((cumulative, own, ncalls, where))
+    per = len(profiles)
+    by_cumulative = sorted(rows, reverse=True)[:top]
+    by_own = sorted(rows, key=lambda r: r[1], reverse=True)[:top]
+    table = [[round(c / per, 4), round(o / per, 4), round(n / per, 1), w] for c, o, n, w in by_cumulative]
+    own = [[round(o / per, 4), round(n / per, 1), w] for _c, o, n, w in by_own]
+    snapshot = {}
+    if torch.cuda.is_available():  # what one allocator snapshot costs now (the planner's free-memory query takes one)
+        from qwen21_nodes.qwen21_core.memory.planner import graph_pool_idle_bytes
+
+        started = time.perf_counter()
+        for _ in range(5):
+            pools = graph_pool_idle_bytes(torch.device("cuda"))
+        snapshot = dict(snapshot_ms=round((time.perf_counter() - started) / 5 * 1e3, 2), graph_pools=len(pools),
+                        segments=len(torch.cuda.memory_snapshot()))  # fmt: skip
+    return dict(
+        what="session_profile",
+        **kind,
+        prompts=per,
+        **snapshot,
+        per_prompt_cumulative_own_calls=table,
+        per_prompt_own_calls=own,
+    )
 
 
 # ---- placing the in-memory model as a loader would ------------------------------------------------------------
@@ -322,6 +373,7 @@ def orchestrate(args) -> int:
             cache = root / f"cache_{number}"
         command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail)]  # fmt: skip
+        command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
             command,
@@ -376,6 +428,14 @@ def main():
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=int, default=560)
     parser.add_argument("--log-dir", default="")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="steady",
+        choices=["steady", "new-shapes"],
+        help="the host's time by function (cProfile; a session_profile line, and a pstats file in --log-dir): over "
+        "the prompts from the third on (steady), or over the first prompt of each new shape after the first",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.steps = min(args.steps, 2)

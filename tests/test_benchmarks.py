@@ -165,7 +165,8 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     """bench_session --tiny on the CPU: two sessions in one child process, every prompt of the plan through the
     node classes (changed prompts at every shape, edits, the seed-only rerun, the LoRA on and re-weighted), each
     with its phases, and a summary whose fields the H200 run fills."""
-    by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--tail", "1", "--log-dir", str(tmp_path))
+    by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--tail", "1", "--log-dir", str(tmp_path),
+                     "--profile", "new-shapes")  # fmt: skip
     prompts, summaries = by_what["session_prompt"], by_what["session_summary"]
     assert [s["cap_gib"] for s in summaries] == [None, 24] and all(s["errors"] == 0 for s in summaries)
     assert summaries[0]["kernel_cache"] == "empty" and summaries[1]["kernel_cache"] == "warm"
@@ -183,6 +184,13 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     assert [p["lora_strength"] for p in first if p["lora_strength"] is not None] == [1.0, 0.6]
     for summary in summaries:
         assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
+    # --profile new-shapes: the host's time over each session's first prompt of every shape but the session's first
+    profiles = by_what["session_profile"]
+    assert [p["cap_gib"] for p in profiles] == [None, 24]
+    assert profiles[0]["prompts"] == sum(p["first_of_shape"] for p in first) - 1
+    functions = [row[-1] for row in profiles[0]["per_prompt_cumulative_own_calls"]]
+    assert any(name.endswith(":execute") for name in functions)  # the runner's whole prompt is inside the profile
+    assert (tmp_path / "session_fp8_None.pstats").is_file() and (tmp_path / "session_fp8_24.pstats").is_file()
 
 
 @pytest.mark.slow
