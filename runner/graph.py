@@ -341,13 +341,16 @@ def _signatures(prompt: dict, order: list[str], node_classes: dict) -> dict[str,
         parts = [node["class_type"], is_changed]
         if "UNIQUE_ID" in hidden_specs(node_class).values():  # as ComfyUI: its outputs may depend on its id
             parts.append(("node_id", node_id))
-        for name in sorted(inputs):
-            value = inputs[name]
-            parts.append((name, ("link", signatures[value[0]], value[1]) if is_link(value) else ("value", value)))
         try:
-            signatures[node_id] = _freeze(parts)
+            for name in sorted(inputs):
+                value = inputs[name]
+                # an upstream signature is frozen already: freezing it again would walk the whole graph above
+                link = is_link(value)
+                parts.append((name, ("link", signatures[value[0]], value[1]) if link else ("value", _freeze(value))))
         except TypeError:  # a literal value that cannot be hashed
             signatures[node_id] = ALWAYS_CHANGED
+            continue
+        signatures[node_id] = tuple(parts)
     return signatures
 
 
