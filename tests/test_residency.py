@@ -51,10 +51,10 @@ def gpu(monkeypatch):
     local = LocalMemoryManager()
     monkeypatch.setattr(host, "LOCAL", local)
 
-    def managed(name, layers, evictable=True):
+    def managed(name, layers, evictable=True, device="cuda"):
         stack = Stack(layers=layers)
         stacks.append(stack)
-        m = host.ManagedModules({name: torch.nn.Linear(1, 1)}, torch.device("cuda"), streamable=stack)
+        m = host.ManagedModules({name: torch.nn.Linear(1, 1)}, torch.device(device), streamable=stack)
         m.full_bytes = stack.fixed + layers * stack.layer_bytes
         m.device_bytes = stack.device_weight_bytes
         m.evictable = evictable
@@ -83,6 +83,24 @@ def test_the_encoder_leaves_when_the_dit_needs_the_room(gpu):
     assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cuda", None)
     host.LOCAL.load(encoder, 3 * GIB)  # an encode with 4 references: the DiT (least recently used) makes room
     assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cpu", None)
+
+
+def test_an_indexed_and_a_bare_name_of_one_gpu_are_the_same_device_for_eviction(gpu):
+    """The text encoder's device comes from its weights ("cuda:0"), a handle's may be given as "cuda": the manager
+    must still see one GPU, or the encoder never makes room and the DiT streams nearly all its blocks (the H200
+    session at a 12 GB cap: 2 of 32 blocks resident, then errors for want of room)."""
+    encoder, encoder_stack = gpu("text_encoder", 8, device="cuda:0")
+    dit, dit_stack = gpu("transformer", 12)  # "cuda"
+    host.LOCAL.load(encoder, GIB)
+    host.LOCAL.load(dit, 4 * GIB)
+    assert encoder_stack.placed[-1] == ("cpu", None) and dit_stack.placed[-1] == ("cuda", None)
+
+
+def test_devices_compare_by_their_gpu_not_their_spelling():
+    assert planner.same_device("cuda:0", torch.device("cuda", 0)) and not planner.same_device("cuda:0", "cpu")
+    assert not planner.same_device("cuda:0", "cuda:1") and planner.same_device("cpu", torch.device("cpu"))
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert planner.same_device("cuda", f"cuda:{current}") and not planner.same_device("cuda", f"cuda:{current + 1}")
 
 
 def test_never_keeps_the_encoder_and_the_dit_streams_instead(gpu):

@@ -103,7 +103,8 @@ class LocalMemoryManager:
             free = planner.device_free_bytes(device, self.budget)
             return free + managed.device_bytes() - memory_required - planner.HEADROOM_BYTES
 
-        for other in [m for m in self.loaded if m.evictable and m.load_device == device]:
+        # by GPU, not by spelling: an encoder's device comes from its weights ("cuda:0"), a handle's may be "cuda"
+        for other in [m for m in self.loaded if m.evictable and planner.same_device(m.load_device, device)]:
             if room() >= managed.full_bytes:
                 break
             log.info("memory manager: moving %s off %s to make room for %s", other.name, device, managed.name)

@@ -32,6 +32,18 @@ def indexed_device(device) -> torch.device:
     return device
 
 
+def same_device(a, b) -> bool:
+    """Whether two device names mean one device: "cuda" is the current GPU, so it equals "cuda:0" there. Needs no
+    GPU (unlike indexed_device) where both names are indexed or neither is."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
     """Per CUDA-graph private pool on `device`: its reserved bytes no tensor uses. Only that graph's replays can use
     them (empty_cache cannot return them while the graph lives), so they are not free for anything else."""
