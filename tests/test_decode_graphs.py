@@ -403,3 +403,21 @@ def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):
     assert len(graphs.seen) == SEEN_KEYS_KEPT
     graphs.clear()
     assert not graphs.seen
+
+
+def test_the_status_speaks_of_this_generation_only(model):
+    """A generation that decodes eagerly says "off", even after earlier generations replayed other keys' graphs
+    (the status line once read "replay, ... decoded eagerly" for an eager generation)."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder, launch_bound_share=0)  # capture at once
+    x = torch.randn(1, 16, CHANNELS)
+    branch = _prefilled(graphs, _layout())
+    for t in (0.9, 0.5):
+        graphs(branch, x * t, torch.full((1,), t))
+    assert graphs.describe() == "replay"
+    graphs.release(branch)
+    graphs.end_generation()
+    graphs.launch_bound_share = 1.5  # from now on every first-seen key is GPU-bound: eager
+    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key
+    graphs(other, x, torch.full((1,), 0.9))
+    assert graphs.describe().startswith("off: ") and "decoded eagerly" in graphs.describe()

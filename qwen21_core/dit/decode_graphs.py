@@ -134,6 +134,7 @@ class DecodeGraphs:
     seen: OrderedDict = field(default_factory=OrderedDict)  # keys earlier generations decoded without an entry
     host_shares: list = field(default_factory=list)  # the current generation's timed first steps
     reasons: list = field(default_factory=list)  # fallback reasons of the current generation
+    replays: int = 0  # steps the current generation replayed (describe() reports this generation, not earlier ones)
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
 
@@ -218,6 +219,7 @@ class DecodeGraphs:
             entry.in_use = False
         self.reasons.clear()
         self.host_shares.clear()
+        self.replays = 0
 
     def clear(self):
         for entry in self.entries.values():
@@ -238,7 +240,7 @@ class DecodeGraphs:
         return caches + sum(pools.get(tuple(e.graph.pool()), 0) for e in idle if hasattr(e.graph, "pool"))
 
     def describe(self) -> str:
-        replays = sum(e.replays for e in self.entries.values() if isinstance(e, _Entry))
+        replays = self.replays
         shares = f" (host share of a first step: {', '.join(f'{s:.2f}' for s in self.host_shares)})"
         if self.reasons:
             text = ("replay, " if replays else "off: ") + "; ".join(self.reasons)
@@ -257,6 +259,7 @@ class DecodeGraphs:
         entry.static_t.copy_(t)
         entry.graph.replay()
         entry.replays += 1
+        self.replays += 1
         return entry.static_out.clone()
 
     def _eligible(self, branch) -> str | None:
