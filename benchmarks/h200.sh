@@ -3,7 +3,7 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
-#   tests-kernels-gpu session session-turbo session-comfyui tests-gpu-all copy-rates
+#   tests-kernels-gpu session session-turbo session-comfyui tests-gpu-all copy-rates attention-lengths
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +115,8 @@ for part in "$@"; do
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
     copy-rates) run bench_copy_rates 60 python3 benchmarks/bench_copy_rates.py ;;
+    attention-lengths)  # each attention kernel's first call at a new prompt length, and cuDNN against flash at repeats
+      run bench_attention_lengths 90 python3 benchmarks/bench_attention_lengths.py ;;
     lora) run bench_lora "${LORA_LIMIT:-580}" python3 benchmarks/bench_lora.py ${LORA_ARGS:-} ;;  # LORA_ARGS: --formats ...
     load)
       run bench_load_ours 200 python3 benchmarks/bench_load.py --cases ours --caches warm
