@@ -256,7 +256,10 @@ def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(t
     changed = [p for p in prompts if p["changed_prompt"]]
     assert all("Qwen21Encode" not in p["cached"] and p["encode_s"] > 0 for p in changed)
     lora = [p for p in prompts if p["lora_strength"] is not None]
-    assert [p["lora_strength"] for p in lora] == [1.0, 0.6] and all(p["lora_s"] > 0 for p in lora)
+    # the LoRA node runs for both (not cached); its own time may round to 0.0 s: it only makes a handle, the file
+    # read as the strength changes is kept by the pipeline, and the merge happens in the sampler
+    assert [p["lora_strength"] for p in lora] == [1.0, 0.6]
+    assert all("Qwen21LoraLoader" not in p["cached"] and p["lora_s"] >= 0 for p in lora)
     assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] and p["sample_inner_s"] > 0 for p in prompts)
     assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
     assert "Requested to load Qwen21Weights" in (tmp_path / "comfyui_session_server.txt").read_text()
