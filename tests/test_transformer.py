@@ -269,3 +269,21 @@ def test_the_prefill_keeps_sdpa_off_cudnn_and_the_decode_step_keeps_torchs_choic
     # the decode step's prefix half: flash over a text-only prefix (a new length at every prompt), cuDNN first over
     # a prefix with condition images (4096+ keys at 1024^2), as over the target's own keys
     assert prefix_kernels(120)[0] == "flash" and prefix_kernels(4196) == PLANNED_KERNELS == ("cudnn", "flash")
+
+
+@pytest.mark.gpu
+def test_text_runs_on_cuda_attend_as_their_boolean_masks_do():
+    """On CUDA the prefill's text runs go through torch's lower-right causal bias (flash, no mask in memory); a text
+    run after an image block sees every key before it and its own keys causally, exactly what the boolean mask
+    says. Both ways on the GPU must agree (bf16; different kernels, so to a tolerance)."""
+    from qwen21_nodes.qwen21_core.dit.attention import backend_context, prefix_attention, prefix_masks
+    from qwen21_nodes.qwen21_core.dit.sequence import Segment
+
+    segments = (Segment(0, 37, True), Segment(37, 293, False), Segment(293, 331, True))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 331, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    boolean = [None if m is None else m.to("cuda") for m in prefix_masks(segments, None, "cpu")]
+    with backend_context("auto", prefill=True):
+        biased = prefix_attention(q, k, v, segments, prefix_masks(segments, None, "cuda"), torch.empty_like(q))
+        masked = prefix_attention(q, k, v, segments, boolean, torch.empty_like(q))
+    assert (biased.float() - masked.float()).abs().max().item() <= 2e-2
