@@ -25,23 +25,17 @@ HEADROOM_BYTES = 512 * 2**20  # fragmentation and small allocations the estimate
 
 
 def indexed_device(device) -> torch.device:
-    """`device` with its index: some torch.cuda queries (the per-process fraction) refuse a bare "cuda"."""
+    """`device` with its index: some torch.cuda queries (the per-process fraction) refuse a bare "cuda", which means
+    the current GPU (index 0 where torch sees none: names compare the same on a machine without a GPU)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device
 
 
 def same_device(a, b) -> bool:
-    """Whether two device names mean one device: "cuda" is the current GPU, so it equals "cuda:0" there. Needs no
-    GPU (unlike indexed_device) where both names are indexed or neither is."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.index == b.index:
-        return True
-    current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    """Whether two device names mean one device ("cuda" and "cuda:0" on a process whose current GPU is 0)."""
+    return indexed_device(a) == indexed_device(b)
 
 
 def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
