@@ -63,14 +63,10 @@ def prefix_masks(segments: tuple[Segment, ...], key_valid: torch.Tensor | None, 
     on_cuda = torch.device(device).type == "cuda"
     for seg in segments:
         padded = key_valid is not None and not bool(key_valid[: seg.end].all())
-        mask = None
         if seg.is_text and on_cuda and not padded:
             masks.append(causal_lower_right(seg.end - seg.start, seg.end))
             continue
-        if seg.is_text:
-            n = seg.end - seg.start
-            causal = torch.ones(n, seg.end, dtype=torch.bool).tril(seg.start)
-            mask = causal
+        mask = torch.ones(seg.end - seg.start, seg.end, dtype=torch.bool).tril(seg.start) if seg.is_text else None
         if padded:
             valid = key_valid[: seg.end][None, :]
             mask = valid if mask is None else mask & valid
