@@ -350,7 +350,7 @@ def child(args, specs: list[dict]) -> None:
     for index, (_precision, cap, cache) in enumerate(sessions):
         cap = None if cap in ("none", "") else int(cap)
         # capped sessions: the same prompts with a shorter tail (their targets are on the changed-prompt images)
-        count = len(specs) if cap is None else len(specs) - args.tail + min(args.tail, CAPPED_TAIL)
+        count = len(specs) if cap is None else len(specs) - args.tail + min(args.tail, args.capped_tail)
         run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs[:count],
                     fresh=index == 0)  # fmt: skip
 
@@ -372,7 +372,8 @@ def orchestrate(args) -> int:
         if chosen[0][2] == "empty" or cache is None:
             cache = root / f"cache_{number}"
         command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
-                   "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail)]  # fmt: skip
+                   "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail),
+                   "--capped-tail", str(args.capped_tail)]  # fmt: skip
         command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
@@ -424,6 +425,8 @@ def main():
     parser.add_argument("--only", default="", help="sessions precision:cap:cache, e.g. fp8:none:empty,fp8:24:warm")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tail", type=int, default=20, help="the mixed tail's length")
+    parser.add_argument("--capped-tail", type=int, default=CAPPED_TAIL,
+                        help="a capped session's tail (at most --tail); 26 makes a 40-prompt session")  # fmt: skip
     parser.add_argument("--turbo", action="store_true", help="fp8 + LoRA, 8 steps, changed 1024^2 prompts")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=int, default=560)
