@@ -32,14 +32,14 @@ from .images import (
     calculate_dimensions,
     condition_images_to_rgba,
     derive_output_size,
-    prepare_condition_image,
 )
+from .reference_cache import ReferenceCache
 
 log = logging.getLogger(__name__)
 
 MAX_CONDITION_IMAGES = 16
 LATENT_PIXELS = 16  # one latent token per 16x16 pixels (the VAE's downscale)
-_HASH_VERSION = b"qwen21-conditioning-v1"
+_HASH_VERSION = b"qwen21-conditioning-v2"  # v2: images by their source digest
 
 
 @stable_name
@@ -170,7 +170,7 @@ def _content_hash(prompt, negative_prompt, images, width, height, output_resolut
     add("<no negative prompt>" if negative_prompt is None else "negative:" + negative_prompt)
     for image in images:
         add(f"{image.width}x{image.height}")
-        add(image.vae.numpy().tobytes())  # the resized RGBA: everything both encoders read
+        add(image.digest)  # the source image; with the output resolution below, it fixes what both encoders read
     add(f"{width}x{height}@{output_resolution}")
     add(text_encoder.identity)
     add(_vae_identity(vae))
@@ -189,6 +189,7 @@ def encode_conditioning(
     height: int | None = None,
     max_images: int = MAX_CONDITION_IMAGES,
     memory_budget: PrefixMemoryBudget | None = None,
+    references: ReferenceCache | None = None,
 ) -> Conditioning:
     """Encode one request.
 
@@ -202,6 +203,8 @@ def encode_conditioning(
     width, height: output size; derived from the last condition image's aspect ratio when left None.
     memory_budget: when given, fail before encoding if the positive branch's DiT prefix K/V would not fit
                    (the negative branch is checked by `encode_negative`, when true_cfg_scale > 1 needs it).
+    references:    where condition images seen before keep their resized copies and latents (the pipeline's);
+                   None prepares and encodes every image afresh.
     """
     _check_inputs(prompt, negative_prompt, output_resolution, max_images)
     rgba_images = condition_images_to_rgba(images, masks)
@@ -210,7 +213,8 @@ def encode_conditioning(
             f"got {len(rgba_images)} condition images but at most {max_images} are accepted "
             f"(Qwen-Image-2.1 in this pack supports up to {MAX_CONDITION_IMAGES}); drop some images"
         )
-    prepared = [prepare_condition_image(image, output_resolution) for image in rgba_images]
+    references = references if references is not None else ReferenceCache(max_images=0)
+    prepared = [references.prepare(image, output_resolution) for image in rgba_images]
     width, height = derive_output_size([image.source_size for image in prepared], output_resolution, width, height)
     _check_pad_counts(text_encoder, prepared, output_resolution)
 
@@ -225,10 +229,16 @@ def encode_conditioning(
     vlm_images = tuple(image.vlm for image in prepared)
     (positive,) = text_encoder.encode_prompts([prompt], vlm_images)
     vae_device = getattr(vae, "device", None)
-    condition_latents = []
-    for image in prepared:
+    vae_identity = _vae_identity(vae)
+
+    def vae_latents(image: ConditionImage) -> torch.Tensor:
         pixels = image.vae if vae_device is None else image.vae.to(vae_device)
-        condition_latents.append(vae.normalize(vae.encode(pixels))[0])  # [z, H/16, W/16]
+        return vae.normalize(vae.encode(pixels))[0]  # [z, H/16, W/16]
+
+    condition_latents = [
+        references.latents(image, output_resolution, vae_identity, vae_device, lambda image=image: vae_latents(image))
+        for image in prepared
+    ]
 
     pending = None if negative_prompt is None else PendingPrompt(negative_prompt, vlm_images, lengths["negative"])
     return Conditioning(

@@ -19,12 +19,16 @@ that one resize come
 * the VLM copy: RGB, alpha composited over white (what the vision tower was trained on), and
 * the VAE copy: all four channels, float32 [1, H, W, 4] in 0..1 (the VAE reads the alpha).
 
+Both are kept per source image by `reference_cache.ReferenceCache`, with the image's VAE latents, so a reference
+used again with a changed prompt is neither resized nor VAE-encoded again.
+
 Sizes are multiples of 32 because one `<|image_pad|>` token of Qwen3-VL (16-pixel patches, 2x2 merge)
 must stand for one 2x2 group of 16x-downsampled latent tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,15 +45,24 @@ class ConditionImage:
     """One condition image, resized, in the two forms the encoders read.
 
     vlm:          PIL RGB [height, width], alpha composited over white, for Qwen3-VL.
-    vae:          float32 [1, height, width, 4] in 0..1, RGBA, for the VAE.
+    rgba:         uint8 [height, width, 4], the resized RGBA (the VAE copy is made from it when asked for).
     source_size:  (width, height) of the input before resizing.
+    digest:       sha256 of the source RGBA and its size: the image's identity in caches and content hashes
+                  (the resize is a function of the source and the output resolution).
     """
 
     vlm: Image.Image
-    vae: torch.Tensor
+    rgba: np.ndarray
     width: int
     height: int
     source_size: tuple[int, int]
+    digest: str
+
+    @property
+    def vae(self) -> torch.Tensor:
+        """float32 [1, height, width, 4] in 0..1, RGBA, for the VAE: the reference's arithmetic (uint8 -> float32 /
+        255). Made on demand: 16 MB at 1024^2, which an image whose latents are cached never needs."""
+        return torch.from_numpy(self.rgba.astype(np.float32) / 255.0)[None]
 
     @property
     def pad_tokens(self) -> int:
@@ -258,8 +271,16 @@ def condition_images_to_rgba(images, masks=None) -> list[Image.Image]:
 # -- the reference resize and the two copies --------------------------------------------------------
 
 
-def prepare_condition_image(rgba: Image.Image, output_resolution: int) -> ConditionImage:
-    """Resize one RGBA image to area output_resolution^2 (multiples of 32) and make the VLM and VAE copies."""
+def source_digest(rgba: Image.Image) -> str:
+    """sha256 of an RGBA image's size and bytes (4 MB at 1024^2, a few ms)."""
+    digest = hashlib.sha256(f"{rgba.width}x{rgba.height}:".encode())
+    digest.update(np.asarray(rgba).data)
+    return digest.hexdigest()
+
+
+def prepare_condition_image(rgba: Image.Image, output_resolution: int, digest: str | None = None) -> ConditionImage:
+    """Resize one RGBA image to area output_resolution^2 (multiples of 32) and make the VLM and VAE copies.
+    digest: `source_digest(rgba)` where the caller has it already."""
     if rgba.mode != "RGBA":
         raise ValueError(f"prepare_condition_image needs an RGBA image, got mode {rgba.mode}; use to_rgba first")
     width, height = calculate_dimensions(output_resolution**2, rgba.width / rgba.height)
@@ -267,6 +288,5 @@ def prepare_condition_image(rgba: Image.Image, output_resolution: int) -> Condit
     resized = rgba.resize((width, height), resample=Image.Resampling.LANCZOS)
     vlm = Image.new("RGB", (width, height), (255, 255, 255))
     vlm.paste(resized, mask=resized.getchannel("A"))
-    # Same float32 arithmetic as the reference (numpy uint8 -> float32 / 255).
-    vae = torch.from_numpy(np.asarray(resized).astype(np.float32) / 255.0)[None]  # [1, H, W, 4]
-    return ConditionImage(vlm=vlm, vae=vae, width=width, height=height, source_size=rgba.size)
+    return ConditionImage(vlm=vlm, rgba=np.asarray(resized), width=width, height=height, source_size=rgba.size,
+                          digest=digest or source_digest(rgba))  # fmt: skip

@@ -35,6 +35,7 @@ from .lora.reading import LoraFile, read_lora
 from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
 from .options import SampleOptions
 from .quant.plan import WeightFormats
+from .reference_cache import ReferenceCache
 from .sampler import Sampler, SampleStats, parallel_mode
 from .warmup import KernelWarmup, warmup_enabled
 
@@ -84,6 +85,7 @@ class Qwen21Pipeline:
         self.text_encoder_device = text_encoder.device if text_encoder is not None else transformer.device
         self.vae_execution_device = next(vae.parameters()).device
         self.decode_graphs = DecodeGraphs(transformer)
+        self.references = ReferenceCache()  # condition images seen before: resized copies and latents
         # Memory: an explicit device budget (bytes; None = what the device has), and whether this pipeline places
         # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
         self.vram_budget: int | None = None
@@ -251,6 +253,7 @@ class Qwen21Pipeline:
                 width=width,
                 height=height,
                 memory_budget=self._prefix_budget(),
+                references=self.references,
             )
 
     def encode_negative(self, cond: Conditioning) -> Conditioning:

@@ -302,3 +302,13 @@ def test_tune_kernels_lists_every_key_the_dit_meets():
     assert len(keys) == (4 + 9) * 11
     assert {k["kernel"] for k in keys} == {"int8_gemm", "quantize_rows"}
     assert all(k["candidates"] >= 1 and k["rule"] for k in keys)
+
+
+def test_bench_edit_encode_times_both_paths_and_finds_them_identical():
+    rows = _bench("bench_edit_encode.py", "--tiny", "--device", "cpu", "--repeats", "2")["edit_encode"]
+    assert [r["references"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["identical"] and row["cached_s"] > 0 and row["afresh_s"] > 0
+        # one fill, then a hit per reference per cached prompt
+        assert row["cache_misses"] == row["references"] and row["cache_hits"] == 2 * row["references"]
+        assert set(row["host_per_reference"]) == {"digest_ms", "prepare_ms", "float_copy_ms"}

@@ -423,3 +423,61 @@ def test_wrong_argument_types_get_clear_errors(encoder, vae):
         encode_conditioning(encoder, vae, "a cat", output_resolution=16)
     with pytest.raises(TypeError, match=r"images\[1\] must be a ComfyUI IMAGE tensor, a PIL image or a numpy array"):
         encode_conditioning(encoder, vae, "a cat", [Image.new("RGB", (32, 32)), "photo.png"])
+
+
+class _CountingVAE:
+    """Our VAE, counting how many images it encodes."""
+
+    def __init__(self, vae):
+        self.inner, self.encoded = vae, 0
+
+    def encode(self, images):
+        self.encoded += images.shape[0]
+        return self.inner.encode(images)
+
+    def normalize(self, raw):
+        return self.inner.normalize(raw)
+
+
+def test_a_reference_used_again_is_neither_resized_nor_vae_encoded_again_and_encodes_the_same(encoder, vae):
+    """A changed prompt with the same reference: the cache gives the same resized copies and latents (bit for bit
+    what an uncached encode computes), and the same content hash as without a cache."""
+    from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
+
+    counting, cache = _CountingVAE(vae), ReferenceCache()
+    counting.identity = "counting-vae"  # the VAE's identity in the cache and the content hash
+    images = [_random_image(80, 45, "RGBA", 1), _random_image(64, 64, "RGB", 2)]
+    first = encode_conditioning(encoder, counting, "a cat", images, output_resolution=64, references=cache)
+    again = encode_conditioning(encoder, counting, "a dog", images, output_resolution=64, references=cache)
+    assert counting.encoded == 2 and (cache.hits, cache.misses) == (2, 2)
+    uncached = encode_conditioning(encoder, counting, "a dog", images, output_resolution=64)
+    assert counting.encoded == 4  # no cache given: every image encoded
+    for ours, fresh, earlier in zip(
+        again.condition_latents, uncached.condition_latents, first.condition_latents, strict=True
+    ):
+        assert torch.equal(ours, fresh) and ours is earlier
+    assert torch.equal(again.positive.embeds, uncached.positive.embeds)
+    assert again.content_hash == uncached.content_hash != first.content_hash
+
+    changed = images[0].copy()
+    changed.putpixel((3, 3), (9, 9, 9, 9))
+    encode_conditioning(encoder, counting, "a dog", [changed, images[1]], output_resolution=64, references=cache)
+    assert counting.encoded == 5  # only the changed image
+    encode_conditioning(encoder, counting, "a dog", images, output_resolution=96, references=cache)
+    assert counting.encoded == 7  # another resolution is another resize
+
+
+def test_the_reference_cache_keeps_latents_per_vae_and_forgets_the_least_recently_used(encoder, vae):
+    from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
+
+    cache = ReferenceCache(max_images=1)
+    one, two = _random_image(64, 64, "RGB", 5), _random_image(64, 64, "RGB", 6)
+    first_vae, second_vae = _CountingVAE(vae), _CountingVAE(vae)
+    first_vae.identity, second_vae.identity = "vae-a", "vae-b"
+    encode_conditioning(encoder, first_vae, "a cat", [one], output_resolution=64, references=cache)
+    encode_conditioning(encoder, second_vae, "a cat", [one], output_resolution=64, references=cache)
+    assert (first_vae.encoded, second_vae.encoded) == (1, 1)  # another VAE encodes for itself
+    encode_conditioning(encoder, first_vae, "a cat", [two], output_resolution=64, references=cache)
+    encode_conditioning(encoder, first_vae, "a cat", [one], output_resolution=64, references=cache)
+    assert first_vae.encoded == 3  # `two` pushed `one` out of a one-image cache
+    assert cache.misses == 3 and cache.hits == 1
