@@ -8,7 +8,8 @@ One `edit_encode` line per reference count: the median encode with the cache (af
 and without it (`references=None`: every reference resized, hashed and VAE-encoded, as before the cache; its
 content hash reads a 4 MB source digest where the old code hashed the 16 MB float copy), each prompt through both
 (`identical`: the same latents and content hash), their ratio, the peak VRAM, and the host's time per reference
-(digest, resize and copies, the float copy the VAE reads).
+(digest, resize and copies, the float copy the VAE reads). Before them, `edit_first_call`: the first edit's parts
+(processor, the encoder with an image, the VAE encoder at that size), each first call against its second.
 """
 
 from __future__ import annotations
@@ -84,6 +85,38 @@ def host_parts(images, resolution: int) -> dict:
     return {name: round(1000 * statistics.median(values), 2) for name, values in parts.items()}
 
 
+def first_edit(encoder, vae, device, resolution: int, source_size) -> dict:
+    """The first edit in a process that has encoded text only (as in a session): each part's first call against its
+    second, after the kernel warm-up's text and VAE jobs ran (as a session's background warm-up does)."""
+    from qwen21_nodes.qwen21_core.images import prepare_condition_image
+    from qwen21_nodes.qwen21_core.quant.kernel_warmup import dequantize_warmup_jobs
+    from qwen21_nodes.qwen21_core.text.encoder import build_prompt_text
+    from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
+
+    if device.type == "cuda":
+        for job in dequantize_warmup_jobs([(encoder.model, device)]) + vae_warmup_jobs(vae, device):
+            job()
+    for take in range(2):
+        encoder.encode_prompts([f"a text-only prompt, take {take}"])
+    image = prepare_condition_image(sources(1, source_size, seed=99)[0], resolution)
+    out = {}
+
+    def part(name: str, fn) -> None:
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn()
+        sync(device)
+        out.setdefault(name, []).append(round(time.perf_counter() - start, 4))
+
+    for take in range(2):  # [first, second] per part
+        text = build_prompt_text(f"make it stormy, take {take}", 1)
+        part("processor_s", lambda text=text: encoder.processor(text=[text], images=[image.vlm], return_tensors="pt"))
+        part("encode_prompts_s", lambda take=take: encoder.encode_prompts([f"make it stormy {take}"], [image.vlm]))
+        part("vae_encode_s", lambda: vae.encode(image.vae.to(device), tiling="off"))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +131,7 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     resolution, source_size = (128, (150, 110)) if args.tiny else (1024, (1200, 900))
     encoder, vae = build(args, device, dtype)
+    emit(what="edit_first_call", resolution=resolution, **first_edit(encoder, vae, device, resolution, source_size))
     for count in [int(c) for c in args.references.split(",")]:
         images = sources(count, source_size, seed=count)
         cache = ReferenceCache()
