@@ -307,7 +307,7 @@ def test_tune_kernels_lists_every_key_the_dit_meets():
 def test_bench_edit_encode_times_both_paths_and_finds_them_identical():
     by_what = _bench("bench_edit_encode.py", "--tiny", "--device", "cpu", "--repeats", "2")
     (first,) = by_what["edit_first_call"]
-    assert all(len(first[part]) == 2 for part in ("processor_s", "encode_prompts_s", "vae_encode_s"))
+    assert all(len(first[part]) == 2 for part in ("text_only_s", "processor_s", "encode_prompts_s", "vae_encode_s"))
     rows = by_what["edit_encode"]
     assert [r["references"] for r in rows] == [1, 4]
     for row in rows:
