@@ -188,7 +188,12 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         emit(**row)
         rows.append(row)
     warmup = handle.pipe.kernel_warmup
-    emit(**summary(rows, kind, load_s, warmup))
+    out = summary(rows, kind, load_s, warmup)
+    references = handle.pipe.references
+    out["reference_cache"] = {"hits": references.hits, "misses": references.misses}
+    if device.type == "cuda":
+        out["free_query_ms"] = free_query_cost(device)
+    emit(**out)
     if profiles:
         emit(**profile_summary(profiles, kind, args))
     host.LOCAL.loaded.clear()
@@ -224,6 +229,25 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
     return out
 
 
+def free_query_cost(device, repeats: int = 20) -> dict:
+    """The free-memory query (memory/planner.py device_free_bytes) with the session's graphs alive, in this process:
+    as it runs (an allocator snapshot kept until the allocator does something) and with a snapshot every time (as
+    before)."""
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    def per_call(fresh: bool) -> float:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            if fresh:
+                planner._pool_snapshots.clear()
+            planner.device_free_bytes(device)
+        return round((time.perf_counter() - started) / repeats * 1e3, 3)
+
+    fresh, kept = per_call(True), per_call(False)
+    return dict(kept=kept, fresh=fresh, fresh_over_kept=round(fresh / kept, 1) if kept else None,
+                graph_pools=len(planner.graph_pool_idle_bytes(device)))  # fmt: skip
+
+
 def profile_summary(profiles: list, kind: dict, args, top: int = 45) -> dict:
     """--profile: the host's time over the profiled prompts, by function (cumulative and own seconds per prompt), the
     largest first; the whole table goes to --log-dir as a pstats file."""
@@ -243,10 +267,12 @@ def profile_summary(profiles: list, kind: dict, args, top: int = 45) -> dict:
     own = [[round(o / per, 4), round(n / per, 1), w] for _c, o, n, w in by_own]
     snapshot = {}
     if torch.cuda.is_available():  # what one allocator snapshot costs now (the planner's free-memory query takes one)
+        from qwen21_nodes.qwen21_core.memory import planner
         from qwen21_nodes.qwen21_core.memory.planner import graph_pool_idle_bytes
 
         started = time.perf_counter()
         for _ in range(5):
+            planner._pool_snapshots.clear()  # a snapshot each time
             pools = graph_pool_idle_bytes(torch.device("cuda"))
         snapshot = dict(snapshot_ms=round((time.perf_counter() - started) / 5 * 1e3, 2), graph_pools=len(pools),
                         segments=len(torch.cuda.memory_snapshot()))  # fmt: skip

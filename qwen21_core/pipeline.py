@@ -516,9 +516,11 @@ class Qwen21Pipeline:
         return self.decode_graphs.idle_cache_bytes() + kept
 
     def release(self):
-        """Free what can be rebuilt (decode graphs, cached memory, on every device); weights stay."""
+        """Free what can be rebuilt (decode graphs, condition images seen before, cached memory, on every device);
+        weights stay."""
         entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
+        self.references.clear()
         if self.workers is not None:
             self.workers.release()
         if torch.cuda.is_available():

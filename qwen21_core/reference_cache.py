@@ -81,5 +81,7 @@ class ReferenceCache:
         return latents
 
     def clear(self) -> None:
+        """Forget every image, and the counts (`hits` and `misses` count since the last clear)."""
         with self._lock:
             self._entries.clear()
+            self.hits = self.misses = 0

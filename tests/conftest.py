@@ -18,10 +18,19 @@ def pytest_collection_modifyitems(config, items):
 def fake_cuda_memory(monkeypatch):
     """Stand-ins for torch.cuda's memory queries, so the free-memory arithmetic runs without a GPU. Call it with
     what the device reports: free and total (mem_get_info), reserved, allocated, the per-process fraction, the
-    allocator snapshot's segments and the allocator backend."""
+    allocator snapshot's segments and the allocator backend. `activity`: the allocator's counts (memory_stats); by
+    default new ones at every query, so every query takes a snapshot."""
+    import itertools
 
-    def install(*, free, total, reserved, allocated, fraction=1.0, segments=(), backend="native"):
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    def install(*, free, total, reserved, allocated, fraction=1.0, segments=(), backend="native", activity=None):
+        counter = itertools.count()
+        monkeypatch.setattr(planner, "_pool_snapshots", {})
         answers = {
+            "memory_stats": lambda device=None: (
+                dict(activity) if activity is not None else {"allocation.all.allocated": next(counter)}
+            ),
             "mem_get_info": lambda device=None: (free, total),
             "memory_reserved": lambda device=None: reserved,
             "memory_allocated": lambda device=None: allocated,

@@ -184,6 +184,9 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     assert [p["lora_strength"] for p in first if p["lora_strength"] is not None] == [1.0, 0.6]
     for summary in summaries:
         assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
+    # the session's edits come back with the same reference images: prepared once, then found in the cache
+    first_summary = summaries[0]["reference_cache"]
+    assert first_summary["misses"] >= 1 and first_summary["hits"] >= 1
     # --profile new-shapes: the host's time over each session's first prompt of every shape but the session's first
     profiles = by_what["session_profile"]
     assert [p["cap_gib"] for p in profiles] == [None, 24]

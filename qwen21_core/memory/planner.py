@@ -38,18 +38,35 @@ def same_device(a, b) -> bool:
     return indexed_device(a) == indexed_device(b)
 
 
+# What the allocator has done so far on a device: if none of these moved, no block was allocated or freed in any pool,
+# so the last snapshot still holds. The current values guard against a reset of the cumulative counts.
+_ALLOCATOR_ACTIVITY = ("allocation.all.allocated", "allocation.all.freed", "segment.all.allocated",
+                       "segment.all.freed", "allocated_bytes.all.current", "reserved_bytes.all.current")  # fmt: skip
+_pool_snapshots: dict[int, tuple[tuple[int, ...], dict[tuple[int, int], int]]] = {}
+
+
 def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
     """Per CUDA-graph private pool on `device`: its reserved bytes no tensor uses. Only that graph's replays can use
-    them (empty_cache cannot return them while the graph lives), so they are not free for anything else."""
+    them (empty_cache cannot return them while the graph lives), so they are not free for anything else.
+
+    It reads an allocator snapshot, which lists every segment (2.6 ms with a session's graphs alive, an H200
+    profile) and is asked several times per prompt (every placement decision): a snapshot is taken again only after
+    the allocator did something (its cumulative counts, `memory_stats`, cost microseconds)."""
     device = indexed_device(device)
     if device.type != "cuda" or torch.cuda.get_allocator_backend() != "native":  # no graphs under cudaMallocAsync
         return {}
+    stats = torch.cuda.memory_stats(device)
+    activity = tuple(stats.get(name, 0) for name in _ALLOCATOR_ACTIVITY)
+    kept = _pool_snapshots.get(device.index)
+    if kept is not None and kept[0] == activity:
+        return dict(kept[1])
     pools: dict[tuple[int, int], int] = {}
     for segment in torch.cuda.memory_snapshot():
         pool = tuple(segment.get("segment_pool_id") or (0, 0))
         if pool != (0, 0) and segment.get("device") == device.index:
             pools[pool] = pools.get(pool, 0) + segment["total_size"] - segment["allocated_size"]
-    return pools
+    _pool_snapshots[device.index] = (activity, pools)
+    return dict(pools)
 
 
 def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
