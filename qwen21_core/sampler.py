@@ -58,6 +58,7 @@ class SampleStats:
     kv_cache: str = ""
     decode_graph: str = "off"
     peak_vram_bytes: int = 0
+    branch_setup_s: float = 0.0  # the host's time making the branches: K/V caches (pinned host RAM too), tables
     parallel: str = "off"  # e.g. "sequence over 2 ranks" (parallel/)
     ranks: list = field(default_factory=list)  # each worker's part: cache, peak VRAM, decode graphs
 
@@ -71,6 +72,7 @@ class SampleStats:
             "seconds": round(self.seconds, 3),
             "steps_per_second": round(self.steps_per_second, 3),
             "prefills": self.prefills,
+            "branch_setup_s": round(self.branch_setup_s, 3),
             "prefix_tokens": self.prefix_tokens,
             "prefix_cache": self.prefix_cache,
             "prefix_cache_mib": round(self.cache_bytes / 2**20, 1),
@@ -299,7 +301,9 @@ class _LocalRun:
 
     def __init__(self, sampler: Sampler, cond, target_shape, batch, use_cfg, prefix_ids, _mode=None):
         self.sampler = sampler
+        started = time.perf_counter()
         self.branches, self.cond_tokens = sampler._branches(cond, target_shape, batch, use_cfg)
+        sampler.stats.branch_setup_s += time.perf_counter() - started
         self.prefix_ids = prefix_ids
         sampler.stats.cache_bytes += sum(b.cache.nbytes for b, _ in self.branches)
         sampler.stats.cache_host_bytes += sum(b.cache.host_nbytes for b, _ in self.branches)

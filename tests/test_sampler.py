@@ -73,6 +73,7 @@ def test_text_to_image_matches_reference(parts, cfg):
     assert got.shape == (1, Z, 4, 6) and got.dtype == torch.float32
     assert (got - expected).abs().max().item() <= 1e-4
     assert sampler.stats.prefills == (2 if cfg > 1 else 1)
+    assert 0 < sampler.stats.branch_setup_s < sampler.stats.seconds  # the caches' allocation, timed apart
 
 
 def test_two_condition_images_match_reference(parts):
