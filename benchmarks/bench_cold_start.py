@@ -122,9 +122,7 @@ def first_calls(args, device):
     layout = build_layout(mask, shapes, target)
     with torch.inference_mode():
         step_started = time.perf_counter()
-        warmup = pipe.kernel_warmup
-        dit_parts = [name for name in warmup.jobs if name.startswith("dit")] if warmup else []
-        row["waited_for_warmup_s"] = round(warmup.wait(*dit_parts) if warmup else 0.0, 2)
+        row["waited_for_warmup_s"] = round(pipe.kernel_warmup.wait("dit") if pipe.kernel_warmup else 0.0, 2)
         branch = dit.new_branch(layout, 1)
         dit.prefill(branch, embeds, cond)
         dit.decode(branch, x, t)

@@ -224,11 +224,8 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
                allocated_after_last_gib=allocated[-1] if allocated else None)  # fmt: skip
     if out["first_image_s"] and out["steady_image_s"]:
         out["first_over_steady"] = round(out["first_image_s"] / out["steady_image_s"], 2)
-    if warmup is not None:  # the DiT's parts (attention, one per M bucket) as one: when its last was done
-        seconds = warmup.seconds
-        dit = [value for name, value in seconds.items() if name.startswith("dit")]
-        out["warmup_parts_s"] = {name: value for name, value in seconds.items() if not name.startswith("dit")}
-        out["warmup_parts_s"]["dit"] = max(dit) if dit else None
+    if warmup is not None:
+        out["warmup_parts_s"] = warmup.seconds
         out["warmup_failures"] = warmup.failures
     return out
 

@@ -27,7 +27,6 @@ from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.kv_cache import CacheShape
-from .dit.sequence import build_layout
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
@@ -37,7 +36,7 @@ from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, in
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
-from .sampler import LATENT_SCALE, Sampler, SampleStats, parallel_mode
+from .sampler import Sampler, SampleStats, parallel_mode
 from .warmup import KernelWarmup, warmup_enabled
 
 if TYPE_CHECKING:
@@ -170,10 +169,9 @@ class Qwen21Pipeline:
         "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; empty when that
         kernel is turned off, kernels/dequantize_weight.py), queued first: the encode comes first. Nobody waits for
         it: the layers use torch's expression until it is done. The DiT's weight-only layers share its keys (it is
-        the same kernel), so the DiT's QuantLinears are scanned too. Then the DiT's parts a first image needs (its
-        attention and the first M buckets), the VAE's, and the DiT's other buckets (dit/kernel_warmup.py)."""
+        the same kernel), so the DiT's QuantLinears are scanned too."""
         from ..kernels._triton import TRITON_AVAILABLE
-        from .dit.kernel_warmup import FIRST_BUCKETS, PART, bucket_part, dit_warmup_parts
+        from .dit.kernel_warmup import dit_warmup_jobs
         from .quant.kernel_warmup import dequantize_warmup_jobs
         from .vae.kernel_warmup import vae_warmup_jobs
 
@@ -183,23 +181,10 @@ class Qwen21Pipeline:
         encoder = self.text_encoder
         quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
                      (self.transformer, device)]  # fmt: skip
-        dit = dit_warmup_parts(self.transformer, device)
-        first = [PART, *(bucket_part(bucket) for bucket in FIRST_BUCKETS)]
-        parts = {"text": dequantize_warmup_jobs(quantised), **{name: dit.pop(name) for name in first},
-                 "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
+        parts = {"text": dequantize_warmup_jobs(quantised), "dit": dit_warmup_jobs(self.transformer, device),
+                 "vae": vae_warmup_jobs(self.vae, device)}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
         return self.kernel_warmup
-
-    def _dit_warmup_parts(self, conds, height: int, width: int, batch_size: int, true_cfg_scale: float) -> list[str]:
-        from .dit.kernel_warmup import parts_for_layouts
-
-        if self.kernel_warmup is None:
-            return []
-        target = (height // LATENT_SCALE, width // LATENT_SCALE)
-        prompts = [(cond, cond.positive) for cond in conds]
-        prompts += [(cond, cond.negative) for cond in conds if true_cfg_scale > 1 and cond.negative is not None]
-        layouts = [build_layout(prompt.image_pad_mask, cond.image_shapes, target) for cond, prompt in prompts]
-        return parts_for_layouts(layouts, batch_size)
 
     def _wait_for_kernels(self, *parts: str) -> None:
         if self.kernel_warmup is not None:
@@ -413,9 +398,7 @@ class Qwen21Pipeline:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
-        # the DiT's kernels for this generation's row counts; the VAE's warm-up and the DiT's other buckets may go on
-        # (graph captures are thread-local)
-        self._wait_for_kernels(*self._dit_warmup_parts(conds, height, width, batch_size, true_cfg_scale))
+        self._wait_for_kernels("dit")  # the VAE's warm-up may go on: graph captures are thread-local
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
         if self.manage_weights:

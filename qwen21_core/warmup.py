@@ -103,17 +103,11 @@ class KernelWarmup:
                 self._finish(name)
 
     def _finish(self, name: str) -> None:
-        with self._lock:
-            self.seconds[name] = round(time.perf_counter() - self._started_at, 3)
-            self._done[name].set()
-            everything = len(self.seconds) == len(self.jobs)
+        self.seconds[name] = round(time.perf_counter() - self._started_at, 3)
+        self._done[name].set()
         failed = f", failed: {self.failures[name]}" if name in self.failures else ""
-        log.debug("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
-                  self.seconds[name], failed)  # fmt: skip
-        if everything:
-            log.info("kernel warm-up done %.2f s after the start (%d parts, %d jobs; failed: %s)",
-                     max(self.seconds.values()), len(self.jobs), sum(self.jobs.values()),
-                     ", ".join(self.failures) or "none")  # fmt: skip
+        log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
+                 self.seconds[name], failed)  # fmt: skip
 
     def wait(self, *names: str) -> float:
         """Block until the named parts (all when none are named) are done; returns the seconds waited."""

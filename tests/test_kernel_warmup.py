@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from qwen21_nodes.kernels import launch_configs
-from qwen21_nodes.qwen21_core.dit.kernel_warmup import bucket_order, dit_warmup_parts, parts_for_layouts
+from qwen21_nodes.qwen21_core.dit.kernel_warmup import bucket_order, dit_warmup_jobs
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
@@ -58,7 +58,7 @@ def test_wait_before_start_returns_at_once():
 
 def test_bucket_order_starts_with_the_first_images_buckets_and_covers_all():
     order = bucket_order()
-    assert order[:5] == [4096, 128, 256, 64, 512]
+    assert order[:3] == [4096, 256, 512]
     assert sorted(order) == launch_configs.all_buckets()
 
 
@@ -74,9 +74,7 @@ def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch):
         return real(bucket)
 
     monkeypatch.setattr("qwen21_nodes.qwen21_core.dit.kernel_warmup.forced_bucket", spy)
-    parts = dit_warmup_parts(model, torch.device("cpu"))
-    assert list(parts) == ["dit", *(f"dit:{bucket}" for bucket in bucket_order())]
-    jobs = [job for part in parts.values() for job in part]
+    jobs = dit_warmup_jobs(model, torch.device("cpu"))
     for job in jobs:
         job()
     # the attention kernels once (at the first bucket), the QKV projection and the finish per bucket; K/V formats
@@ -140,7 +138,7 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     model = QwenImage21Transformer(TINY_TRANSFORMER).to(device, torch.bfloat16).eval()
     if fmt != "bf16":
         model = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
-    for job in (job for part in dit_warmup_parts(model, device).values() for job in part):
+    for job in dit_warmup_jobs(model, device):
         job()
     torch.cuda.synchronize()
     compiled = []
@@ -236,45 +234,3 @@ def test_on_the_gpu_torch_ops_decode_and_encode_the_same_bits_as_the_kernels(dty
         decoded, encoded = vae.decode(z, tiling="off"), vae.encode(image, tiling="off")
     assert torch.equal(vae.decode(z, tiling="off"), decoded)
     assert torch.equal(vae.encode(image, tiling="off"), encoded)
-
-
-def test_a_generation_waits_only_for_the_buckets_its_row_counts_meet():
-    """A 1024^2 text-to-image prompt of 100 tokens meets 100 prefix rows and 4096 target rows: it needs the attention
-    part and two buckets, not the other nine (which a fresh machine compiles for seconds); an edit with one 1024^2
-    reference adds its 4196-row prefix; a batch of 2 doubles the target rows."""
-    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
-
-    text_only = build_layout(torch.zeros(100, dtype=torch.bool), [], (64, 64))
-    assert parts_for_layouts([text_only], 1) == ["dit", "dit:128", "dit:4096"]
-    mask = torch.zeros(100 + 1024, dtype=torch.bool)
-    mask[10 : 10 + 1024] = True  # one reference's 1024 image slots (64x64 latent tokens)
-    edit = build_layout(mask, [(64, 64)], (64, 64))
-    assert parts_for_layouts([edit], 1) == ["dit", "dit:4096", "dit:8192"]
-    assert parts_for_layouts([text_only, edit], 2) == ["dit", "dit:128", "dit:8192"]  # 2 x 4096 target rows
-    huge = build_layout(torch.zeros(100, dtype=torch.bool), [], (64, 64))
-    huge.prefix_len = 8192 + 300  # the prefill's finish runs in 8192-row chunks: the remainder is its own bucket
-    assert parts_for_layouts([huge], 1) == ["dit", "dit:512", "dit:4096", "dit:8192", "dit:16384"]
-
-
-def test_sampling_waits_for_its_own_buckets_while_others_still_compile():
-    """The pipeline waits before sampling for the parts its generation needs: a part of another bucket that is still
-    compiling (gated here) does not hold a 1024^2 text-to-image prompt back; guidance adds the negative branch's."""
-    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
-    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
-
-    def prompt(tokens):
-        return PromptEmbedding(torch.zeros(tokens, 8), torch.zeros(tokens, dtype=torch.bool))
-
-    gate = threading.Event()
-    pipe = Qwen21Pipeline.__new__(Qwen21Pipeline)  # only what the wait touches
-    parts = {"dit": [lambda: None], "dit:128": [lambda: None], "dit:4096": [lambda: None],
-             "dit:16384": [lambda: gate.wait(30)]}  # fmt: skip
-    pipe.kernel_warmup = KernelWarmup(parts, torch.device("cpu"), threads=2).start()
-    cond = Conditioning(prompt(100), prompt(300))
-    needed = pipe._dit_warmup_parts([cond], 1024, 1024, 1, 1.0)
-    assert needed == ["dit", "dit:128", "dit:4096"]
-    assert pipe._dit_warmup_parts([cond], 1024, 1024, 1, 4.0) == ["dit", "dit:128", "dit:512", "dit:4096"]
-    started = time.perf_counter()
-    pipe._wait_for_kernels(*needed)
-    assert time.perf_counter() - started < 10 and not pipe.kernel_warmup.done("dit:16384")
-    gate.set()

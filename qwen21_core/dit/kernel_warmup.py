@@ -10,10 +10,6 @@ prompts use.
 It runs on a copy of block 0 on the execution device, so it may run in a background thread while the model itself
 is loaded, offloaded, streamed or merged with a LoRA (qwen21_core/warmup.py); values are meaningless, only the
 compiles count.
-
-The jobs come as warm-up parts: "dit" (the attention kernels and the K/V formats) and one part per M bucket
-("dit:4096", ...), so a generation waits only for the buckets its row counts fall in (`parts_for_layouts`), not for
-the buckets of sizes and reference counts it does not meet; those go on compiling behind it.
 """
 
 from __future__ import annotations
@@ -23,54 +19,37 @@ from collections.abc import Callable
 import torch
 
 from ...kernels.kv_quant import dequantize_kv, quantize_kv
-from ...kernels.launch_configs import all_buckets, forced_bucket, m_bucket
+from ...kernels.launch_configs import all_buckets, forced_bucket
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..warmup import shared_copy
 from .attention import shared_prefix_decode_attention
-from .transformer import EAGER, PREFILL_ROW_CHUNK, Modulation, QwenImage21Transformer
+from .transformer import EAGER, Modulation, QwenImage21Transformer
 
 WARMUP_ROWS = 16  # the smallest tensor-core row tile
-# The buckets of a 1024^2 image (4096 target rows) and of typical prompts (a hundred to a few hundred tokens) first:
-# the first image needs them, the others only sizes and reference counts met later.
-FIRST_BUCKETS = (4096, 128, 256, 64, 512)
-PART = "dit"  # the attention kernels and the K/V formats: every generation waits for it
+# The buckets of a 1024^2 image (4096 target rows) and of a typical prompt (a few hundred tokens) first: the first
+# image needs them, the others only sizes and reference counts met later.
+FIRST_BUCKETS = (4096, 256, 512)
 
 
 def bucket_order() -> list[int]:
     return [*FIRST_BUCKETS, *(b for b in all_buckets() if b not in FIRST_BUCKETS)]
 
 
-def bucket_part(bucket: int) -> str:
-    return f"{PART}:{bucket}"
-
-
-def dit_warmup_parts(transformer: QwenImage21Transformer, device: torch.device) -> dict[str, list[Callable[[], None]]]:
-    """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py), by part: PART
-    holds QK-norm+RoPE with the attention merge and the K/V-cache formats; each M bucket's part its QKV projection
-    and its block finish (output projection and MLP) apart, so no job compiles more than a few kernels. In
-    `bucket_order()`."""
+def dit_warmup_jobs(transformer: QwenImage21Transformer, device: torch.device) -> list[Callable[[], None]]:
+    """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py): QK-norm+RoPE
+    and the attention merge once, the K/V-cache formats once, and for every M bucket the QKV projection and the
+    block's finish (output projection and MLP) apart, so no job compiles more than a few kernels."""
     config = transformer.config
     block = shared_copy(transformer.transformer_blocks[0], device)
 
     def job(part: str, bucket: int = FIRST_BUCKETS[0]):
         return lambda: warm_up(block(), config, part, bucket)
 
-    parts = {PART: [job("attention"), lambda: warm_up_kv_formats(config, device, transformer.dtype)]}
+    jobs = [job("attention")]
     for bucket in bucket_order():
-        parts[bucket_part(bucket)] = [job("qkv", bucket), job("finish", bucket)]
-    return parts
-
-
-def parts_for_layouts(layouts, batch: int) -> list[str]:
-    """The warm-up parts a generation with these branch layouts needs: PART and the buckets of the row counts its
-    projections meet: the whole prefix in the prefill's QKV projection, its row chunks in the prefill's finish, and
-    the batch's target rows in every step (sequence-parallel ranks meet fewer rows: at worst they compile a bucket
-    the warm-up is compiling too)."""
-    rows = set()
-    for layout in layouts:
-        prefix = layout.prefix_len
-        rows.update((prefix, min(prefix, PREFILL_ROW_CHUNK), prefix % PREFILL_ROW_CHUNK, batch * layout.target_len))
-    return [PART, *(bucket_part(bucket) for bucket in sorted({m_bucket(count) for count in rows if count > 0}))]
+        jobs += [job("qkv", bucket), job("finish", bucket)]
+    jobs.append(lambda: warm_up_kv_formats(config, device, transformer.dtype))
+    return jobs
 
 
 @torch.no_grad()
