@@ -32,6 +32,7 @@ from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
+from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
 from .options import SampleOptions
 from .quant.plan import WeightFormats
@@ -516,11 +517,12 @@ class Qwen21Pipeline:
         return self.decode_graphs.idle_cache_bytes() + kept
 
     def release(self):
-        """Free what can be rebuilt (decode graphs, condition images seen before, cached memory, on every device);
-        weights stay."""
+        """Free what can be rebuilt (decode graphs, condition images seen before, kept pinned K/V buffers, cached
+        memory, on every device); weights stay."""
         entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
         self.references.clear()
+        HOST_KV_BUFFERS.clear()
         if self.workers is not None:
             self.workers.release()
         if torch.cuda.is_available():

@@ -555,3 +555,60 @@ def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):
     with pytest.raises(MemoryError, match="also after a retry.*kv_cache fp8.*weight_dtype fp8 or int8"):
         handle._retry_out_of_memory(flaky(2), "sampling 1024x1024", GIB)
     assert host.LOCAL.budget == 10 * GIB  # restored either way
+
+
+def test_released_host_kv_buffers_are_kept_for_the_next_host_cache(monkeypatch):
+    """Pinning a 4-reference edit's host K/V took 7.55 s at a 12 GB cap (H200): a released host cache's buffer is
+    kept for the next one that fits (for K/V caches only), the largest two, none while RAM is short."""
+    from qwen21_nodes.qwen21_core.dit import kv_cache
+    from qwen21_nodes.qwen21_core.memory import pinned_buffers
+
+    buffers = pinned_buffers.PinnedBuffers()
+    monkeypatch.setattr(kv_cache, "HOST_KV_BUFFERS", buffers)
+    first = PrefixKVCache(2, 1, 50, 7, 2, 8, torch.float32, "cpu", placement="cpu")
+    address = first._storage.data_ptr()
+    first.release()
+    assert buffers.kept_bytes > 0
+    smaller = PrefixKVCache(2, 1, 40, 7, 2, 8, torch.float32, "cpu", placement="cpu")
+    assert smaller._storage.data_ptr() == address and buffers.reused == 1 and buffers.kept_bytes == 0
+    larger = PrefixKVCache(2, 1, 60, 7, 2, 8, torch.float32, "cpu", placement="cpu")  # nothing kept: a new one
+    assert larger._storage.data_ptr() != address
+    on_gpu = PrefixKVCache(2, 1, 60, 7, 2, 8, torch.float32, "cpu", placement="gpu")
+    for cache in (smaller, larger, on_gpu):
+        cache.release()
+    assert buffers.kept_bytes == (50 + 60) * 2 * 2 * 8 * 4 * 2  # the two host ones, whole; the device cache's not
+    buffers.give_back(torch.empty(10, dtype=torch.uint8))  # a third, smaller: the two largest stay
+    assert buffers.kept_bytes == (50 + 60) * 2 * 2 * 8 * 4 * 2
+    monkeypatch.setattr(pinned_buffers, "host_free_bytes", lambda: 0)  # RAM short: nothing kept
+    buffers.give_back(torch.empty(10, dtype=torch.uint8))
+    assert buffers.kept_bytes == 0
+    buffers.give_back(torch.empty(10, dtype=torch.uint8))
+    buffers.clear()
+    assert buffers.kept_bytes == 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_the_gpu_a_second_host_kv_cache_reuses_the_pinned_buffer_and_reads_what_it_wrote():
+    from qwen21_nodes.qwen21_core.dit import kv_cache
+    from qwen21_nodes.qwen21_core.memory import pinned_buffers
+
+    buffers = pinned_buffers.PinnedBuffers()
+    original = kv_cache.HOST_KV_BUFFERS
+    kv_cache.HOST_KV_BUFFERS = buffers
+    try:
+        first = PrefixKVCache(2, 1, 64, 16, 2, 8, torch.bfloat16, "cuda", placement="cpu")
+        assert first._storage.is_pinned()
+        address = first._storage.data_ptr()
+        first.release()
+        again = PrefixKVCache(2, 1, 48, 16, 2, 8, torch.bfloat16, "cuda", placement="cpu")
+        assert again._storage.is_pinned() and again._storage.data_ptr() == address and buffers.reused == 1
+        k, v = again.prefill_targets(0)
+        k.fill_(1.5), v.fill_(-2.0)
+        again.store_prefix(0)
+        torch.cuda.synchronize()
+        (stored_k, _, _), (stored_v, _, _) = again._parts(again._storage[0])
+        assert bool((stored_k == 1.5).all()) and bool((stored_v == -2.0).all())
+        again.release()
+    finally:
+        kv_cache.HOST_KV_BUFFERS = original

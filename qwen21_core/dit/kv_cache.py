@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.kv_quant import STORAGE, dequantize_kv, quantize_kv
+from ..memory.pinned_buffers import HOST_KV_BUFFERS
 from ..memory.prefetch import SlotPrefetcher
 
 FORMATS = ("bf16", "fp8", "fp8_v", "int8")
@@ -136,7 +137,8 @@ class PrefixKVCache:
         if self.placement == "gpu":
             self._storage = torch.empty(s.num_layers, layer_bytes, dtype=torch.uint8, device=device)
         else:
-            self._storage = torch.empty(s.num_layers, layer_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            # pinned, and kept for the next host cache when released (pinning takes seconds: memory/pinned_buffers.py)
+            self._storage = HOST_KV_BUFFERS.take(s.num_layers * layer_bytes, device).view(s.num_layers, layer_bytes)
             self.prefetcher = SlotPrefetcher(device, layer_bytes, slots=2)
             self.prefetcher.set_items({layer: self._storage[layer] for layer in range(s.num_layers)})
 
@@ -243,6 +245,8 @@ class PrefixKVCache:
         return self._joint[layer, 0], self._joint[layer, 1]
 
     def release(self):
+        if self._storage is not None and self.placement != "gpu":
+            HOST_KV_BUFFERS.give_back(self._storage)
         self._joint = self._target = self._work = self._storage = None
         self.prefetcher = None
         self.filled = False

@@ -1,0 +1,68 @@
+"""Pinned host buffers for host-placed K/V caches, kept after a generation for the next one.
+
+Where the prefix K/V does not fit the card (an edit with several references at 16 or 12 GB), it lives in pinned host
+RAM, and pinning is slow: 2.70 s for 3 GiB on the H200's host (bench_copy_rates), 7.55 s for a 4-reference edit's
+cache at a 12 GB cap (its `branch_setup_s`, BENCHMARKS "Session"). torch keeps a freed pinned block for a later
+request of the same power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a
+model's host copy), and then the next edit pins again. So released K/V buffers are kept here, for K/V caches only:
+a request takes the smallest kept buffer it fits in. At most `MAX_KEPT` (a CFG run has two branches), none while
+host RAM is short (`memory/planner.host_free_bytes`), none after `clear` (the pipeline's release, an out-of-memory
+retry).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .planner import host_free_bytes
+
+MAX_KEPT = 2
+
+
+class PinnedBuffers:
+    def __init__(self, max_kept: int = MAX_KEPT):
+        self.max_kept = max_kept
+        self._kept: list[torch.Tensor] = []  # flat uint8 buffers no cache uses, smallest first
+        self._lock = threading.Lock()
+        self.reused = 0  # requests served from a kept buffer
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A flat uint8 host buffer of `nbytes`, pinned for a CUDA `device`: a view of a kept buffer where one is
+        large enough, else a new one. A kept buffer may still be read by work queued on the device (the last
+        generation's copies): the device is synchronised before it is handed out again."""
+        with self._lock:
+            fitting = next((b for b in self._kept if b.numel() >= nbytes), None)
+            if fitting is not None:
+                self._kept.remove(fitting)
+                self.reused += 1
+        if fitting is not None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return fitting[:nbytes]
+        with torch.inference_mode(False):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Keep `buffer` (one `take` gave, or a view of it) for a later request: the largest `max_kept` are kept,
+        none while host RAM is short (they go back to torch, which frees them when nothing uses them)."""
+        base = buffer if buffer._base is None else buffer._base
+        available = host_free_bytes()
+        with self._lock:
+            if available is not None and available <= 0:
+                self._kept.clear()
+                return
+            self._kept = sorted([*self._kept, base], key=lambda b: b.numel())[-self.max_kept :] if self.max_kept else []
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._kept)
+
+
+HOST_KV_BUFFERS = PinnedBuffers()  # one per process: a host K/V cache may come from any pipeline
