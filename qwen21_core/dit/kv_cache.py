@@ -127,6 +127,7 @@ class PrefixKVCache:
                                       device=device)  # fmt: skip
             self._target = None
             self._work = None
+            self._storage = None
             return
         self._joint = None
         self._target = torch.empty(2, s.batch, s.target_len, *per_token, dtype=s.dtype, device=device)
