@@ -5,9 +5,10 @@ RAM, and pinning is slow: 2.70 s for 3 GiB on the H200's host (bench_copy_rates)
 cache at a 12 GB cap (its `branch_setup_s`, BENCHMARKS "Session"). torch keeps a freed pinned block for a later
 request of the same power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a
 model's host copy), and then the next edit pins again. So released K/V buffers are kept here, for K/V caches only:
-a request takes the smallest kept buffer it fits in. At most `MAX_KEPT` (a CFG run has two branches), none while
-host RAM is short (`memory/planner.host_free_bytes`), none after `clear` (the pipeline's release, an out-of-memory
-retry).
+a request takes the smallest kept buffer it fits in. At most `MAX_KEPT` (a CFG run has two branches), and only while
+host RAM has at least as much again available (`memory/planner.host_free_bytes`): a kept buffer is RAM that other
+pinned requests can no longer take from torch's cache, so on a machine short of RAM the buffers go back to torch, as
+before. None after `clear` (the pipeline's release, an out-of-memory retry).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class PinnedBuffers:
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Keep `buffer` (one `take` gave, or a view of it) for a later request: the largest `max_kept` are kept,
-        none while host RAM is short (they go back to torch, which frees them when nothing uses them)."""
+        none unless host RAM has at least its size again available (they go back to torch's cache of pinned blocks,
+        where any pinned request may reuse them)."""
         base = buffer if buffer._base is None else buffer._base
         available = host_free_bytes()
         with self._lock:
-            if available is not None and available <= 0:
+            if available is not None and available < base.numel():
                 self._kept.clear()
                 return
             self._kept = sorted([*self._kept, base], key=lambda b: b.numel())[-self.max_kept :] if self.max_kept else []
