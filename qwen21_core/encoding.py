@@ -229,7 +229,7 @@ def encode_conditioning(
     vlm_images = tuple(image.vlm for image in prepared)
     (positive,) = text_encoder.encode_prompts([prompt], vlm_images)
     vae_device = getattr(vae, "device", None)
-    vae_identity = _vae_identity(vae)
+    vae_identity = f"{_vae_identity(vae)}:{getattr(vae, 'dtype', '')}"  # the same weights in another dtype differ
 
     def vae_latents(image: ConditionImage) -> torch.Tensor:
         pixels = image.vae if vae_device is None else image.vae.to(vae_device)

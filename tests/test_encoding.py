@@ -481,3 +481,8 @@ def test_the_reference_cache_keeps_latents_per_vae_and_forgets_the_least_recentl
     encode_conditioning(encoder, first_vae, "a cat", [one], output_resolution=64, references=cache)
     assert first_vae.encoded == 3  # `two` pushed `one` out of a one-image cache
     assert cache.misses == 3 and cache.hits == 1
+    encode_conditioning(encoder, first_vae, "a dog", [one], output_resolution=64, references=cache)
+    assert first_vae.encoded == 3  # kept
+    first_vae.dtype = torch.float64  # the same identity in another dtype: latents of its own
+    encode_conditioning(encoder, first_vae, "a dog", [one], output_resolution=64, references=cache)
+    assert first_vae.encoded == 4
