@@ -269,12 +269,11 @@ def profile_summary(profiles: list, kind: dict, args, top: int = 45) -> dict:
     snapshot = {}
     if torch.cuda.is_available():  # what one allocator snapshot costs now (the planner's free-memory query takes one)
         from qwen21_nodes.qwen21_core.memory import planner
-        from qwen21_nodes.qwen21_core.memory.planner import graph_pool_idle_bytes
 
         started = time.perf_counter()
         for _ in range(5):
             planner._pool_snapshots.clear()  # a snapshot each time
-            pools = graph_pool_idle_bytes(torch.device("cuda"))
+            pools = planner.graph_pool_idle_bytes(torch.device("cuda"))
         snapshot = dict(snapshot_ms=round((time.perf_counter() - started) / 5 * 1e3, 2), graph_pools=len(pools),
                         segments=len(torch.cuda.memory_snapshot()))  # fmt: skip
     return dict(

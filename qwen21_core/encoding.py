@@ -27,6 +27,7 @@ from .config import TransformerConfig
 from .dit.sequence import check_rotary_range, prefix_rotary_range
 from .errors import stable_name
 from .images import (
+    MAX_CONDITION_IMAGES,
     SIZE_MULTIPLE,
     ConditionImage,
     calculate_dimensions,
@@ -37,7 +38,6 @@ from .reference_cache import ReferenceCache
 
 log = logging.getLogger(__name__)
 
-MAX_CONDITION_IMAGES = 16
 LATENT_PIXELS = 16  # one latent token per 16x16 pixels (the VAE's downscale)
 _HASH_VERSION = b"qwen21-conditioning-v2"  # v2: images by their source digest
 

@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 
 SIZE_MULTIPLE = 32
+MAX_CONDITION_IMAGES = 16  # per prompt (encoding.py says why 16)
 
 
 @dataclass

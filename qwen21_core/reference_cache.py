@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from .images import ConditionImage, prepare_condition_image, source_digest
+from .images import MAX_CONDITION_IMAGES, ConditionImage, prepare_condition_image, source_digest
 
-# as many as one prompt may carry (encoding.MAX_CONDITION_IMAGES): a prompt never evicts its own images
-DEFAULT_MAX_IMAGES = 16
+DEFAULT_MAX_IMAGES = MAX_CONDITION_IMAGES  # as many as one prompt may carry: a prompt never evicts its own images
 
 
 @dataclass
