@@ -379,18 +379,31 @@ def test_a_gpu_bound_first_generation_stays_eager_and_the_next_one_captures(mode
 
 
 def test_a_launch_bound_first_step_captures_from_the_second_step(model):
-    """On the CPU the host runs every op itself, so a step is all host time: launch-bound. The first step runs
-    eagerly and is timed, the second captures, the third replays."""
+    """On the CPU the host runs every op itself, so a step is all host time: launch-bound. The very first step this
+    object decodes only runs (it carries the process's one-time costs); the next is timed, the one after captures,
+    the rest replay. A later key is timed at its own first step."""
     recorder = Recorder()
     graphs = DecodeGraphs(model, capture=recorder)  # the default share
     layout = _layout()
     branch = _prefilled(graphs, layout)
     x = torch.randn(1, 16, CHANNELS)
-    outputs = [graphs(branch, x * t, torch.full((1,), t)) for t in (0.9, 0.5, 0.2)]
+    steps = (0.9, 0.7, 0.5, 0.2)
+    outputs = []
+    for number, t in enumerate(steps):
+        outputs.append(graphs(branch, x * t, torch.full((1,), t)))
+        if number == 0:  # not timed: no verdict yet, nothing captured
+            assert getattr(branch, "first_sight", None) is None and not graphs.host_shares
     assert branch.first_sight == "launch_bound" and branch.host_share >= 0.9
     assert recorder.captures == 1 and recorder.graphs[0].replays == 2
-    for out, t in zip(outputs, (0.9, 0.5, 0.2), strict=True):
+    for out, t in zip(outputs, steps, strict=True):
         assert torch.equal(out, model.decode(branch, x * t, torch.full((1,), t)))
+    graphs.release(branch)
+    graphs.end_generation()
+    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key, its first step timed
+    graphs(other, x, torch.full((1,), 0.9))
+    assert other.first_sight == "launch_bound" and len(graphs.host_shares) == 1
+    graphs(other, x * 0.5, torch.full((1,), 0.5))
+    assert recorder.captures == 2
 
 
 def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):

@@ -16,7 +16,10 @@ Bookkeeping rules:
   56.63 ms eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the
   step, a graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"), and the whole
   generation stays eager; the key is captured when a later generation meets it again (a new seed, a batch).
-  A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay;
+  A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay.
+  The first step this object ever decodes is not timed (its next one is): it carries the process's one-time costs
+  (first launches, lazy library set-up, the background warm-up's threads holding the interpreter), which read as
+  host time and made the first image of every process capture a GPU-bound 1024^2 step;
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -137,6 +140,7 @@ class DecodeGraphs:
     replays: int = 0  # steps the current generation replayed (describe() reports this generation, not earlier ones)
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
+    _stepped: bool = False  # a step was decoded: one-time costs are paid, a timed step now measures the shape
 
     # ---- generation lifetime ----------------------------------------------------------------------
 
@@ -253,6 +257,7 @@ class DecodeGraphs:
         entry = self._entry_for(branch)
         if entry is _MEASURE:
             return self._timed_first_step(branch, x, t)
+        self._stepped = True
         if entry is None:
             return self.transformer.decode(branch, x, t)
         entry.static_x.copy_(x)
@@ -298,7 +303,11 @@ class DecodeGraphs:
         return self._capture_new(key, branch)
 
     def _timed_first_step(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """An eager step, timed: the host's share of its wall time decides whether this generation captures."""
+        """An eager step, timed: the host's share of its wall time decides whether this generation captures. The
+        first step of all is only run (the next one is timed): its host time is mostly one-time costs."""
+        if not self._stepped:
+            self._stepped = True
+            return self.transformer.decode(branch, x, t)
         cuda = x.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(x.device)
