@@ -144,8 +144,10 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
                    changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        profiled = (args.profile == "steady" and index >= 2) or (
-            args.profile == "new-shapes" and index > 0 and row["first_of_shape"]
+        profiled = (
+            (args.profile == "steady" and index >= 2)
+            or (args.profile == "new-shapes" and index > 0 and row["first_of_shape"])
+            or (args.profile == "first" and index == 0)
         )
         profiler = cProfile.Profile() if profiled else None
         started = time.perf_counter()
@@ -376,7 +378,8 @@ def child(args, specs: list[dict]) -> None:
     for index, (_precision, cap, cache) in enumerate(sessions):
         cap = None if cap in ("none", "") else int(cap)
         # capped sessions: the same prompts with a shorter tail (their targets are on the changed-prompt images)
-        count = len(specs) if cap is None else len(specs) - args.tail + min(args.tail, args.capped_tail)
+        count = len(specs) - args.tail + min(args.tail, args.capped_tail) if cap is not None else len(specs)
+        count = len(specs) if args.limit else count  # --limit already cut the plan
         run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs[:count],
                     fresh=index == 0)  # fmt: skip
 
@@ -399,7 +402,7 @@ def orchestrate(args) -> int:
             cache = root / f"cache_{number}"
         command = [sys.executable, str(HERE / "bench_session.py"), "--child", ",".join(_label(s) for s in chosen),
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail),
-                   "--capped-tail", str(args.capped_tail)]  # fmt: skip
+                   "--capped-tail", str(args.capped_tail), "--limit", str(args.limit)]  # fmt: skip
         command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
@@ -454,6 +457,8 @@ def main():
     parser.add_argument("--capped-tail", type=int, default=CAPPED_TAIL,
                         help="a capped session's tail (at most --tail); 26 makes a 40-prompt session")  # fmt: skip
     parser.add_argument("--turbo", action="store_true", help="fp8 + LoRA, 8 steps, changed 1024^2 prompts")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="run only the first N prompts of a session (its first image, the next ones)")  # fmt: skip
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=int, default=560)
     parser.add_argument("--log-dir", default="")
@@ -461,9 +466,10 @@ def main():
         "--profile",
         nargs="?",
         const="steady",
-        choices=["steady", "new-shapes"],
+        choices=["steady", "new-shapes", "first"],
         help="the host's time by function (cProfile; a session_profile line, and a pstats file in --log-dir): over "
-        "the prompts from the third on (steady), or over the first prompt of each new shape after the first",
+        "the prompts from the third on (steady), over the first prompt of each new shape after the first, or over "
+        "the session's first prompt (first; the main thread only, the warm-up's threads are not profiled)",
     )
     args = parser.parse_args()
     if args.tiny:
@@ -475,7 +481,7 @@ def main():
         child(args, turbo_plan(8 + args.tail // 4))
         return 0
     if args.child:
-        child(args, plan(args.tail))
+        child(args, plan(args.tail)[: args.limit or None])
         return 0
     return 1 if orchestrate(args) else 0
 

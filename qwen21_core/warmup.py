@@ -30,11 +30,24 @@ import torch
 log = logging.getLogger(__name__)
 
 WARMUP_ENV = "QWEN21_KERNEL_WARMUP"  # "0" turns the warm-up off (kernels then compile on first use)
+THREADS_ENV = "QWEN21_KERNEL_WARMUP_THREADS"  # the pool's size instead of the default below
 MAX_THREADS = 8
 
 
 def warmup_enabled() -> bool:
     return os.environ.get(WARMUP_ENV, "").strip() != "0"
+
+
+def warmup_threads() -> int:
+    """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set to a positive integer, else one thread per core but
+    one (the main thread's), at most MAX_THREADS. Fewer threads leave the interpreter to the main thread more often:
+    with compiled kernels on disk the jobs mostly run Python, which one thread runs at a time."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+        log.warning("%s=%r is not a positive integer; using the default pool size", THREADS_ENV, raw)
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
 
 
 def shared_copy(module: torch.nn.Module, device: torch.device) -> Callable[[], torch.nn.Module]:
@@ -60,7 +73,7 @@ class KernelWarmup:
 
     def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None):
         self.device = device
-        self.threads = threads or max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
+        self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
         self.seconds: dict[str, float] = {}
         self.failures: dict[str, str] = {}
