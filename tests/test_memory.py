@@ -559,26 +559,36 @@ def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):
 
 def test_released_host_kv_buffers_are_kept_for_the_next_host_cache(monkeypatch):
     """Pinning a 4-reference edit's host K/V took 7.55 s at a 12 GB cap (H200): a released host cache's buffer is
-    kept for the next one that fits (for K/V caches only), the largest two, none unless RAM has as much again."""
+    kept for the next one that fits (for K/V caches only), the largest two, none unless RAM has as much again. A new
+    buffer has HEADROOM more, so the next edit's prompt may be a little longer (a 12 GB session pinned again for one
+    more token)."""
     from qwen21_nodes.qwen21_core.dit import kv_cache
     from qwen21_nodes.qwen21_core.memory import pinned_buffers
 
     buffers = pinned_buffers.PinnedBuffers()
     monkeypatch.setattr(kv_cache, "HOST_KV_BUFFERS", buffers)
+
+    def pinned(tokens):  # the bytes a host cache of `tokens` prefix tokens pins: its size plus the headroom
+        nbytes = tokens * 2 * 2 * 8 * 4 * 2
+        return nbytes + int(nbytes * pinned_buffers.HEADROOM)
+
     first = PrefixKVCache(2, 1, 50, 7, 2, 8, torch.float32, "cpu", placement="cpu")
     address = first._storage.data_ptr()
     first.release()
-    assert buffers.kept_bytes > 0
+    assert buffers.kept_bytes == pinned(50)
+    longer_prompt = PrefixKVCache(2, 1, 51, 7, 2, 8, torch.float32, "cpu", placement="cpu")  # fits the headroom
+    assert longer_prompt._storage.data_ptr() == address and buffers.reused == 1 and buffers.kept_bytes == 0
+    longer_prompt.release()
     smaller = PrefixKVCache(2, 1, 40, 7, 2, 8, torch.float32, "cpu", placement="cpu")
-    assert smaller._storage.data_ptr() == address and buffers.reused == 1 and buffers.kept_bytes == 0
+    assert smaller._storage.data_ptr() == address and buffers.reused == 2 and buffers.kept_bytes == 0
     larger = PrefixKVCache(2, 1, 60, 7, 2, 8, torch.float32, "cpu", placement="cpu")  # nothing kept: a new one
     assert larger._storage.data_ptr() != address
     on_gpu = PrefixKVCache(2, 1, 60, 7, 2, 8, torch.float32, "cpu", placement="gpu")
     for cache in (smaller, larger, on_gpu):
         cache.release()
-    assert buffers.kept_bytes == (50 + 60) * 2 * 2 * 8 * 4 * 2  # the two host ones, whole; the device cache's not
+    assert buffers.kept_bytes == pinned(50) + pinned(60)  # the two host ones, whole; the device cache's not
     buffers.give_back(torch.empty(10, dtype=torch.uint8))  # a third, smaller: the two largest stay
-    assert buffers.kept_bytes == (50 + 60) * 2 * 2 * 8 * 4 * 2
+    assert buffers.kept_bytes == pinned(50) + pinned(60)
     monkeypatch.setattr(pinned_buffers, "host_free_bytes", lambda: 9)  # less RAM available than the buffer: none kept
     buffers.give_back(torch.empty(10, dtype=torch.uint8))
     assert buffers.kept_bytes == 0

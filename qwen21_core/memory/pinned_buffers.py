@@ -5,7 +5,10 @@ RAM, and pinning is slow: 2.70 s for 3 GiB on the H200's host (bench_copy_rates)
 cache at a 12 GB cap (its `branch_setup_s`, BENCHMARKS "Session"). torch keeps a freed pinned block for a later
 request of the same power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a
 model's host copy), and then the next edit pins again. So released K/V buffers are kept here, for K/V caches only:
-a request takes the smallest kept buffer it fits in. At most `MAX_KEPT` (a CFG run has two branches), and only while
+a request takes the smallest kept buffer it fits in. A new buffer is pinned `HEADROOM` larger than asked: the next
+edit's prompt is other text, a few tokens longer or shorter, and at a 12 GB cap a 4-reference edit whose prefix was
+one token longer than the kept buffer's pinned 6.96 s again (BENCHMARKS "Session"); 1/32 of an 8.05 GiB cache is
+about 500 tokens of prompt. At most `MAX_KEPT` (a CFG run has two branches), and only while
 host RAM has at least as much again available (`memory/planner.host_free_bytes`): a kept buffer is RAM that other
 pinned requests can no longer take from torch's cache, so on a machine short of RAM the buffers go back to torch, as
 before. None after `clear` (the pipeline's release, an out-of-memory retry).
@@ -20,6 +23,7 @@ import torch
 from .planner import host_free_bytes
 
 MAX_KEPT = 2
+HEADROOM = 1 / 32  # a new buffer's extra size, for the next cache's longer prompt
 
 
 class PinnedBuffers:
@@ -31,8 +35,8 @@ class PinnedBuffers:
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A flat uint8 host buffer of `nbytes`, pinned for a CUDA `device`: a view of a kept buffer where one is
-        large enough, else a new one. A kept buffer may still be read by work queued on the device (the last
-        generation's copies): the device is synchronised before it is handed out again."""
+        large enough, else a view of a new one with `HEADROOM` more. A kept buffer may still be read by work queued
+        on the device (the last generation's copies): the device is synchronised before it is handed out again."""
         with self._lock:
             fitting = next((b for b in self._kept if b.numel() >= nbytes), None)
             if fitting is not None:
@@ -43,7 +47,8 @@ class PinnedBuffers:
                 torch.cuda.synchronize(device)
             return fitting[:nbytes]
         with torch.inference_mode(False):
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            pinned = torch.empty(nbytes + int(nbytes * HEADROOM), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return pinned[:nbytes]
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Keep `buffer` (one `take` gave, or a view of it) for a later request: the largest `max_kept` are kept,
