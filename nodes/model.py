@@ -37,7 +37,9 @@ class Qwen21Model:
         self.offload_text_encoder = text_encoder_offload(offload_text_encoder)
         # where everything runs (the pipeline's, unless given); ComfyUI may park modules elsewhere between runs
         self.device = device = torch.device(device) if device is not None else pipe.device
-        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=pipe.release,
+        # its unloading frees what reads its weights by address (decode graphs), not the references or host buffers
+        unloaded = pipe.release_device_caches
+        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=unloaded,
                                                streamable=pipe.transformer)  # fmt: skip
         # the text encoder and the VAE run where the loader put them (another GPU than the DiT's, perhaps)
         self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,

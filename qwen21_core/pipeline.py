@@ -87,6 +87,8 @@ class Qwen21Pipeline:
         self.vae_execution_device = next(vae.parameters()).device
         self.decode_graphs = DecodeGraphs(transformer)
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
+        # the pinned K/V buffers kept for the next host cache outlive a DiT's unloading, not the pipeline
+        weakref.finalize(self, HOST_KV_BUFFERS.clear).atexit = False
         # Memory: an explicit device budget (bytes; None = what the device has), and whether this pipeline places
         # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
         self.vram_budget: int | None = None
@@ -516,18 +518,26 @@ class Qwen21Pipeline:
         kept = self.workers.idle_cache_bytes if self.workers is not None else 0
         return self.decode_graphs.idle_cache_bytes() + kept
 
-    def release(self):
-        """Free what can be rebuilt (decode graphs, condition images seen before, kept pinned K/V buffers, cached
-        memory, on every device); weights stay."""
+    def release_device_caches(self):
+        """Free what is tied to the DiT's place on the device: the decode graphs (they read its weights by address)
+        with their K/V caches, the workers' kept caches, cached device memory. What a memory manager runs when the
+        DiT leaves the device. Condition images seen before and the kept pinned K/V buffers stay: neither depends on
+        where the DiT is, and at a 12 GB cap, where the DiT leaves for every encode, dropping them made every edit
+        resize and VAE-encode its references again and a 4-reference edit pin its 8 GiB of host K/V again."""
         entries = len(self.decode_graphs.entries)
         self.decode_graphs.clear()
-        self.references.clear()
-        HOST_KV_BUFFERS.clear()
         if self.workers is not None:
             self.workers.release()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         log.info("Qwen21 released %d decode graph entries and cached memory (weights kept)", entries)
+
+    def release(self):
+        """Free everything that can be rebuilt (an out-of-memory retry): the device caches above, the condition
+        images seen before and the kept pinned K/V buffers; weights stay."""
+        self.references.clear()
+        HOST_KV_BUFFERS.clear()
+        self.release_device_caches()
 
     # ---- several devices ----------------------------------------------------------------------------------
 

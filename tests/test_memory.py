@@ -597,6 +597,43 @@ def test_released_host_kv_buffers_are_kept_for_the_next_host_cache(monkeypatch):
     assert buffers.kept_bytes == 0
 
 
+def test_the_dits_unloading_keeps_what_does_not_depend_on_its_place_and_a_retry_drops_all(monkeypatch):
+    """At a 12 GB cap the DiT leaves the GPU for every encode, and the memory manager runs its unload callback. That
+    frees what reads the DiT's weights by address (the decode graphs, with their K/V caches) but keeps the condition
+    images seen before and the pinned K/V buffers kept for the next host cache: when it dropped them too, the H200
+    session's 12 GB edits never found a reference again and a 4-reference edit pinned its 8 GiB again. An
+    out-of-memory retry's release still drops all of them."""
+    from PIL import Image
+    from qwen21_nodes.nodes.model import Qwen21Model
+    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+    from qwen21_nodes.qwen21_core.memory import pinned_buffers
+    from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
+
+    buffers = pinned_buffers.PinnedBuffers()
+    monkeypatch.setattr(pipeline_module, "HOST_KV_BUFFERS", buffers)
+    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what releasing touches
+    cleared = []
+    pipe.decode_graphs = types.SimpleNamespace(entries={}, clear=lambda: cleared.append("graphs"))
+    pipe.workers = None
+    pipe.references = ReferenceCache()
+    pipe.references.prepare(Image.new("RGBA", (96, 64), (200, 30, 30, 255)), 64)
+    buffers.give_back(torch.empty(16, dtype=torch.uint8))
+    # the node handle registers the DiT with the memory manager; its unload is what a cap runs every prompt
+    cpu = torch.device("cpu")
+    node_pipe = types.SimpleNamespace(
+        transformer=torch.nn.Linear(2, 2), text_encoder=types.SimpleNamespace(model=torch.nn.Linear(2, 2)),
+        vae=torch.nn.Linear(2, 2), sources={}, device=cpu, text_encoder_device=cpu, vae_execution_device=cpu,
+        release_device_caches=pipe.release_device_caches, release=pipe.release,
+    )  # fmt: skip
+    handle = Qwen21Model(node_pipe, offload_text_encoder="auto")
+    handle.transformer.released()  # what the memory manager runs once it moved the DiT off
+    assert cleared == ["graphs"]
+    assert len(pipe.references._entries) == 1 and buffers.kept_bytes == 16
+    pipe.release()  # an out-of-memory retry
+    assert cleared == ["graphs", "graphs"] and not pipe.references._entries and buffers.kept_bytes == 0
+
+
 @pytest.mark.gpu
 @gpu
 def test_on_the_gpu_a_second_host_kv_cache_reuses_the_pinned_buffer_and_reads_what_it_wrote():

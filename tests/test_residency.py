@@ -131,7 +131,7 @@ def _handle(monkeypatch, choice):
     text = types.SimpleNamespace(model=torch.nn.Linear(2, 2), estimated_tokens=lambda *a: 10,
                                  activation_bytes=lambda tokens: tokens * 100)  # fmt: skip
     pipe = types.SimpleNamespace(transformer=torch.nn.Linear(2, 2), text_encoder=text, vae=torch.nn.Linear(2, 2),
-                                 sources={}, release=lambda: None, device=torch.device("cpu"),
+                                 sources={}, release_device_caches=lambda: None, device=torch.device("cpu"),
                                  text_encoder_device=torch.device("cpu"), vae_execution_device=torch.device("cpu"),
                                  encode=lambda **kwargs: "conditioning")  # fmt: skip
     handle = Qwen21Model(pipe, offload_text_encoder=choice)
@@ -178,7 +178,7 @@ def test_inside_comfyui_the_encoder_is_a_model_comfyui_may_unload(monkeypatch):
     text = types.SimpleNamespace(model=torch.nn.Linear(2, 2), estimated_tokens=lambda *a: 10,
                                  activation_bytes=lambda tokens: 4096)  # fmt: skip
     pipe = types.SimpleNamespace(transformer=torch.nn.Linear(2, 2), text_encoder=text, vae=torch.nn.Linear(2, 2),
-                                 sources={}, release=lambda: None, device=torch.device("cpu"),
+                                 sources={}, release_device_caches=lambda: None, device=torch.device("cpu"),
                                  text_encoder_device=torch.device("cpu"), vae_execution_device=torch.device("cpu"),
                                  encode=lambda **kwargs: "conditioning")  # fmt: skip
     handle = Qwen21Model(pipe, offload_text_encoder="auto")
