@@ -11,7 +11,8 @@ one token longer than the kept buffer's pinned 6.96 s again (BENCHMARKS "Session
 about 500 tokens of prompt. At most `MAX_KEPT` (a CFG run has two branches), and only while
 host RAM has at least as much again available (`memory/planner.host_free_bytes`): a kept buffer is RAM that other
 pinned requests can no longer take from torch's cache, so on a machine short of RAM the buffers go back to torch, as
-before. None after `clear` (the pipeline's release, an out-of-memory retry).
+before. None after `clear` (the pipeline's full release, an out-of-memory retry, and when a pipeline is freed); a
+DiT moved off the device keeps them (memory manager unloads at a cap happen every prompt).
 """
 
 from __future__ import annotations
