@@ -40,8 +40,9 @@ def warmup_enabled() -> bool:
 
 def warmup_threads() -> int:
     """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set to a positive integer, else one thread per core but
-    one (the main thread's), at most MAX_THREADS. Fewer threads leave the interpreter to the main thread more often:
-    with compiled kernels on disk the jobs mostly run Python, which one thread runs at a time."""
+    one (the main thread's), at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run
+    Python, one thread at a time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS
+    "Session")."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     if raw:
         if raw.isdigit() and int(raw) > 0:

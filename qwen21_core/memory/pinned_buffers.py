@@ -6,13 +6,13 @@ cache at a 12 GB cap (its `branch_setup_s`, BENCHMARKS "Session"). torch keeps a
 request of the same power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a
 model's host copy), and then the next edit pins again. So released K/V buffers are kept here, for K/V caches only:
 a request takes the smallest kept buffer it fits in. A new buffer is pinned `HEADROOM` larger than asked: the next
-edit's prompt is other text, a few tokens longer or shorter, and at a 12 GB cap a 4-reference edit whose prefix was
-one token longer than the kept buffer's pinned 6.96 s again (BENCHMARKS "Session"); 1/32 of an 8.05 GiB cache is
-about 500 tokens of prompt. At most `MAX_KEPT` (a CFG run has two branches), and only while
-host RAM has at least as much again available (`memory/planner.host_free_bytes`): a kept buffer is RAM that other
-pinned requests can no longer take from torch's cache, so on a machine short of RAM the buffers go back to torch, as
-before. None after `clear` (the pipeline's full release, an out-of-memory retry, and when a pipeline is freed); a
-DiT moved off the device keeps them (memory manager unloads at a cap happen every prompt).
+edit's prompt is other text, a few tokens longer or shorter, and a buffer one token short is of no use (a
+4-reference edit's cache grows by 0.5 MiB a token; 1/32 of its 8.05 GiB is about 500 tokens). At most `MAX_KEPT` (a
+CFG run has two branches), and only while host RAM has at least as much again available
+(`memory/planner.host_free_bytes`): a kept buffer is RAM that other pinned requests can no longer take from torch's
+cache, so on a machine short of RAM the buffers go back to torch, as before. None after `clear` (the pipeline's full
+release, an out-of-memory retry, and when a pipeline is freed); a DiT moved off the device keeps them (memory
+manager unloads at a cap happen every prompt).
 """
 
 from __future__ import annotations
