@@ -194,6 +194,10 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     out = summary(rows, kind, load_s, warmup)
     references = handle.pipe.references
     out["reference_cache"] = {"hits": references.hits, "misses": references.misses}
+    # host-placed K/V caches served from a kept pinned buffer (this process so far) and what is kept now
+    from qwen21_nodes.qwen21_core.memory.pinned_buffers import HOST_KV_BUFFERS
+
+    out["host_kv_buffers"] = {"reused": HOST_KV_BUFFERS.reused, "kept_gib": round(HOST_KV_BUFFERS.kept_bytes / GIB, 2)}
     if device.type == "cuda":
         out["free_query_ms"] = free_query_cost(device)
     emit(**out)
@@ -469,7 +473,8 @@ def main():
         choices=["steady", "new-shapes", "first"],
         help="the host's time by function (cProfile; a session_profile line, and a pstats file in --log-dir): over "
         "the prompts from the third on (steady), over the first prompt of each new shape after the first, or over "
-        "the session's first prompt (first; the main thread only, the warm-up's threads are not profiled)",
+        "the session's first prompt (first). cProfile counts the main thread only up to Python 3.11; from 3.12 on (the "
+        "H200's) every thread, the warm-up's too",
     )
     args = parser.parse_args()
     if args.tiny:

@@ -187,6 +187,8 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     # the session's edits come back with the same reference images: prepared once, then found in the cache
     first_summary = summaries[0]["reference_cache"]
     assert first_summary["misses"] >= 1 and first_summary["hits"] >= 1
+    # kept pinned K/V buffers: reported (on the CPU no cache is host-placed, so none is reused or kept)
+    assert all(s["host_kv_buffers"] == {"reused": 0, "kept_gib": 0.0} for s in summaries)
     # --profile new-shapes: the host's time over each session's first prompt of every shape but the session's first
     profiles = by_what["session_profile"]
     assert [p["cap_gib"] for p in profiles] == [None, 24]
