@@ -144,6 +144,12 @@ _vae_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _vae_identity(vae) -> str:
+    """Names a VAE's weights and the dtype it computes in now (the same weights in another dtype encode other
+    latents): for the content hash and for the reference cache's latents."""
+    return f"{_vae_weights_identity(vae)}:{getattr(vae, 'dtype', '')}"
+
+
+def _vae_weights_identity(vae) -> str:
     identity = getattr(vae, "identity", None)
     if identity is not None:
         return str(identity)
@@ -229,7 +235,7 @@ def encode_conditioning(
     vlm_images = tuple(image.vlm for image in prepared)
     (positive,) = text_encoder.encode_prompts([prompt], vlm_images)
     vae_device = getattr(vae, "device", None)
-    vae_identity = f"{_vae_identity(vae)}:{getattr(vae, 'dtype', '')}"  # the same weights in another dtype differ
+    vae_identity = _vae_identity(vae)
 
     def vae_latents(image: ConditionImage) -> torch.Tensor:
         pixels = image.vae if vae_device is None else image.vae.to(vae_device)
