@@ -11,8 +11,10 @@ warm-up starts, unless --warmup off) -> a pause standing in for encoding -> the 
 decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a second. One JSON line per child:
 `cold_start` with those times, the warm-up's parts and every Triton compile it saw (count, seconds, by kernel).
 
-Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) and replayed
-from a CUDA graph (GPU time alone), the 128-token prefill, and a cProfile of eager steps (where the host time goes).
+Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) with Triton's
+own launch path and with the direct one (kernels/launch.py) in the same process, and replayed from a CUDA graph
+(GPU time alone), the 128-token prefill; then the host time of one small launch on each path (`launch_cost`).
+--profile adds a cProfile of eager steps (where the host time goes).
 """
 
 # ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
@@ -187,57 +189,102 @@ def orchestrate(args):
 
 def launch_overhead(args, device):
     from bench_dit import case_inputs, timed
+    from qwen21_nodes.kernels.launch import fast_launch_active, set_fast_launch
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
     from qwen21_nodes.qwen21_core.dit.sequence import build_layout
     from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
     from qwen21_nodes.qwen21_core.quant.weights import FORMATS
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from qwen21_nodes.qwen21_core.config import TransformerConfig
     from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
 
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = random_dit(TINY_TRANSFORMER if args.tiny else TransformerConfig(), device, dtype)
     res = 64 if args.tiny else 512
     mask, embeds, cond, x, shapes, target = case_inputs(res, 0, 1, base.config, device, dtype, seed=5)
     t = torch.full((1,), 0.5, device=device, dtype=dtype)
     layout = build_layout(mask, shapes, target)
     formats = ["bf16", "fp8", "int8_convrot", "int8"] if device.type == "cuda" else ["bf16", "fp8"]
+    direct_available = fast_launch_active()
+    # Triton's own launch path, then the direct one (kernels/launch.py), each format in this one process
+    paths = ["triton", "direct"] if direct_available else ["triton"]
+    eager = {}
     for fmt in formats:
         model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], base.config.num_layers))
-        row = dict(what="launch_overhead", format=fmt, res=res, prefix_tokens=layout.prefix_len)
-        with torch.inference_mode():
-            branch = model.new_branch(layout, 1)
-            row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)
-            row["decode_eager_ms"] = round(timed(lambda: model.decode(branch, x, t), device, 20), 2)
-            sync(device)
-            host_started = time.perf_counter()
-            for _ in range(5):
-                model.decode(branch, x, t)
-            row["decode_host_ms"] = round((time.perf_counter() - host_started) * 1e3 / 5, 2)  # launches queued only
-            sync(device)
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(3):
-                model.decode(branch, x, t)
-            sync(device)
-            profiler.disable()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
-            row["profile_tottime_top"] = [line for line in text.getvalue().splitlines() if line.strip()][-24:]
-            branch.release()
-            if device.type == "cuda":
-                graphs = DecodeGraphs(model, launch_bound_share=0)
-                gbranch = graphs.new_branch(layout, 1, "auto", "positive")
-                model.prefill(gbranch, embeds, cond)
-                graphs(gbranch, x, t)
-                row["decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, 20), 2)
-                row["graph_status"] = graphs.describe()
-                graphs.clear()
-        emit(**row)
+        for path in paths:
+            set_fast_launch(path == "direct")
+            row = dict(what="launch_overhead", format=fmt, launch=path, res=res, prefix_tokens=layout.prefix_len)
+            with torch.inference_mode():
+                branch = model.new_branch(layout, 1)
+                row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)
+                row["decode_eager_ms"] = round(timed(lambda: model.decode(branch, x, t), device, 20), 2)
+                sync(device)
+                host_started = time.perf_counter()
+                for _ in range(5):
+                    model.decode(branch, x, t)
+                row["decode_host_ms"] = round((time.perf_counter() - host_started) * 1e3 / 5, 2)  # launches queued
+                sync(device)
+                if args.profile:
+                    row["profile_tottime_top"] = profile_steps(lambda: model.decode(branch, x, t), device)
+                branch.release()
+                if device.type == "cuda" and path == paths[-1]:
+                    graphs = DecodeGraphs(model, launch_bound_share=0)
+                    gbranch = graphs.new_branch(layout, 1, "auto", "positive")
+                    model.prefill(gbranch, embeds, cond)
+                    graphs(gbranch, x, t)
+                    row["decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, 20), 2)
+                    row["graph_status"] = graphs.describe()
+                    graphs.clear()
+            eager[(fmt, path)] = row["decode_eager_ms"]
+            if path == "direct":
+                row["eager_vs_triton_path"] = round(row["decode_eager_ms"] / eager[(fmt, "triton")], 3)
+            if fmt != "bf16":
+                row["eager_vs_bf16"] = round(row["decode_eager_ms"] / eager[("bf16", path)], 3)
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+            emit(**row)
         if model is not base:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    set_fast_launch(None)
+    if device.type == "cuda" and direct_available:
+        launch_cost(device)
+
+
+def profile_steps(step, device) -> list[str]:
+    """cProfile of 3 steps: the top functions by own time (Python 3.12 on counts every thread)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        step()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-24:]
+
+
+def launch_cost(device, launches: int = 3000):
+    """Host time of one launch of a small kernel (a 16-row fp8 quantisation of 3072 columns), Triton's path
+    against the direct one, with the GPU keeping up (each launch's work is a few microseconds)."""
+    from qwen21_nodes.kernels.launch import set_fast_launch
+    from qwen21_nodes.kernels.quantize_rows import quantize_rows
+
+    x = torch.randn(16, 3072, device=device, dtype=torch.bfloat16)
+    row = dict(what="launch_cost", kernel="quantize_rows fp8, 16 x 3072", launches=launches)
+    for path in ("triton", "direct"):
+        set_fast_launch(path == "direct")
+        for _ in range(50):
+            quantize_rows(x, "fp8", 0)
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(launches):
+            quantize_rows(x, "fp8", 0)
+        host = time.perf_counter() - started
+        sync(device)
+        row[f"{path}_us_per_call"] = round(host * 1e6 / launches, 2)
+    row["ratio"] = round(row["direct_us_per_call"] / row["triton_us_per_call"], 3)
+    set_fast_launch(None)
+    emit(**row)
 
 
 def main():
@@ -245,6 +292,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--launch-overhead", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="with --launch-overhead: cProfile the eager steps")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="fp8")
     parser.add_argument("--warmup", default="on", choices=("on", "off"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton, triton_runs_on
+from .launch import launch
 
 BLOCK_H = 8  # heads per program; the program covers one token's BLOCK_H heads x head_dim
 NUM_WARPS = 4
@@ -67,7 +68,8 @@ def merge(out_p, lse_p, out_t, lse_t) -> torch.Tensor:
     b, n, h, d = out_t.shape
     out = torch.empty((b, n, h, d), dtype=out_t.dtype, device=out_t.device)
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
-    _merge_kernel[(b * n, triton.cdiv(h, block_h))](
+    launch(
+        _merge_kernel, (b * n, triton.cdiv(h, block_h)),
         out_p, lse_p, out_t, lse_t, out, n, h, d, *out_p.stride(), *lse_p.stride(), *out_t.stride(), *lse_t.stride(),
         *out.stride(), BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import SelfTests, jit, pixel_strides, same_bits, tl, triton, triton_runs_on
+from .launch import launch
 
 BLOCK_ELEMENTS = 4096  # elements per program (channels x pixels tile)
 NUM_WARPS = 4
@@ -129,7 +130,9 @@ def add_bias_residual_(
     block_p = max(1, BLOCK_ELEMENTS // block_c)
     grid = (triton.cdiv(pixels, block_p) * triton.cdiv(channels, block_c), batch)
     r = y if residual is None else residual
-    _bias_residual_kernel[grid](
+    launch(
+        _bias_residual_kernel,
+        grid,
         y,
         bias.reshape(-1).contiguous(),
         r,

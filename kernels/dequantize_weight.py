@@ -38,6 +38,7 @@ import threading
 import torch
 
 from ._triton import INTERPRETER_ACTIVE, _device_key, jit, same_bits, tl, triton, triton_runs_on
+from .launch import launch
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,8 @@ def _launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Te
     # Triton launches on the current device: a layer on another GPU (a text encoder of its own) needs its own
     guard = torch.cuda.device(q.device) if q.is_cuda and q.device.index != torch.cuda.current_device() else None
     with guard or contextlib.nullcontext():
-        _dequantize_weight_kernel[grid](q, scale, out, n, k, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=block_cols,
-                                        num_warps=NUM_WARPS)  # fmt: skip
+        launch(_dequantize_weight_kernel, grid, q, scale, out, n, k, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=block_cols,
+               num_warps=NUM_WARPS)  # fmt: skip
     return out
 
 

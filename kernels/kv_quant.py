@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton, triton_runs_on
+from .launch import launch
 
 QMAX = {"fp8": 448.0, "int8": 127.0}
 STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -57,7 +58,8 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> to
         return dequantize_kv_reference(q, scale, out)
     d = q.shape[-1]
     rows = q.numel() // d
-    _dequantize_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+    launch(
+        _dequantize_kernel, (triton.cdiv(rows, BLOCK_ROWS),),
         q, scale.contiguous(), out, rows, d, BLOCK_ROWS=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d),
         num_warps=NUM_WARPS,
     )  # fmt: skip

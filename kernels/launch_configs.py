@@ -14,7 +14,9 @@ the first time a key is met. Here a kernel's configuration for a key comes from,
    card with no table, not once per process.
 
 Only the chosen configuration is compiled. A configuration that fails to compile or launch for lack of resources (a
-smaller card's shared memory) is dropped for the process and the next candidate runs; the log says so.
+smaller card's shared memory) is dropped for the process and the next candidate runs; the log says so. While a
+background warm-up is compiling an M bucket's configurations (`compiles_pending`), a launch of that bucket waits for
+it instead of compiling the same kernels a second time at once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ._triton import triton
+from .launch import launch
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,36 @@ def forced_bucket(bucket: int):
         yield
     finally:
         _forced.bucket = saved
+
+
+_pending: dict[int, list[threading.Event]] = {}  # M bucket -> a warm-up's "compiled" events, while it compiles
+_pending_lock = threading.Lock()
+
+
+def compiles_pending(bucket: int, done: threading.Event) -> None:
+    """Say that a warm-up compiles `bucket`'s configurations until `done` is set. A launch of that bucket outside a
+    warm-up (no `forced_bucket`) waits for it: the sampler then waits only for the buckets its rows fall in, not
+    for every bucket a warm-up queued (dit/kernel_warmup.py), and never compiles a kernel twice at once."""
+    with _pending_lock:
+        _pending.setdefault(int(bucket), []).append(done)
+
+
+def _wait_for_pending_compiles(bucket: int) -> None:
+    events = _pending.get(bucket)
+    if not events:
+        return
+    started = time.perf_counter()
+    for event in list(events):
+        event.wait()
+    with _pending_lock:
+        left = [event for event in _pending.get(bucket, []) if not event.is_set()]
+        if left:
+            _pending[bucket] = left
+        else:
+            _pending.pop(bucket, None)
+    waited = time.perf_counter() - started
+    if waited > 0.05:
+        log.info("waited %.2f s for the warm-up's compiles of M bucket %d", waited, bucket)
 
 
 def all_buckets() -> list[int]:
@@ -222,6 +256,8 @@ class TunedKernel:
         forced = getattr(_forced, "bucket", None)
         if forced is not None and "M_BUCKET" in key:
             key = {**key, "M_BUCKET": forced}
+        elif _pending and "M_BUCKET" in key:  # empty (one check) once no warm-up is compiling
+            _wait_for_pending_compiles(key["M_BUCKET"])
         if autotune_requested():
             return self._autotuned(fn, grid, args, constexprs, key)
         arch = architecture(device)
@@ -232,7 +268,7 @@ class TunedKernel:
         error = None
         for config in ordered:
             try:
-                fn[grid(config)](*args, **constexprs, **config.as_dict())
+                launch(fn, grid(config), *args, **constexprs, **config.as_dict())
                 return config
             except Exception as failure:  # noqa: BLE001 - compile or resource failure: try the next candidate
                 if not _is_resource_or_compile_error(failure):

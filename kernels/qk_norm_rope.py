@@ -28,6 +28,7 @@ import os
 import torch
 
 from ._triton import jit, tl, triton, triton_runs_on
+from .launch import launch
 
 # Token gate: the fused kernel is used when B*S >= the threshold (0 = always). On the eager path each call
 # pays host launch overhead, which the fused kernel loses on short sequences; inside a captured CUDA graph
@@ -190,7 +191,9 @@ def _launch_fused(qkv, q_weight, k_weight, cos, sin, eps, k_out, v_out, tile_ele
     block_h = min(triton.next_power_of_2(heads), max(1, tile_elements // (2 * block_pairs)))
     parts = 2 if v_out is None else 3
     grid = (batch * seq, parts * triton.cdiv(heads, block_h))
-    _qk_norm_rope_kernel[grid](
+    launch(
+        _qk_norm_rope_kernel,
+        grid,
         qkv,
         q_weight,
         k_weight,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from .launch import launch
 from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 
 FORMATS = ("fp8", "int8")
@@ -413,8 +414,8 @@ def quantize_rows(
                  ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
     if not whole_row:
         chunk_k = max(CHUNK_K, rotation)  # whole groups per chunk
-        _quantize_rows_kernel[(triton.cdiv(m, CHUNK_M),)](*args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=chunk_k,
-                                                         WHOLE_ROW=False, num_warps=4)  # fmt: skip
+        launch(_quantize_rows_kernel, (triton.cdiv(m, CHUNK_M),), *args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=chunk_k,
+               WHOLE_ROW=False, num_warps=4)  # fmt: skip
     elif INTERPRETER_ACTIVE:
         block_m, warps = INTERPRETER_SHAPE
         _quantize_rows_kernel[(triton.cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,

@@ -43,6 +43,7 @@ from ._triton import (
     triton,
     triton_runs_on,
 )
+from .launch import launch
 
 if TRITON_AVAILABLE:
     from triton.language.extra import libdevice
@@ -273,7 +274,9 @@ def rmsnorm_silu_fused(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
     pixels = height * width
     block_c, block_p = _tile(x)
     grid = (triton.cdiv(pixels, block_p), batch)
-    _rmsnorm_silu_kernel[grid](
+    launch(
+        _rmsnorm_silu_kernel,
+        grid,
         x,
         gamma.reshape(-1).contiguous(),
         y,
@@ -323,7 +326,9 @@ def rmsnorm_silu_eager_fused(
         norm = norm.contiguous()
         norm_strides = pixel_strides(norm)
     grid = (triton.cdiv(pixels, block_p) * triton.cdiv(channels, block_c), batch)
-    _eager_tail_kernel[grid](
+    launch(
+        _eager_tail_kernel,
+        grid,
         x,
         norm,
         gamma.reshape(-1).contiguous(),

@@ -172,9 +172,12 @@ class Qwen21Pipeline:
         "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; empty when that
         kernel is turned off, kernels/dequantize_weight.py), queued first: the encode comes first. Nobody waits for
         it: the layers use torch's expression until it is done. The DiT's weight-only layers share its keys (it is
-        the same kernel), so the DiT's QuantLinears are scanned too."""
+        the same kernel), so the DiT's QuantLinears are scanned too. "dit" is what a first image needs (the sampler
+        waits for it); each later M bucket is a part of its own, waited for by the launches that need it
+        (dit/kernel_warmup.py)."""
         from ..kernels._triton import TRITON_AVAILABLE
-        from .dit.kernel_warmup import dit_warmup_jobs
+        from ..kernels.launch_configs import compiles_pending
+        from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
         from .quant.kernel_warmup import dequantize_warmup_jobs
         from .vae.kernel_warmup import vae_warmup_jobs
 
@@ -184,9 +187,13 @@ class Qwen21Pipeline:
         encoder = self.text_encoder
         quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
                      (self.transformer, device)]  # fmt: skip
-        parts = {"text": dequantize_warmup_jobs(quantised), "dit": dit_warmup_jobs(self.transformer, device),
-                 "vae": vae_warmup_jobs(self.vae, device)}  # fmt: skip
+        dit = dit_warmup_parts(self.transformer, device)
+        # the VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
+        parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART),
+                 "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
+        for bucket in later_buckets():
+            compiles_pending(bucket, self.kernel_warmup.finished(bucket_part(bucket)))
         return self.kernel_warmup
 
     def _wait_for_kernels(self, *parts: str) -> None:
@@ -401,7 +408,7 @@ class Qwen21Pipeline:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
-        self._wait_for_kernels("dit")  # the VAE's warm-up may go on: graph captures are thread-local
+        self._wait_for_kernels("dit")  # the VAE's and later buckets' warm-up may go on: captures are thread-local
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
         if self.manage_weights:

@@ -7,11 +7,12 @@ first (quant/kernel_warmup.py), the DiT's kernels for every M bucket (dit/kernel
 (vae/kernel_warmup.py). Triton's compiler releases the GIL for most of its work, so several threads compile at
 once. With compiled kernels on disk (a restart) each job only loads them.
 
-`wait(part)` blocks until a part is done: the sampler waits for the DiT's before its first step (a kernel compiled
-twice is wasted time), the VAE for its own before decoding. Nobody waits for the text encoder's: its layers use
-torch's expression (the same bits) until the kernel is ready. Decode-graph captures are thread-local
-(dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails is logged and
-the rest of its part skipped: those kernels then compile on first use, as before.
+`wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
+compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it,
+kernels/launch_configs.py `compiles_pending`), the VAE for its own before decoding. Nobody waits for the text
+encoder's: its layers use torch's expression (the same bits) until the kernel is ready. Decode-graph captures are
+thread-local (dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails
+is logged and the rest of its part skipped: those kernels then compile on first use, as before.
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ class KernelWarmup:
 
     def done(self, name: str) -> bool:
         return self._done[name].is_set()
+
+    def finished(self, name: str) -> threading.Event:
+        """The event set when part `name` is done (also when one of its jobs failed or was skipped)."""
+        return self._done[name]
 
 
 _streams: dict[int, torch.cuda.Stream] = {}

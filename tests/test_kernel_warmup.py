@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from qwen21_nodes.kernels import launch_configs
-from qwen21_nodes.qwen21_core.dit.kernel_warmup import bucket_order, dit_warmup_jobs
+from qwen21_nodes.qwen21_core.dit.kernel_warmup import PART, bucket_order, bucket_part, dit_warmup_parts, later_buckets
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
@@ -86,12 +86,19 @@ def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch):
         return real(bucket)
 
     monkeypatch.setattr("qwen21_nodes.qwen21_core.dit.kernel_warmup.forced_bucket", spy)
-    jobs = dit_warmup_jobs(model, torch.device("cpu"))
-    for job in jobs:
+    parts = dit_warmup_parts(model, torch.device("cpu"))
+    # the first part: the attention kernels once (at the first bucket), the first buckets' QKV projection and
+    # finish, the K/V formats; then one part per later bucket
+    assert list(parts) == [PART, *(bucket_part(b) for b in later_buckets())]
+    for job in parts[PART]:
         job()
-    # the attention kernels once (at the first bucket), the QKV projection and the finish per bucket; K/V formats
-    assert seen == [4096] + [b for b in bucket_order() for _ in ("qkv", "finish")]
-    assert len(jobs) == len(seen) + 1
+    assert seen == [4096] + [b for b in (4096, 256, 512) for _ in ("qkv", "finish")]
+    assert len(parts[PART]) == len(seen) + 1
+    seen.clear()
+    for bucket in later_buckets():
+        for job in parts[bucket_part(bucket)]:
+            job()
+    assert seen == [b for b in later_buckets() for _ in ("qkv", "finish")]
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
@@ -122,6 +129,46 @@ def test_forced_bucket_is_per_thread_and_restored():
     assert launched == [256, 1, 1]  # forced in this thread only, and gone after the block
 
 
+def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
+    """The sampler waits for the DiT's first part only; a later bucket's launch waits for that bucket's warm-up part
+    (never compiling it twice at once), other buckets and the warm-up's own forced launches do not wait."""
+    kernel = launch_configs.TunedKernel("toy_pending", ("M_BUCKET",), rule=lambda key: launch_configs.LaunchConfig.of(
+        4), candidates=lambda key: [])  # fmt: skip
+    launched = []
+
+    class Fn:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(threading.current_thread().name)
+
+    def launch(rows):
+        key = {"M_BUCKET": launch_configs.m_bucket(rows)}
+        kernel.launch(Fn(), lambda config: (1,), (), {}, key, torch.device("cpu"))
+
+    monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
+    monkeypatch.setattr(launch_configs, "_pending", {})
+    compiled = threading.Event()
+    launch_configs.compiles_pending(8192, compiled)
+    launch(100)  # bucket 128: nothing pending
+    with launch_configs.forced_bucket(8192):
+        launch(16)  # the warm-up's own launch of the pending bucket
+    waiting = threading.Thread(target=launch, args=(5000,), name="sampler")
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and launched == ["MainThread", "MainThread"]  # bucket 8192 waits
+    compiled.set()
+    waiting.join(5)
+    assert not waiting.is_alive() and launched[-1] == "sampler"
+    assert launch_configs._pending == {}  # finished compiles are forgotten
+    launch(5000)
+    assert launched[-1] == "MainThread"
+
+
+def test_a_failed_part_still_releases_the_launches_waiting_for_it():
+    warmup = KernelWarmup({"dit:8192": [lambda: 1 / 0, lambda: None]}, torch.device("cpu"), threads=1).start()
+    assert warmup.finished("dit:8192").wait(5)
+    assert "dit:8192" in warmup.failures
+
+
 @pytest.mark.slow
 def test_vae_job_decodes_and_encodes_on_a_copy():
     torch.manual_seed(0)
@@ -150,8 +197,9 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     model = QwenImage21Transformer(TINY_TRANSFORMER).to(device, torch.bfloat16).eval()
     if fmt != "bf16":
         model = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
-    for job in dit_warmup_jobs(model, device):
-        job()
+    for jobs in dit_warmup_parts(model, device).values():
+        for job in jobs:
+            job()
     torch.cuda.synchronize()
     compiled = []
     runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(kwargs.get("fn"))

@@ -1,0 +1,185 @@
+"""Launching our Triton kernels without Triton's per-call Python path, once a variant has compiled.
+
+`launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's own path
+(JITFunction.run) binds every argument again, derives the specialisation, looks the variant up, builds launch
+metadata and calls the (empty) profiler hook chains, and asks the driver of every pointer whether it is device
+memory: per launch, on every call. A quantised DiT block launches 8 to 10 of our kernels, so at 512^2 the host's
+launches, not the GPU, bounded the eager quantised step (BENCHMARKS "Cold start").
+
+Here a launch derives its own variant key from what Triton specialises on (each tensor's dtype and 16-byte
+alignment; each integer's class: 1, a multiple of 16, 32- or 64-bit; the constexprs and compile options) and
+launches the compiled kernel's launcher directly, pointers passed as integers. A key met for the first time is
+compiled (or found in Triton's caches) through Triton's `warmup`, which launches nothing, then launched the same way.
+The key is at least as fine as Triton's, so a variant never runs on arguments it was not compiled for.
+
+Pointers passed as integers also skip the launcher's "is this device memory" check. That check fails on memory
+allocated inside a CUDA-graph capture under the cudaMallocAsync allocator (ComfyUI's default), the reason decode
+graphs were off there (dit/decode_graphs.py).
+
+Rules for call sites: runtime arguments (tensors, sizes, strides) positional; keyword arguments only constexprs and
+compile options (num_warps, ...); the grid a tuple. Triton's own path serves where the Triton version is not one
+this was written against (`TESTED_TRITON`: the launcher's argument list is an internal of Triton), with
+QWEN21_FAST_LAUNCH=0, under the interpreter, and while a launch hook is set (profilers such as proton).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+from ._triton import INTERPRETER_ACTIVE, triton
+
+log = logging.getLogger(__name__)
+
+FAST_LAUNCH_ENV = "QWEN21_FAST_LAUNCH"  # "0": Triton's launch path everywhere; "1": also on an untested Triton
+# Triton versions whose launcher takes every parameter, constexprs included, in signature order after the grid,
+# stream, function, metadata and hooks (JITFunction.run's own call of CompiledKernel.run)
+TESTED_TRITON = ((3, 8),)
+_INT32 = range(-(2**31), 2**31)
+
+
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return (0, 0)
+
+
+def _decide() -> bool:
+    if triton is None or INTERPRETER_ACTIVE or not torch.cuda.is_available():
+        return False
+    raw = os.environ.get(FAST_LAUNCH_ENV, "").strip()
+    if raw == "0":
+        return False
+    version = _triton_version()
+    if raw != "1" and version not in TESTED_TRITON:
+        log.info("Triton %s: kernels launch through Triton's own path (the direct launch is written against Triton "
+                 "%s; %s=1 tries it)", triton.__version__, ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON),
+                 FAST_LAUNCH_ENV)  # fmt: skip
+        return False
+    return True
+
+
+_active: bool | None = None
+
+
+def fast_launch_active() -> bool:
+    """Whether launches skip Triton's per-call path in this process (decided once, at the first launch)."""
+    global _active
+    if _active is None:
+        _active = _decide()
+    return _active
+
+
+def set_fast_launch(active: bool | None) -> None:
+    """For benchmarks and tests: force the direct launch on or off (None: decide again from the environment)."""
+    global _active
+    _active = active
+
+
+class _Kernel:
+    """One JIT function's parameters and its compiled variants, by our key."""
+
+    def __init__(self, fn):
+        params = fn.params
+        self.names = [p.name for p in params]
+        self.constexpr = [bool(p.is_constexpr) for p in params]
+        self.defaults = [p.default if p.has_default else None for p in params]
+        self.variants: dict[tuple, tuple] = {}  # key -> (compiled kernel, the parameters after the positional ones)
+        self.lock = threading.Lock()
+
+
+_kernels: dict[object, _Kernel] = {}
+_driver = None
+
+
+def _stream_and_device():
+    global _driver
+    if _driver is None:
+        _driver = triton.runtime.driver.active
+    device = _driver.get_current_device()
+    return _driver.get_current_stream(device), device
+
+
+_runtime_knobs = None
+
+
+def _hooks_set() -> bool:
+    """A launch hook is listening (profilers): it wants Triton's launch metadata, so Triton's path serves."""
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        _runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", False)
+    if not _runtime_knobs:
+        return True  # no knobs to ask: assume someone may be listening
+    enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    # Triton 3.8 keeps HookChains that are empty when nobody listens; older ones None
+    return bool(enter is not None and getattr(enter, "calls", True)) or bool(
+        leave is not None and getattr(leave, "calls", True)
+    )
+
+
+def launch(fn, grid: tuple, *args, **kwargs):
+    """`fn[grid](*args, **kwargs)`, without Triton's per-call path where it is active (see the module docstring)."""
+    if not fast_launch_active() or not isinstance(fn, triton.runtime.JITFunction) or _hooks_set():
+        return fn[grid](*args, **kwargs)
+    kernel = _kernels.get(fn)
+    if kernel is None:
+        kernel = _kernels.setdefault(fn, _Kernel(fn))
+    stream, device = _stream_and_device()
+    values = []
+    key = [device]
+    for value, constexpr in zip(args, kernel.constexpr, strict=False):
+        if isinstance(value, torch.Tensor):
+            pointer = value.data_ptr()
+            values.append(pointer)
+            key.append((value.dtype, pointer % 16 == 0))
+        elif constexpr:
+            values.append(value)
+            key.append(value)
+        elif type(value) is int:
+            values.append(value)
+            key.append((value == 1, value % 16 == 0, value in _INT32, value < 2**63))
+        else:  # float, bool, None: Triton types them without looking at the value
+            values.append(value)
+            key.append(type(value))
+    if kwargs:
+        key.append(tuple(kwargs.items()))
+    key = tuple(key)
+    variant = kernel.variants.get(key)
+    if variant is None:
+        variant = _compile(fn, kernel, key, grid, args, kwargs)
+        if variant is None:  # a tensor among the keyword arguments: not for this path
+            return fn[grid](*args, **kwargs)
+    compiled, tail = variant
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, None, None, None, *values, *tail)  # fmt: skip
+    return compiled
+
+
+def _compile(fn, kernel: _Kernel, key: tuple, grid, args, kwargs):
+    """Compile (or find) the variant through Triton's warmup, which launches nothing; None when the call does not
+    follow the call-site rules."""
+    if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+        return None
+    if len(args) > len(kernel.names):
+        raise TypeError(f"{kernel.names}: {len(args)} positional arguments for {len(kernel.names)} parameters")
+    with kernel.lock:
+        variant = kernel.variants.get(key)
+        if variant is not None:
+            return variant
+        compiled = fn.warmup(*args, grid=grid, **kwargs)
+        compiled.run  # noqa: B018 - loads the binary (sets compiled.function) on this device
+        params = {name: kwargs[name] for name in kernel.names if name in kwargs}
+        tail = tuple(params.get(name, kernel.defaults[i]) for i, name in enumerate(kernel.names) if i >= len(args))
+        variant = (compiled, tail)
+        kernel.variants[key] = variant
+        return variant
+
+
+def forget_variants() -> None:
+    """Drop every cached variant (tests; the compiled kernels stay in Triton's caches)."""
+    _kernels.clear()

@@ -1,0 +1,162 @@
+"""The direct launch (kernels/launch.py): when it is used, that its variants are at least as fine as Triton's
+specialisation, that it skips Triton's per-call path, and that it launches on memory allocated inside a CUDA-graph
+capture under the cudaMallocAsync allocator (ComfyUI's default)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from qwen21_nodes.kernels import launch as launch_module
+from qwen21_nodes.kernels._triton import TRITON_AVAILABLE, jit, tl
+
+needs_gpu = pytest.mark.gpu  # skipped without a CUDA GPU (conftest.py); Triton comes with torch on CUDA machines
+
+
+@pytest.fixture(autouse=True)
+def decided_again():
+    launch_module.set_fast_launch(None)
+    yield
+    launch_module.set_fast_launch(None)
+    launch_module.forget_variants()
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_the_direct_launch_is_used_only_where_it_was_written_for(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch_module, "INTERPRETER_ACTIVE", False)
+    monkeypatch.setattr(launch_module, "_triton_version", lambda: launch_module.TESTED_TRITON[0])
+    monkeypatch.delenv(launch_module.FAST_LAUNCH_ENV, raising=False)
+    assert launch_module._decide()
+    monkeypatch.setenv(launch_module.FAST_LAUNCH_ENV, "0")
+    assert not launch_module._decide()
+    monkeypatch.delenv(launch_module.FAST_LAUNCH_ENV)
+    monkeypatch.setattr(launch_module, "_triton_version", lambda: (2, 9))
+    with caplog.at_level(logging.INFO):
+        assert not launch_module._decide()
+    assert "Triton's own path" in caplog.text
+    monkeypatch.setenv(launch_module.FAST_LAUNCH_ENV, "1")
+    assert launch_module._decide()
+    monkeypatch.setattr(launch_module, "INTERPRETER_ACTIVE", True)
+    assert not launch_module._decide()
+    monkeypatch.setattr(launch_module, "INTERPRETER_ACTIVE", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not launch_module._decide()
+
+
+def test_something_that_is_not_a_jit_function_is_launched_as_it_asks():
+    launched = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, args, kwargs))
+
+    launch_module.set_fast_launch(True)
+    launch_module.launch(Fake(), (3,), 1, 2, BLOCK=4)
+    assert launched == [((3,), (1, 2), {"BLOCK": 4})]
+
+
+@jit
+def _scaled_copy(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    values = tl.load(x_ptr + offsets * stride, mask=mask)
+    tl.store(out_ptr + offsets, values * factor, mask=mask)
+
+
+def _copy(x, factor=2.0, block=128):
+    out = torch.empty(x.numel(), device=x.device, dtype=x.dtype)
+    n = x.numel()
+    launch_module.launch(_scaled_copy, ((n + block - 1) // block,), x, out, n, x.stride(0), factor, BLOCK=block)
+    return out
+
+
+@needs_gpu
+def test_variants_follow_what_triton_specialises_on_and_agree_with_its_path():
+    launch_module.set_fast_launch(True)
+    base = torch.randn(4096, device="cuda")
+    cases = [base[:1024], base[1:1025], base[:1], base[:16], base[:17], base[::2][:100], base.half()[:64]]
+    for x in cases:
+        want = x.float() * 2.0
+        torch.testing.assert_close(_copy(x).float(), want, rtol=0, atol=0)
+    # aligned and misaligned pointers, a size of 1, of 16, of neither, a stride of 2, another dtype: distinct keys
+    assert len(launch_module._kernels[_scaled_copy].variants) >= 6
+    # the same classes again reuse them, and agree with Triton's own path
+    count = len(launch_module._kernels[_scaled_copy].variants)
+    for x in (base[2048:3072], base[3:1027], base[:33]):
+        direct = _copy(x, factor=0.5)
+        launch_module.set_fast_launch(False)
+        torch.testing.assert_close(_copy(x, factor=0.5), direct, rtol=0, atol=0)
+        launch_module.set_fast_launch(True)
+    assert len(launch_module._kernels[_scaled_copy].variants) == count
+
+
+@needs_gpu
+def test_a_known_variant_skips_tritons_per_call_path(monkeypatch):
+    launch_module.set_fast_launch(True)
+    x = torch.randn(1000, device="cuda")
+    _copy(x)  # the first call compiles (or finds) the variant through Triton's warmup
+    calls = []
+    real_run = type(_scaled_copy).run
+
+    def counting_run(self, *args, **kwargs):
+        calls.append(kwargs.get("warmup"))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(_scaled_copy), "run", counting_run)
+    out = _copy(x, factor=3.0)
+    torch.testing.assert_close(out, x * 3.0, rtol=0, atol=0)
+    assert calls == []
+    launch_module.set_fast_launch(False)
+    _copy(x)
+    assert calls == [False]  # Triton's path binds every call
+
+
+CAPTURE_CHILD = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+    sys.path.insert(0, sys.argv[1])
+    from test_launch import _copy
+
+    assert torch.cuda.get_allocator_backend() == "cudaMallocAsync", torch.cuda.get_allocator_backend()
+    x = torch.randn(3000, device="cuda")
+    _copy(x)  # compiled outside the capture, as a decode step is before its capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            inside = x * 1.0  # allocated inside the capture
+            out = _copy(inside, factor=4.0)
+    x.copy_(torch.randn(3000, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 4.0)
+    print("replayed right")
+    """
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_direct_launch_runs_inside_a_capture_under_cudamallocasync(direct):
+    """Triton's own path asks the driver whether a pointer is device memory, and memory allocated inside a capture
+    under cudaMallocAsync is not yet: the reason decode graphs were off inside ComfyUI. Run in a child process: a
+    failed capture there can abort the process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync",
+           launch_module.FAST_LAUNCH_ENV: "1" if direct else "0"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CAPTURE_CHILD, here], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    if direct:
+        assert done.returncode == 0 and "replayed right" in output, output[-3000:]
+    else:
+        assert done.returncode != 0 and "replayed right" not in output, output[-3000:]
