@@ -124,6 +124,12 @@ def _hooks_set() -> bool:
     )
 
 
+def direct_launches() -> bool:
+    """Whether every launch through `launch` takes the direct path now: what a CUDA-graph capture under
+    cudaMallocAsync needs (dit/decode_graphs.py)."""
+    return fast_launch_active() and not _hooks_set()
+
+
 def launch(fn, grid: tuple, *args, **kwargs):
     """`fn[grid](*args, **kwargs)`, without Triton's per-call path where it is active (see the module docstring)."""
     if not fast_launch_active() or not isinstance(fn, triton.runtime.JITFunction) or _hooks_set():

@@ -238,19 +238,37 @@ def test_moved_weights_invalidate_all_entries(model, monkeypatch):
     assert "weights moved" in graphs.describe()
 
 
-def test_no_capture_is_tried_under_the_async_allocator(model, monkeypatch):
-    """ComfyUI turns on cudaMallocAsync by default; a capture there fails inside Triton and the failed capture's
-    memory aborts the process when freed (seen in a real ComfyUI on the H200), so no capture may even start."""
+def test_no_capture_is_tried_under_the_async_allocator_unless_every_launch_is_direct(model, monkeypatch):
+    """ComfyUI turns on cudaMallocAsync by default; a capture there fails inside Triton's own launch path and the
+    failed capture's memory aborts the process when freed (seen in a real ComfyUI on the H200), so no capture may
+    even start unless every Triton launch takes the direct path (kernels/launch.py), which does not check pointers."""
     from qwen21_nodes.qwen21_core.dit import decode_graphs
 
     monkeypatch.setattr(decode_graphs, "cuda_allocator_backend", lambda: "cudaMallocAsync")
+    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
+    monkeypatch.setattr(decode_graphs, "direct_launches", lambda: False)
     recorder = Recorder()
     graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
     branch = _prefilled(graphs, _layout())
-    x, t = torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5)
     assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
     assert recorder.captures == 0
     assert "cudaMallocAsync" in graphs.describe() and "--disable-cuda-malloc" in graphs.describe()
+    assert "Triton's own path" in graphs.describe()
+
+    monkeypatch.setattr(decode_graphs, "direct_launches", lambda: True)
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
+    branch = _prefilled(graphs, _layout())
+    for _ in range(3):
+        graphs(branch, x, t)
+    assert recorder.captures == 1
+
+    monkeypatch.setattr(type(model), "compiled", property(lambda self: True))
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, launch_bound_share=0, capture=recorder)
+    branch = _prefilled(graphs, _layout())
+    graphs(branch, x, t)
+    assert recorder.captures == 0 and "compiled" in graphs.describe()
 
 
 def test_default_capture_needs_cuda(model):
@@ -434,3 +452,56 @@ def test_the_status_speaks_of_this_generation_only(model):
     other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key
     graphs(other, x, torch.full((1,), 0.9))
     assert graphs.describe().startswith("off: ") and "decoded eagerly" in graphs.describe()
+
+
+ASYNC_CHILD = """
+import torch
+from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer, uniform_plan
+from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+
+assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+torch.manual_seed(0)
+base = QwenImage21Transformer(TINY_TRANSFORMER).to("cuda", torch.bfloat16).eval()
+config = base.config
+for fmt in ("bf16", "fp8", "int8_convrot"):
+    model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], config.num_layers))
+    layout = build_layout(torch.zeros(7, dtype=torch.bool), [], (8, 8))
+    embeds = torch.randn(7, config.context_in_dim, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 64, config.in_channels, device="cuda", dtype=torch.bfloat16)
+    before = torch.cuda.memory_allocated()
+    with torch.inference_mode():
+        graphs = DecodeGraphs(model, launch_bound_share=0)
+        branch = graphs.new_branch(layout, 1, "auto", "positive")
+        model.prefill(branch, embeds, None)
+        for step in (0.9, 0.6, 0.3, 0.1):
+            t = torch.full((1,), step, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(graphs(branch, x * step, t), model.decode(branch, x * step, t)), fmt
+        assert graphs.describe() == "replay", graphs.describe()
+        graphs.clear()
+        branch.release()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() - before < 2**20, (fmt, torch.cuda.memory_allocated() - before)
+    print(fmt, "replayed bit-identical")
+"""
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_under_cudamallocasync_with_the_direct_launch():
+    """ComfyUI's default allocator: with every Triton kernel launched directly (kernels/launch.py), a quantised or
+    bf16 step is captured and replays bit-identical to eager, and clearing the graphs gives their memory back.
+    A child process: a failed capture under cudaMallocAsync aborts its process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    env.pop("QWEN21_FAST_LAUNCH", None)
+    done = subprocess.run([sys.executable, "-c", ASYNC_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    for fmt in ("bf16", "fp8", "int8_convrot"):
+        assert f"{fmt} replayed bit-identical" in output

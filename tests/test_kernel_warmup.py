@@ -11,16 +11,8 @@ import time
 import pytest
 import torch
 from qwen21_nodes.kernels import launch_configs
-from qwen21_nodes.qwen21_core.dit.kernel_warmup import (
-    PART,
-    bucket_order,
-    bucket_part,
-    dit_warmup_parts,
-    later_buckets,
-    step_pieces,
-)
-from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer, uniform_plan
-from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+from qwen21_nodes.qwen21_core.dit.kernel_warmup import PART, bucket_order, bucket_part, dit_warmup_parts, later_buckets
+from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
 from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
@@ -78,21 +70,16 @@ def test_wait_before_start_returns_at_once():
 
 def test_bucket_order_starts_with_the_first_images_buckets_and_covers_all():
     order = bucket_order()
-    assert order[:3] == [4096, 256, 512]
+    assert order[:3] == [4096, 128, 256]
     assert sorted(order) == launch_configs.all_buckets()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch, fmt):
+def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch):
     torch.manual_seed(0)
     model = QwenImage21Transformer(TINY_TRANSFORMER).eval()
-    if fmt != "bf16":
-        model = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
     before = {name: p.clone() for name, p in model.named_parameters()}
     seen = []
     real = launch_configs.forced_bucket
-    pieces = {"bf16": ("qkv", "finish"), "fp8": ("qkv", "out", "mlp_in", "mlp_out")}[fmt]
-    assert step_pieces(model) == pieces  # a quantised block's finish is three jobs
 
     def spy(bucket):
         seen.append(bucket)
@@ -100,40 +87,19 @@ def test_dit_jobs_run_the_step_math_on_a_copy_under_each_bucket(monkeypatch, fmt
 
     monkeypatch.setattr("qwen21_nodes.qwen21_core.dit.kernel_warmup.forced_bucket", spy)
     parts = dit_warmup_parts(model, torch.device("cpu"))
-    # the first part: the attention kernels once (at the first bucket), the first buckets' step pieces, the K/V
-    # formats; then one part per later bucket
+    # the first part: the attention kernels once (at the first bucket), the first buckets' QKV projection and
+    # finish, the K/V formats; then one part per later bucket
     assert list(parts) == [PART, *(bucket_part(b) for b in later_buckets())]
     for job in parts[PART]:
         job()
-    assert seen == [4096] + [b for b in (4096, 256, 512) for _ in pieces]
+    assert seen == [4096] + [b for b in (4096, 128, 256) for _ in ("qkv", "finish")]
     assert len(parts[PART]) == len(seen) + 1
     seen.clear()
     for bucket in later_buckets():
         for job in parts[bucket_part(bucket)]:
             job()
-    assert seen == [b for b in later_buckets() for _ in pieces]
+    assert seen == [b for b in later_buckets() for _ in ("qkv", "finish")]
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
-
-
-def test_the_quantised_finish_in_three_steps_is_the_finish():
-    """quant_math.attention_out_and_mlp is its three steps (the warm-up runs them apart): the same bits."""
-    from qwen21_nodes.qwen21_core.dit import quant_math
-
-    torch.manual_seed(1)
-    model = QwenImage21Transformer(TINY_TRANSFORMER).eval()
-    model = model.quantized_copy(uniform_plan(FORMATS["int8_convrot"], model.config.num_layers))
-    block = model.transformer_blocks[0]
-    d = model.config.inner_dim
-    x, attn = torch.randn(2, 5, d), torch.randn(2, 5, d)
-    gate1, scale2, gate2 = torch.randn(2, 1, d), torch.randn(2, 1, d), torch.randn(2, 1, d)
-    with torch.no_grad():
-        whole = quant_math.attention_out_and_mlp(x, attn, gate1, scale2, gate2, block.attn.to_out,
-                                                 block.img_mlp.gate_up, block.img_mlp.out, block.eps)  # fmt: skip
-        x2d = quant_math.attention_out(x.reshape(10, d), attn.reshape(10, d), gate1.reshape(2, d), 5,
-                                       block.attn.to_out)  # fmt: skip
-        hidden = quant_math.mlp_hidden(x2d, scale2.reshape(2, d), 5, block.eps, block.img_mlp.gate_up)
-        steps = quant_math.mlp_out(x2d, hidden, gate2.reshape(2, d), 5, block.img_mlp.out)
-    assert torch.equal(whole, steps.view(2, 5, d))
 
 
 def test_forced_bucket_is_per_thread_and_restored():
@@ -195,6 +161,29 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
     assert launch_configs._pending == {}  # finished compiles are forgotten
     launch(5000)
     assert launched[-1] == "MainThread"
+
+
+def test_deferred_parts_start_once_every_other_part_is_done():
+    """Compiles beside the first image's slow them (the compiler holds the interpreter): the VAE's and the later
+    buckets' parts are queued only after the others finished."""
+    order = []
+    release = threading.Event()
+
+    def first():
+        release.wait(5)
+        order.append("dit")
+
+    parts = {"text": [lambda: order.append("text")], "dit": [first], "vae": [lambda: order.append("vae")],
+             "dit:8192": [lambda: order.append("dit:8192")]}  # fmt: skip
+    warmup = KernelWarmup(parts, torch.device("cpu"), threads=4, deferred=("vae", "dit:8192")).start()
+    time.sleep(0.3)
+    assert order == ["text"]  # four threads, yet the deferred parts wait for "dit"
+    release.set()
+    warmup.wait()
+    assert order[:2] == ["text", "dit"] and sorted(order[2:]) == ["dit:8192", "vae"]
+    only_deferred = KernelWarmup({"vae": [lambda: order.append("alone")]}, torch.device("cpu"), deferred=("vae",))
+    only_deferred.start().wait()
+    assert order[-1] == "alone"
 
 
 def test_a_failed_part_still_releases_the_launches_waiting_for_it():

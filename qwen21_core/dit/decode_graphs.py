@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.launch import direct_launches
 from ..memory.planner import graph_pool_idle_bytes
 from ..quant.linear import LowRankSidePath
 from .kv_cache import KVCacheSpec
@@ -84,11 +85,26 @@ class _Failed:
     in_use: bool = False
 
 
+# Under PyTorch's cudaMallocAsync allocator (ComfyUI's default) memory allocated inside a capture is not yet device
+# memory to the driver: Triton's own launch path checks every pointer and fails there, and a failed capture aborts
+# the process when its memory is freed. The direct launch (kernels/launch.py) passes pointers unchecked, so a
+# capture may start there only while every Triton kernel of the step launches that way.
 ASYNC_ALLOCATOR_REASON = (
-    "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default; start ComfyUI with --disable-cuda-malloc for "
-    "CUDA-graph decode): Triton cannot launch on memory allocated inside a capture there, and a failed capture "
-    "aborts the process when its memory is freed"
+    "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default) and {why}: Triton's own launch path cannot "
+    "launch on memory allocated inside a capture there, and a failed capture aborts the process (start ComfyUI "
+    "with --disable-cuda-malloc for CUDA-graph decode)"
 )
+
+
+def async_allocator_blocker(compiled_blocks: bool) -> str | None:
+    """Why a capture may not start under cudaMallocAsync, or None when it may (see ASYNC_ALLOCATOR_REASON)."""
+    if compiled_blocks:
+        why = "the blocks are compiled (torch.compile's kernels launch through Triton's own path)"
+    elif not direct_launches():
+        why = "this process launches Triton kernels through Triton's own path (see kernels/launch.py)"
+    else:
+        return None
+    return ASYNC_ALLOCATOR_REASON.format(why=why)
 
 
 def cuda_allocator_backend() -> str:
@@ -273,7 +289,7 @@ class DecodeGraphs:
         if self.capture is cuda_graph_capture and self.transformer.device.type != "cuda":
             return "the model is not on CUDA"
         if cuda_allocator_backend() == "cudaMallocAsync":  # checked before any capture: a failed one kills
-            return ASYNC_ALLOCATOR_REASON
+            return async_allocator_blocker(self.transformer.compiled)
         return None
 
     def _entry_for(self, branch: Branch) -> _Entry | None:

@@ -21,16 +21,14 @@ import torch
 from ...kernels.kv_quant import dequantize_kv, quantize_kv
 from ...kernels.launch_configs import all_buckets, forced_bucket
 from ...kernels.qk_norm_rope import qk_norm_rope
-from ..quant.linear import Projected
 from ..warmup import shared_copy
-from . import quant_math
 from .attention import shared_prefix_decode_attention
 from .transformer import EAGER, Modulation, QwenImage21Transformer
 
 WARMUP_ROWS = 16  # the smallest tensor-core row tile
-# The buckets of a 1024^2 image (4096 target rows) and of a typical prompt (a few hundred tokens): the first image
-# needs them, the others only sizes and reference counts met later.
-FIRST_BUCKETS = (4096, 256, 512)
+# The buckets of a 1024^2 image (4096 target rows) and of a typical prompt (up to a couple of hundred tokens with the
+# template): the first image needs them, the others only sizes, prompts and reference counts met later.
+FIRST_BUCKETS = (4096, 128, 256)
 PART = "dit"  # the part the sampler waits for: what any first image needs
 
 
@@ -52,41 +50,30 @@ def dit_warmup_parts(transformer: QwenImage21Transformer, device: torch.device) 
     """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py), in two kinds
     of part. PART: QK-norm+RoPE and the attention merge, the K/V-cache formats, and the FIRST_BUCKETS' projections;
     with them every kernel that is not keyed by M bucket has compiled. `bucket_part(b)` for every later bucket:
-    its QKV projection and the block's finish (output projection and MLP). On a fresh machine the int8 kernels of
-    all buckets took 5.85 s longer than the first image's own (BENCHMARKS "Session"), so the sampler waits for PART
-    only and a later bucket is waited for where a launch needs it. No job compiles more than a few kernels."""
+    its QKV projection and the block's finish (output projection and MLP). The first int8_convrot image on a fresh
+    machine waited 5.85 s for every bucket's compiles (BENCHMARKS "Session"), so the sampler waits for PART only
+    and a later bucket is waited for where a launch needs it. No job compiles more than a few kernels."""
     config = transformer.config
     block = shared_copy(transformer.transformer_blocks[0], device)
 
     def job(part: str, bucket: int = FIRST_BUCKETS[0]):
         return lambda: warm_up(block(), config, part, bucket)
 
-    pieces = step_pieces(transformer)
     first = [job("attention")]
     for bucket in FIRST_BUCKETS:
-        first += [job(piece, bucket) for piece in pieces]
+        first += [job("qkv", bucket), job("finish", bucket)]
     first.append(lambda: warm_up_kv_formats(config, device, transformer.dtype))
     parts = {PART: first}
     for bucket in later_buckets():
-        parts[bucket_part(bucket)] = [job(piece, bucket) for piece in pieces]
+        parts[bucket_part(bucket)] = [job("qkv", bucket), job("finish", bucket)]
     return parts
-
-
-def step_pieces(transformer: QwenImage21Transformer) -> tuple[str, ...]:
-    """The bucketed pieces of a block's step, each a job of its own. A quantised block's finish is three (the
-    output projection, the MLP's gate_up, its down projection): each compiles its own two kernels, so the threads
-    share a bucket's compiles instead of one thread compiling six in a row."""
-    if transformer.transformer_blocks[0].quantized:
-        return ("qkv", "out", "mlp_in", "mlp_out")
-    return ("qkv", "finish")
 
 
 @torch.no_grad()
 def warm_up(block, config, part: str, bucket: int) -> None:
     """One piece of `block`'s step math on WARMUP_ROWS dummy rows, with `bucket`'s launch configurations: "qkv" (the
     modulated QKV projection), "attention" (QK-norm + RoPE into a cache-like buffer, the split attention and its
-    merge), "finish" (the output projection and the MLP with their gated residuals), or for a quantised block one
-    third of the finish: "out", "mlp_in" or "mlp_out" (`step_pieces`)."""
+    merge) or "finish" (the output projection and the MLP with their gated residuals)."""
     device = next(block.parameters()).device
     dtype = block.attn.norm_q_weight.dtype
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
@@ -99,8 +86,6 @@ def warm_up(block, config, part: str, bucket: int) -> None:
             block._qkv(x, mod.scale1, EAGER)
         elif part == "finish":
             block._finish(x, x.unflatten(-1, (heads, head_dim)), mod, EAGER)
-        elif part in ("out", "mlp_in", "mlp_out"):
-            warm_up_quantised_finish(block, x[0], ones[0], part)
         elif part == "attention":
             qkv = torch.randn(1, WARMUP_ROWS, 3, heads, head_dim, device=device, generator=gen).to(dtype)
             cos = torch.ones(WARMUP_ROWS, head_dim // 2, device=device)
@@ -112,18 +97,6 @@ def warm_up(block, config, part: str, bucket: int) -> None:
             shared_prefix_decode_attention(q, k, v, k, v)
         else:
             raise ValueError(f"unknown warm-up part {part!r}")
-
-
-def warm_up_quantised_finish(block, x2d: torch.Tensor, ones: torch.Tensor, part: str) -> None:
-    """One of the three steps of a quantised block's finish (dit/quant_math.py) on dummy rows [rows, D]."""
-    rows = x2d.shape[0]
-    if part == "out":
-        quant_math.attention_out(x2d, x2d, ones, rows, block.attn.to_out)
-    elif part == "mlp_in":
-        quant_math.mlp_hidden(x2d, ones, rows, block.eps, block.img_mlp.gate_up)
-    else:  # the gate_up projection's output as the fused backends give it: values in the activation dtype
-        hidden = torch.zeros(rows, block.img_mlp.gate_up.out_features, device=x2d.device, dtype=x2d.dtype)
-        quant_math.mlp_out(x2d, Projected(hidden), ones, rows, block.img_mlp.out)
 
 
 @torch.no_grad()

@@ -66,38 +66,25 @@ def attention_out_and_mlp(x, attn, gate1, scale2, gate2, to_out, gate_up, down, 
     """Gated residual of the attention output, then the gated SwiGLU residual. x, attn: [B, S, D]."""
     b, s, d = x.shape
     rows = b * s
+    x2d = x.reshape(rows, d)
     gate1, scale2, gate2 = gate1.reshape(b, d), scale2.reshape(b, d), gate2.reshape(b, d)
-    x2d = attention_out(x.reshape(rows, d), attn.reshape(rows, -1), gate1, s, to_out)
-    hidden = mlp_hidden(x2d, scale2, s, eps, gate_up)
-    x2d = mlp_out(x2d, hidden, gate2, s, down)
+
+    attn2d = attn.reshape(rows, -1)
+    backend = _w8a8(to_out, rows)
+    if backend is None:
+        x2d = _gated_residual(x2d, Projected(_linear(to_out, attn2d)), gate1, s)
+    else:
+        x2d = to_out.project_residual(*to_out.quantize_input(attn2d.contiguous()), backend, x2d, gate1, s)
+
+    hidden = _project_modulated_norm(x2d, scale2, s, eps, gate_up)
+    backend = _w8a8(down, rows)
+    if backend is None:
+        gate, up = hidden.dense(x.dtype).chunk(2, dim=-1)
+        x2d = _gated_residual(x2d, Projected(_linear(down, F.silu(gate) * up)), gate2, s)
+    else:
+        dequant = None if hidden.row_scale is None else (hidden.row_scale, hidden.col_scale)
+        q, scale = down.quantize_input(hidden.data, swiglu=True, dequant=dequant, act_dtype=x.dtype)
+        x2d = down.project_residual(q, scale, backend, x2d, gate2, s)
     if x2d.dtype == torch.float16:
         x2d = x2d.clip(-65504, 65504)
     return x2d.view(b, s, d)
-
-
-# The three steps of attention_out_and_mlp on [rows, D] (rows_per_batch rows share a batch's gate and scale); the
-# kernel warm-up also runs them one at a time, as separate jobs (dit/kernel_warmup.py).
-
-
-def attention_out(x2d, attn2d, gate1, rows_per_batch: int, to_out) -> torch.Tensor:
-    """x2d + gate1 * to_out(attn2d)."""
-    backend = _w8a8(to_out, x2d.shape[0])
-    if backend is None:
-        return _gated_residual(x2d, Projected(_linear(to_out, attn2d)), gate1, rows_per_batch)
-    return to_out.project_residual(*to_out.quantize_input(attn2d.contiguous()), backend, x2d, gate1, rows_per_batch)
-
-
-def mlp_hidden(x2d, scale2, rows_per_batch: int, eps: float, gate_up) -> Projected:
-    """gate_up(LayerNorm(x2d) * scale2): [rows, 2 * hidden], values or an int32 accumulator with its scales."""
-    return _project_modulated_norm(x2d, scale2, rows_per_batch, eps, gate_up)
-
-
-def mlp_out(x2d, hidden: Projected, gate2, rows_per_batch: int, down) -> torch.Tensor:
-    """x2d + gate2 * down(SwiGLU(hidden))."""
-    backend = _w8a8(down, x2d.shape[0])
-    if backend is None:
-        gate, up = hidden.dense(x2d.dtype).chunk(2, dim=-1)
-        return _gated_residual(x2d, Projected(_linear(down, F.silu(gate) * up)), gate2, rows_per_batch)
-    dequant = None if hidden.row_scale is None else (hidden.row_scale, hidden.col_scale)
-    q, scale = down.quantize_input(hidden.data, swiglu=True, dequant=dequant, act_dtype=x2d.dtype)
-    return down.project_residual(q, scale, backend, x2d, gate2, rows_per_batch)
