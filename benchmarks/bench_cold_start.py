@@ -14,7 +14,8 @@ decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a
 Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) with Triton's
 own launch path and with the direct one (kernels/launch.py) in the same process, and replayed from a CUDA graph
 (GPU time alone), the 128-token prefill; then the host time of one small launch on each path (`launch_cost`).
---profile adds a cProfile of eager steps (where the host time goes).
+--profile adds a cProfile of eager steps (where the host time goes). Run it with
+PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync for ComfyUI's default allocator (each line names the allocator).
 """
 
 # ruff: noqa: B023  (the timed closures run inside the loop iteration that defines them)
@@ -212,7 +213,8 @@ def launch_overhead(args, device):
         model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], base.config.num_layers))
         for path in paths:
             set_fast_launch(path == "direct")
-            row = dict(what="launch_overhead", format=fmt, launch=path, res=res, prefix_tokens=layout.prefix_len)
+            row = dict(what="launch_overhead", format=fmt, launch=path, res=res, prefix_tokens=layout.prefix_len,
+                       allocator=torch.cuda.get_allocator_backend() if device.type == "cuda" else None)  # fmt: skip
             with torch.inference_mode():
                 branch = model.new_branch(layout, 1)
                 row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)

@@ -188,11 +188,10 @@ class Qwen21Pipeline:
         quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
                      (self.transformer, device)]  # fmt: skip
         dit = dit_warmup_parts(self.transformer, device)
-        # The VAE's and the DiT's later buckets wait until the first image's kernels are compiled (compiles beside
-        # them slowed them); the VAE's first: the first image decodes before another size or edit comes.
+        # the VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
         parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART),
                  "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
-        self.kernel_warmup = KernelWarmup(parts, device, deferred=("vae", *dit)).start()
+        self.kernel_warmup = KernelWarmup(parts, device).start()
         for bucket in later_buckets():
             compiles_pending(bucket, self.kernel_warmup.finished(bucket_part(bucket)))
         return self.kernel_warmup

@@ -73,17 +73,13 @@ class KernelWarmup:
     (the first part's first), and a part is done when all its jobs are. Jobs are small (a few compiles each), so the
     compiles of one part spread over the threads instead of queueing behind each other."""
 
-    def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
-                 deferred: tuple[str, ...] = ()):  # fmt: skip
-        """deferred: parts queued only once every other part is done. Triton's compiler holds the interpreter for
-        most of a compile, so compiles running beside the first image's slow its own (BENCHMARKS "Session")."""
+    def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None):
         self.device = device
         self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
         self.seconds: dict[str, float] = {}
         self.failures: dict[str, str] = {}
-        self._parts = {name: jobs for name, jobs in parts.items() if name not in deferred}
-        self._deferred = {name: jobs for name, jobs in parts.items() if name in deferred}
+        self._parts = parts
         self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
         self._left = dict(self.jobs)
         self._lock = threading.Lock()
@@ -93,19 +89,15 @@ class KernelWarmup:
         if self._started_at:
             return self
         self._started_at = time.perf_counter()
-        parts, self._parts = self._parts, {}  # the jobs (and the model copies they hold) go once they ran
-        self._queue(parts)
-        self._queue_deferred_when_ready()
-        return self
-
-    def _queue(self, parts: dict[str, list[Callable[[], None]]]) -> None:
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qwen21-warmup")
-        for name, jobs in parts.items():
+        for name, jobs in self._parts.items():
             if not jobs:
                 self._finish(name)
             for job in jobs:
                 pool.submit(self._job, name, job)
         pool.shutdown(wait=False)  # the threads end when the queue is empty
+        self._parts = {}  # the jobs (and the model copies they hold) go once they ran
+        return self
 
     def _job(self, name: str, job: Callable[[], None]) -> None:
         try:
@@ -131,15 +123,6 @@ class KernelWarmup:
         failed = f", failed: {self.failures[name]}" if name in self.failures else ""
         log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
                  self.seconds[name], failed)  # fmt: skip
-        self._queue_deferred_when_ready()
-
-    def _queue_deferred_when_ready(self) -> None:
-        with self._lock:
-            deferred = {}
-            if self._deferred and all(event.is_set() for n, event in self._done.items() if n not in self._deferred):
-                deferred, self._deferred = self._deferred, {}
-        if deferred:
-            self._queue(deferred)
 
     def wait(self, *names: str) -> float:
         """Block until the named parts (all when none are named) are done; returns the seconds waited."""

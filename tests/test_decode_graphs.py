@@ -466,12 +466,12 @@ assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
 torch.manual_seed(0)
 base = QwenImage21Transformer(TINY_TRANSFORMER).to("cuda", torch.bfloat16).eval()
 config = base.config
-for fmt in ("bf16", "fp8", "int8_convrot"):
-    model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], config.num_layers))
-    layout = build_layout(torch.zeros(7, dtype=torch.bool), [], (8, 8))
-    embeds = torch.randn(7, config.context_in_dim, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, 64, config.in_channels, device="cuda", dtype=torch.bfloat16)
-    before = torch.cuda.memory_allocated()
+layout = build_layout(torch.zeros(7, dtype=torch.bool), [], (8, 8))
+embeds = torch.randn(7, config.context_in_dim, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(1, 64, config.in_channels, device="cuda", dtype=torch.bfloat16)
+
+
+def generation(model, fmt):
     with torch.inference_mode():
         graphs = DecodeGraphs(model, launch_bound_share=0)
         branch = graphs.new_branch(layout, 1, "auto", "positive")
@@ -484,6 +484,13 @@ for fmt in ("bf16", "fp8", "int8_convrot"):
         branch.release()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+for fmt in ("bf16", "fp8", "int8_convrot"):
+    model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], config.num_layers))
+    generation(model, fmt)  # the first also sets up what lives as long as the process (cuBLAS workspaces)
+    before = torch.cuda.memory_allocated()
+    generation(model, fmt)
     assert torch.cuda.memory_allocated() - before < 2**20, (fmt, torch.cuda.memory_allocated() - before)
     print(fmt, "replayed bit-identical")
 """
@@ -505,3 +512,4 @@ def test_decode_graphs_replay_under_cudamallocasync_with_the_direct_launch():
     assert done.returncode == 0, output[-3000:]
     for fmt in ("bf16", "fp8", "int8_convrot"):
         assert f"{fmt} replayed bit-identical" in output
+    assert "uncaptured free of a captured allocation" not in output  # no tensor outlives its capture

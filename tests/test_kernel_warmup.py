@@ -163,29 +163,6 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
     assert launched[-1] == "MainThread"
 
 
-def test_deferred_parts_start_once_every_other_part_is_done():
-    """Compiles beside the first image's slow them (the compiler holds the interpreter): the VAE's and the later
-    buckets' parts are queued only after the others finished."""
-    order = []
-    release = threading.Event()
-
-    def first():
-        release.wait(5)
-        order.append("dit")
-
-    parts = {"text": [lambda: order.append("text")], "dit": [first], "vae": [lambda: order.append("vae")],
-             "dit:8192": [lambda: order.append("dit:8192")]}  # fmt: skip
-    warmup = KernelWarmup(parts, torch.device("cpu"), threads=4, deferred=("vae", "dit:8192")).start()
-    time.sleep(0.3)
-    assert order == ["text"]  # four threads, yet the deferred parts wait for "dit"
-    release.set()
-    warmup.wait()
-    assert order[:2] == ["text", "dit"] and sorted(order[2:]) == ["dit:8192", "vae"]
-    only_deferred = KernelWarmup({"vae": [lambda: order.append("alone")]}, torch.device("cpu"), deferred=("vae",))
-    only_deferred.start().wait()
-    assert order[-1] == "alone"
-
-
 def test_a_failed_part_still_releases_the_launches_waiting_for_it():
     warmup = KernelWarmup({"dit:8192": [lambda: 1 / 0, lambda: None]}, torch.device("cpu"), threads=1).start()
     assert warmup.finished("dit:8192").wait(5)

@@ -132,14 +132,18 @@ def cuda_graph_capture(decode, static_x, static_t):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
-            decode(static_x, static_t)
+            out = decode(static_x, static_t)
     torch.cuda.current_stream().wait_stream(stream)
+    # The output lives in memory allocated before the capture: under cudaMallocAsync a tensor allocated inside one
+    # and freed after it draws a warning from PyTorch at every graph's release
+    static_out = torch.empty_like(out)
+    del out
     graph = torch.cuda.CUDAGraph()
     # thread-local: other threads' CUDA work (the kernel warm-up, qwen21_core/warmup.py; ComfyUI's previews; with
     # several GPUs, the NCCL watchdog's event queries) may go on during the capture; only this thread's calls are
     # checked against it
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        static_out = decode(static_x, static_t)
+        static_out.copy_(decode(static_x, static_t))
     return graph, static_out
 
 
