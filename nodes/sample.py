@@ -154,9 +154,9 @@ class Qwen21Sampler:
                         "(BENCHMARKS: DiT), so a shape and prompt length met for the first time is captured at "
                         "once only where launches bound the step; elsewhere that image runs eagerly and the "
                         "capture waits until the shape comes again. Under ComfyUI's default cudaMallocAsync "
-                        "allocator no graph can be captured and the step runs eagerly (the status says so); "
-                        "start ComfyUI with "
-                        "--disable-cuda-malloc for graphs.",
+                        "allocator graphs need the pack's direct kernel launch (Triton 3.6 to 3.8) and resident "
+                        "blocks; elsewhere the step runs eagerly and the status says why (--disable-cuda-malloc "
+                        "lifts the allocator's limits).",
                     },
                 ),
                 "kv_cache": (

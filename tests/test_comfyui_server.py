@@ -153,8 +153,9 @@ def server(tmp_path_factory, tiny_models):
 def lowvram_server(request, tmp_path_factory, tiny_models):
     """A ComfyUI on the GPU whose memory manager loads models partially: --lowvram gives each model what is free
     beyond the run's estimate (the tiny models fit whole), --novram gives it almost nothing (every layer streams).
-    Both with ComfyUI's default cudaMallocAsync allocator (decode graphs stay off under it), and --novram also with
-    the native one (--disable-cuda-malloc: the decode graphs capture while layers stream). ComfyUI refuses both
+    Both with ComfyUI's default cudaMallocAsync allocator (decode graphs capture under it where every kernel launches
+    directly, but not while layers stream), and --novram also with the native one (--disable-cuda-malloc: the decode
+    graphs capture while layers stream). ComfyUI refuses both
     beside --cpu and treats a CPU device as never short of memory, so this needs a GPU."""
     probe = subprocess.run([_python(), "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
                            text=True, timeout=120)  # fmt: skip

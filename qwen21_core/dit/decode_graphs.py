@@ -96,10 +96,12 @@ ASYNC_ALLOCATOR_REASON = (
 )
 
 
-def async_allocator_blocker(compiled_blocks: bool) -> str | None:
+def async_allocator_blocker(compiled_blocks: bool, streaming: bool) -> str | None:
     """Why a capture may not start under cudaMallocAsync, or None when it may (see ASYNC_ALLOCATOR_REASON)."""
     if compiled_blocks:
         why = "the blocks are compiled (torch.compile's kernels launch through Triton's own path)"
+    elif streaming:  # a failed capture there would abort the process: only what the H200 ran under it captures
+        why = "blocks stream from host RAM (not yet run with graphs under this allocator)"
     elif not direct_launches():
         why = "this process launches Triton kernels through Triton's own path (see kernels/launch.py)"
     else:
@@ -293,7 +295,7 @@ class DecodeGraphs:
         if self.capture is cuda_graph_capture and self.transformer.device.type != "cuda":
             return "the model is not on CUDA"
         if cuda_allocator_backend() == "cudaMallocAsync":  # checked before any capture: a failed one kills
-            return async_allocator_blocker(self.transformer.compiled)
+            return async_allocator_blocker(self.transformer.compiled, bool(self.transformer.streaming_signature()))
         return None
 
     def _entry_for(self, branch: Branch) -> _Entry | None:
