@@ -4,7 +4,7 @@
 (JITFunction.run) binds every argument again, derives the specialisation, looks the variant up, builds launch
 metadata and calls the (empty) profiler hook chains, and asks the driver of every pointer whether it is device
 memory: per launch, on every call. A quantised DiT block launches 8 to 10 of our kernels, so at 512^2 the host's
-launches, not the GPU, bounded the eager quantised step (BENCHMARKS "Cold start").
+launches, not the GPU, bounded the eager quantised step (BENCHMARKS "Kernel launch configurations").
 
 Here a launch derives its own variant key from what Triton specialises on (each tensor's dtype and 16-byte
 alignment; each integer's class: 1, a multiple of 16, 32- or 64-bit; the constexprs and compile options) and

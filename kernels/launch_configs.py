@@ -121,7 +121,8 @@ def compiles_pending(bucket: int, done: threading.Event) -> None:
     warm-up (no `forced_bucket`) waits for it: the sampler then waits only for the buckets its rows fall in, not
     for every bucket a warm-up queued (dit/kernel_warmup.py), and never compiles a kernel twice at once."""
     with _pending_lock:
-        _pending.setdefault(int(bucket), []).append(done)
+        waiting = [event for event in _pending.get(int(bucket), []) if not event.is_set()]  # forget finished ones
+        _pending[int(bucket)] = [*waiting, done]
 
 
 def _wait_for_pending_compiles(bucket: int) -> None:

@@ -253,7 +253,7 @@ def test_no_capture_is_tried_under_the_async_allocator_unless_every_launch_is_di
     assert torch.equal(graphs(branch, x, t), model.decode(branch, x, t))
     assert recorder.captures == 0
     assert "cudaMallocAsync" in graphs.describe() and "--disable-cuda-malloc" in graphs.describe()
-    assert "Triton's own path" in graphs.describe()
+    assert "Triton's own launch path" in graphs.describe()
 
     monkeypatch.setattr(decode_graphs, "direct_launches", lambda: True)
     recorder = Recorder()

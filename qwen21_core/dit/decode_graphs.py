@@ -88,22 +88,23 @@ class _Failed:
 # Under PyTorch's cudaMallocAsync allocator (ComfyUI's default) memory allocated inside a capture is not yet device
 # memory to the driver: Triton's own launch path checks every pointer and fails there, and a failed capture aborts
 # the process when its memory is freed. The direct launch (kernels/launch.py) passes pointers unchecked, so a
-# capture may start there only while every Triton kernel of the step launches that way.
+# capture may start there only while every Triton kernel of the step launches that way, and only for what has run
+# that way on the H200 (resident blocks).
 ASYNC_ALLOCATOR_REASON = (
-    "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default) and {why}: Triton's own launch path cannot "
-    "launch on memory allocated inside a capture there, and a failed capture aborts the process (start ComfyUI "
-    "with --disable-cuda-malloc for CUDA-graph decode)"
+    "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default) and {why}; a failed capture under it aborts the "
+    "process, so none is tried (start ComfyUI with --disable-cuda-malloc for CUDA-graph decode)"
 )
+_OWN_PATH = "Triton's own launch path, which cannot launch on memory allocated inside a capture there"
 
 
 def async_allocator_blocker(compiled_blocks: bool, streaming: bool) -> str | None:
     """Why a capture may not start under cudaMallocAsync, or None when it may (see ASYNC_ALLOCATOR_REASON)."""
     if compiled_blocks:
-        why = "the blocks are compiled (torch.compile's kernels launch through Triton's own path)"
-    elif streaming:  # a failed capture there would abort the process: only what the H200 ran under it captures
+        why = f"the blocks are compiled (torch.compile's kernels launch through {_OWN_PATH})"
+    elif streaming:
         why = "blocks stream from host RAM (not yet run with graphs under this allocator)"
     elif not direct_launches():
-        why = "this process launches Triton kernels through Triton's own path (see kernels/launch.py)"
+        why = f"this process launches Triton kernels through {_OWN_PATH} (kernels/launch.py says when)"
     else:
         return None
     return ASYNC_ALLOCATOR_REASON.format(why=why)
