@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from qwen21_nodes.kernels import launch_configs
-from qwen21_nodes.qwen21_core.dit.kernel_warmup import PART, bucket_order, bucket_part, dit_warmup_parts, later_buckets
+from qwen21_nodes.qwen21_core.dit.kernel_warmup import FIRST_BUCKETS, PART, bucket_part, dit_warmup_parts, later_buckets
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
@@ -68,8 +68,8 @@ def test_wait_before_start_returns_at_once():
     assert warmup.wait() == 0.0
 
 
-def test_bucket_order_starts_with_the_first_images_buckets_and_covers_all():
-    order = bucket_order()
+def test_the_first_images_buckets_and_the_later_ones_cover_every_bucket_once():
+    order = [*FIRST_BUCKETS, *later_buckets()]
     assert order[:3] == [4096, 128, 256]
     assert sorted(order) == launch_configs.all_buckets()
 

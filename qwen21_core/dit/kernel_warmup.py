@@ -32,10 +32,6 @@ FIRST_BUCKETS = (4096, 128, 256)
 PART = "dit"  # the part the sampler waits for: what any first image needs
 
 
-def bucket_order() -> list[int]:
-    return [*FIRST_BUCKETS, *later_buckets()]
-
-
 def later_buckets() -> list[int]:
     return [b for b in all_buckets() if b not in FIRST_BUCKETS]
 
