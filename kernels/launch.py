@@ -136,25 +136,7 @@ def launch(fn, grid: tuple, *args, **kwargs):
     if kernel is None:
         kernel = _kernels.setdefault(fn, _Kernel(fn))
     stream, device = _stream_and_device()
-    values = []
-    key = [device]
-    for value, constexpr in zip(args, kernel.constexpr, strict=False):
-        if isinstance(value, torch.Tensor):
-            pointer = value.data_ptr()
-            values.append(pointer)
-            key.append((value.dtype, pointer % 16 == 0))
-        elif constexpr:
-            values.append(value)
-            key.append(value)
-        elif type(value) is int:
-            values.append(value)
-            key.append((value == 1, value % 16 == 0, value in _INT32, value < 2**63))
-        else:  # float, bool, None: Triton types them without looking at the value
-            values.append(value)
-            key.append(type(value))
-    if kwargs:
-        key.append(tuple(kwargs.items()))
-    key = tuple(key)
+    key, values = variant_key(kernel.constexpr, device, args, kwargs)
     variant = kernel.variants.get(key)
     if variant is None:
         variant = _compile(fn, kernel, key, grid, args, kwargs)
@@ -164,6 +146,33 @@ def launch(fn, grid: tuple, *args, **kwargs):
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None, *values, *tail)  # fmt: skip
     return compiled
+
+
+def variant_key(constexpr: list[bool], device, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """(the variant's key, the positional arguments as the launcher takes them). The key holds what Triton
+    specialises a compile on, or more: each tensor's dtype and 16-byte alignment (pointers become integers), each
+    integer's class (1, a multiple of 16, 32- or 64-bit), the type of a float, bool or None (Triton types them without
+    looking at the value), and the value of a constexpr or of anything else."""
+    values = []
+    key = [device]
+    for value, is_constexpr in zip(args, constexpr, strict=False):
+        if isinstance(value, torch.Tensor):
+            pointer = value.data_ptr()
+            values.append(pointer)
+            key.append((value.dtype, pointer % 16 == 0))
+            continue
+        values.append(value)
+        if is_constexpr:
+            key.append(value)
+        elif type(value) is int:
+            key.append((value == 1, value % 16 == 0, value in _INT32, value < 2**63))
+        elif value is None or type(value) in (float, bool):
+            key.append(type(value))
+        else:  # a numpy integer, say: its value, so no class of it shares a variant with another
+            key.append((type(value), value))
+    if kwargs:
+        key.append(tuple(kwargs.items()))
+    return tuple(key), values
 
 
 def _compile(fn, kernel: _Kernel, key: tuple, grid, args, kwargs):

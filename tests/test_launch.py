@@ -61,6 +61,35 @@ def test_something_that_is_not_a_jit_function_is_launched_as_it_asks():
     assert launched == [((3,), (1, 2), {"BLOCK": 4})]
 
 
+def test_the_variant_key_separates_what_triton_specialises_on():
+    """CPU tensors have addresses too: the key logic without a GPU. Same class, same key; another class, another."""
+    import numpy as np
+
+    base = torch.zeros(64)
+    constexpr = [False, False, False, True]
+
+    def key(*args, **kwargs):
+        return launch_module.variant_key(constexpr, 0, args, kwargs)[0]
+
+    same = [key(base[:8], 32, 0.5, 4), key(base[16:], 48, 0.25, 4)]  # aligned, a multiple of 16, a float
+    assert same[0] == same[1]
+    others = [
+        key(base[1:], 32, 0.5, 4),  # a misaligned pointer
+        key(base.half()[:8], 32, 0.5, 4),  # another dtype
+        key(base, 1, 0.5, 4),  # an integer equal to 1
+        key(base, 33, 0.5, 4),  # neither 1 nor a multiple of 16
+        key(base, 2**40, 0.5, 4),  # 64-bit
+        key(base, 32, None, 4),  # None instead of a float
+        key(base, 32, 0.5, 8),  # another constexpr value
+        key(base, 32, 0.5, 4, num_warps=8),  # another option
+        key(base, np.int64(32), 0.5, 4),  # a numpy integer: by value
+    ]
+    assert len({same[0], *others}) == len(others) + 1
+    assert key(base, np.int64(32), 0.5, 4) != key(base, np.int64(48), 0.5, 4)
+    _, values = launch_module.variant_key(constexpr, 0, (base[1:], 32, 0.5, 4), {})
+    assert values == [base[1:].data_ptr(), 32, 0.5, 4]  # pointers as integers, the rest as given
+
+
 @jit
 def _scaled_copy(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
