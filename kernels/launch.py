@@ -130,7 +130,7 @@ def direct_launches() -> bool:
 
 def launch(fn, grid: tuple, *args, **kwargs):
     """`fn[grid](*args, **kwargs)`, without Triton's per-call path where it is active (see the module docstring)."""
-    if not fast_launch_active() or not isinstance(fn, triton.runtime.JITFunction) or _hooks_set():
+    if not direct_launches() or not isinstance(fn, triton.runtime.JITFunction):
         return fn[grid](*args, **kwargs)
     kernel = _kernels.get(fn)
     if kernel is None:
