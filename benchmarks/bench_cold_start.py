@@ -12,8 +12,9 @@ decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a
 `cold_start` with those times, the warm-up's parts and every Triton compile it saw (count, seconds, by kernel).
 
 Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) with Triton's
-own launch path and with the direct one (kernels/launch.py) in the same process, and replayed from a CUDA graph
-(GPU time alone), the 128-token prefill; then the host time of one small launch on each path (`launch_cost`).
+own launch path and with the direct one (kernels/launch.py) in the same process, in --rounds interleaved rounds (the
+median of the rounds, ratios the median of same-round ratios), and replayed from a CUDA graph (GPU time alone), the
+128-token prefill; then the host time of one small launch on each path (`launch_cost`).
 --profile adds a cProfile of eager steps (where the host time goes). Run it with
 PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync for ComfyUI's default allocator (each line names the allocator).
 """
@@ -26,9 +27,11 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -64,6 +67,8 @@ class CompileLog:
 
     def __init__(self):
         self.events: list[tuple[str, float]] = []
+        self.timeline: list[tuple[str, float, float, str]] = []  # (kernel, start, seconds, thread), from creation
+        self.created = time.perf_counter()
         self.available = False
         try:
             import triton
@@ -86,15 +91,22 @@ class CompileLog:
 
     def _after(self, **kwargs):
         started = self._started.pop(kwargs.get("key"), time.perf_counter())
-        self.events.append((self._name(kwargs), time.perf_counter() - started))
+        name, seconds = self._name(kwargs), time.perf_counter() - started
+        self.events.append((name, seconds))
+        self.timeline.append((name, round(started - self.created, 2), round(seconds, 2),
+                              threading.current_thread().name))  # fmt: skip
         return False
 
     def summary(self) -> dict:
         if not self.available:
             return {"compiles": None}
         by_kernel = Counter(name for name, _ in self.events)
-        return {"compiles": len(self.events), "compile_s": round(sum(s for _, s in self.events), 2),
-                "by_kernel": dict(by_kernel.most_common())}  # fmt: skip
+        return {
+            "compiles": len(self.events),
+            "compile_s": round(sum(s for _, s in self.events), 2),
+            "by_kernel": dict(by_kernel.most_common()),
+            "timeline": sorted(self.timeline, key=lambda e: e[1]),
+        }
 
 
 def first_calls(args, device):
@@ -189,6 +201,9 @@ def orchestrate(args):
 
 
 def launch_overhead(args, device):
+    """Every format's model built first, then rounds of eager decode steps, each round timing every (path, format)
+    once: a drift of the host's speed during the run (seen up to 1.8x between runs) then falls on every format
+    alike, and each ratio is the median of same-round ratios."""
     from bench_dit import case_inputs, timed
     from qwen21_nodes.kernels.launch import fast_launch_active, set_fast_launch
     from qwen21_nodes.qwen21_core.config import TransformerConfig
@@ -205,20 +220,36 @@ def launch_overhead(args, device):
     t = torch.full((1,), 0.5, device=device, dtype=dtype)
     layout = build_layout(mask, shapes, target)
     formats = ["bf16", "fp8", "int8_convrot", "int8"] if device.type == "cuda" else ["bf16", "fp8"]
-    direct_available = fast_launch_active()
-    # Triton's own launch path, then the direct one (kernels/launch.py), each format in this one process
-    paths = ["triton", "direct"] if direct_available else ["triton"]
-    eager = {}
-    for fmt in formats:
-        model = base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], base.config.num_layers))
-        for path in paths:
-            set_fast_launch(path == "direct")
-            row = dict(what="launch_overhead", format=fmt, launch=path, res=res, prefix_tokens=layout.prefix_len,
-                       allocator=torch.cuda.get_allocator_backend() if device.type == "cuda" else None)  # fmt: skip
-            with torch.inference_mode():
-                branch = model.new_branch(layout, 1)
+    models = {fmt: base if fmt == "bf16" else base.quantized_copy(uniform_plan(FORMATS[fmt], base.config.num_layers))
+              for fmt in formats}  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # Triton's own launch path, then the direct one (kernels/launch.py), every format in this one process
+    paths = ["triton", "direct"] if fast_launch_active() else ["triton"]
+    allocator = torch.cuda.get_allocator_backend() if device.type == "cuda" else None
+    rows = {
+        (fmt, path): dict(
+            what="launch_overhead",
+            format=fmt,
+            launch=path,
+            res=res,
+            prefix_tokens=layout.prefix_len,
+            allocator=allocator,
+            rounds=args.rounds,
+        )  # fmt: skip
+        for fmt in formats
+        for path in paths
+    }
+    rounds: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
+    with torch.inference_mode():
+        branches = {}
+        for fmt in formats:
+            branches[fmt] = models[fmt].new_branch(layout, 1)
+            for path in paths:
+                set_fast_launch(path == "direct")
+                row, model, branch = rows[(fmt, path)], models[fmt], branches[fmt]
                 row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)
-                row["decode_eager_ms"] = round(timed(lambda: model.decode(branch, x, t), device, 20), 2)
+                model.decode(branch, x, t)  # the first call of each path compiles or loads its variants
                 sync(device)
                 host_started = time.perf_counter()
                 for _ in range(5):
@@ -227,29 +258,40 @@ def launch_overhead(args, device):
                 sync(device)
                 if args.profile:
                     row["profile_tottime_top"] = profile_steps(lambda: model.decode(branch, x, t), device)
-                branch.release()
-                if device.type == "cuda" and path == paths[-1]:
-                    graphs = DecodeGraphs(model, launch_bound_share=0)
-                    gbranch = graphs.new_branch(layout, 1, "auto", "positive")
-                    model.prefill(gbranch, embeds, cond)
-                    graphs(gbranch, x, t)
-                    row["decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, 20), 2)
-                    row["graph_status"] = graphs.describe()
-                    graphs.clear()
-            eager[(fmt, path)] = row["decode_eager_ms"]
-            if path == "direct":
-                row["eager_vs_triton_path"] = round(row["decode_eager_ms"] / eager[(fmt, "triton")], 3)
-            if fmt != "bf16":
-                row["eager_vs_bf16"] = round(row["decode_eager_ms"] / eager[("bf16", path)], 3)
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
-            emit(**row)
-        if model is not base:
-            del model
+        for _ in range(args.rounds):
+            for path in paths:
+                set_fast_launch(path == "direct")
+                for fmt in formats:
+                    model, branch = models[fmt], branches[fmt]
+                    rounds[(fmt, path)].append(timed(lambda: model.decode(branch, x, t), device, 10))
+        for fmt in formats:
+            branches[fmt].release()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                graphs = DecodeGraphs(models[fmt], launch_bound_share=0)
+                gbranch = graphs.new_branch(layout, 1, "auto", "positive")
+                models[fmt].prefill(gbranch, embeds, cond)
+                graphs(gbranch, x, t)
+                rows[(fmt, paths[-1])]["decode_graph_ms"] = round(timed(lambda: graphs(gbranch, x, t), device, 20), 2)
+                rows[(fmt, paths[-1])]["graph_status"] = graphs.describe()
+                graphs.clear()
     set_fast_launch(None)
-    if device.type == "cuda" and direct_available:
+    for (fmt, path), row in rows.items():
+        times = rounds[(fmt, path)]
+        row["decode_eager_ms"] = round(statistics.median(times), 2)
+        row["decode_eager_rounds_ms"] = [round(v, 2) for v in times]
+        if path == "direct":
+            row["eager_vs_triton_path"] = _median_ratio(times, rounds[(fmt, "triton")])
+        if fmt != "bf16":
+            row["eager_vs_bf16"] = _median_ratio(times, rounds[("bf16", path)])
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+        emit(**row)
+    if device.type == "cuda" and "direct" in paths:
         launch_cost(device)
+
+
+def _median_ratio(times: list[float], against: list[float]) -> float:
+    """The median of the same rounds' ratios."""
+    return round(statistics.median(a / b for a, b in zip(times, against, strict=True)), 3)
 
 
 def profile_steps(step, device) -> list[str]:
@@ -295,6 +337,7 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--launch-overhead", action="store_true")
     parser.add_argument("--profile", action="store_true", help="with --launch-overhead: cProfile the eager steps")
+    parser.add_argument("--rounds", type=int, default=5, help="with --launch-overhead: timed rounds of every format")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="fp8")
     parser.add_argument("--warmup", default="on", choices=("on", "off"))

@@ -95,7 +95,7 @@ def quantizer_problem(key, device):
                       QMAX=quantize_rows.QMAX[fmt], MIN_SCALE=quantize_rows.MIN_SCALE,
                       ACT_DTYPE=quantize_rows.TL_DTYPES[torch.bfloat16], BLOCK_K=quantize_rows._block_k(key),
                       WHOLE_ROW=True)  # fmt: skip
-    grid = lambda config: (quantize_rows.triton.cdiv(m, config.meta_dict()["BLOCK_M"]),)  # noqa: E731
+    grid = lambda config: (quantize_rows.cdiv(m, config.meta_dict()["BLOCK_M"]),)  # noqa: E731
     return quantize_rows._quantize_rows_kernel, grid, args, constexprs
 
 

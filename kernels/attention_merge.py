@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, tl, triton, triton_runs_on
+from ._triton import cdiv, jit, next_power_of_2, tl, triton_runs_on
 from .launch import launch
 
 BLOCK_H = 8  # heads per program; the program covers one token's BLOCK_H heads x head_dim
@@ -67,10 +67,10 @@ def merge(out_p, lse_p, out_t, lse_t) -> torch.Tensor:
         return merge_reference(out_p, lse_p, out_t, lse_t)
     b, n, h, d = out_t.shape
     out = torch.empty((b, n, h, d), dtype=out_t.dtype, device=out_t.device)
-    block_h = min(BLOCK_H, triton.next_power_of_2(h))
+    block_h = min(BLOCK_H, next_power_of_2(h))
     launch(
-        _merge_kernel, (b * n, triton.cdiv(h, block_h)),
+        _merge_kernel, (b * n, cdiv(h, block_h)),
         out_p, lse_p, out_t, lse_t, out, n, h, d, *out_p.stride(), *lse_p.stride(), *out_t.stride(), *lse_t.stride(),
-        *out.stride(), BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS,
+        *out.stride(), BLOCK_H=block_h, BLOCK_D=next_power_of_2(d), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import SelfTests, jit, pixel_strides, same_bits, tl, triton, triton_runs_on
+from ._triton import SelfTests, cdiv, jit, next_power_of_2, pixel_strides, same_bits, tl, triton_runs_on
 from .launch import launch
 
 BLOCK_ELEMENTS = 4096  # elements per program (channels x pixels tile)
@@ -126,9 +126,9 @@ def add_bias_residual_(
     batch, channels, height, width = y.shape
     pixels = height * width
     contiguous_channels = y.stride(1) == 1
-    block_c = min(64 if contiguous_channels else 8, triton.next_power_of_2(channels))
+    block_c = min(64 if contiguous_channels else 8, next_power_of_2(channels))
     block_p = max(1, BLOCK_ELEMENTS // block_c)
-    grid = (triton.cdiv(pixels, block_p) * triton.cdiv(channels, block_c), batch)
+    grid = (cdiv(pixels, block_p) * cdiv(channels, block_c), batch)
     r = y if residual is None else residual
     launch(
         _bias_residual_kernel,

@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, _device_key, jit, same_bits, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, _device_key, cdiv, jit, same_bits, tl, triton_runs_on
 from .launch import launch
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def _dequantize_weight_kernel(q_ptr, scale_ptr, out_ptr, N, K, BLOCK_ROWS: tl.co
 def _launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     block_cols = INTERPRETER_BLOCK_COLS if INTERPRETER_ACTIVE else BLOCK_COLS
-    grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(k, block_cols))
+    grid = (cdiv(n, BLOCK_ROWS), cdiv(k, block_cols))
     # Triton launches on the current device: a layer on another GPU (a text encoder of its own) needs its own
     guard = torch.cuda.device(q.device) if q.is_cuda and q.device.index != torch.cuda.current_device() else None
     with guard or contextlib.nullcontext():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, cdiv, jit, tl, triton_runs_on
 from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 from .linear_epilogue import (
     OUT_DTYPES,
@@ -174,4 +174,4 @@ def int8_linear(
 
 def _grid(m: int, n: int, config: LaunchConfig) -> tuple[int]:
     meta = config.meta_dict()
-    return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)

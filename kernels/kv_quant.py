@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import jit, tl, triton, triton_runs_on
+from ._triton import cdiv, jit, next_power_of_2, tl, triton_runs_on
 from .launch import launch
 
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -59,8 +59,8 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> to
     d = q.shape[-1]
     rows = q.numel() // d
     launch(
-        _dequantize_kernel, (triton.cdiv(rows, BLOCK_ROWS),),
-        q, scale.contiguous(), out, rows, d, BLOCK_ROWS=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d),
+        _dequantize_kernel, (cdiv(rows, BLOCK_ROWS),),
+        q, scale.contiguous(), out, rows, d, BLOCK_ROWS=BLOCK_ROWS, BLOCK_D=next_power_of_2(d),
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

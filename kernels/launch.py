@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -86,6 +87,7 @@ class _Kernel:
     """One JIT function's parameters and its compiled variants, by our key."""
 
     def __init__(self, fn):
+        self.fn = fn
         params = fn.params
         self.names = [p.name for p in params]
         self.constexpr = [bool(p.is_constexpr) for p in params]
@@ -93,7 +95,9 @@ class _Kernel:
         self.variants: dict[tuple, tuple] = {}  # key -> (compiled kernel, the parameters after the positional ones)
 
 
-_kernels: dict[object, _Kernel] = {}
+# by id(fn): hashing a JITFunction goes through its cache_key (a lock and a property) at every launch; the entry
+# holds the function, so its id is not reused while the entry lives
+_kernels: dict[int, _Kernel] = {}
 _driver = None
 
 
@@ -132,9 +136,9 @@ def launch(fn, grid: tuple, *args, **kwargs):
     """`fn[grid](*args, **kwargs)`, without Triton's per-call path where it is active (see the module docstring)."""
     if not direct_launches() or not isinstance(fn, triton.runtime.JITFunction):
         return fn[grid](*args, **kwargs)
-    kernel = _kernels.get(fn)
+    kernel = _kernels.get(id(fn))
     if kernel is None:
-        kernel = _kernels.setdefault(fn, _Kernel(fn))
+        kernel = _kernels.setdefault(id(fn), _Kernel(fn))
     stream, device = _stream_and_device()
     key, values = variant_key(kernel.constexpr, device, args, kwargs)
     variant = kernel.variants.get(key)
@@ -152,47 +156,72 @@ def variant_key(constexpr: list[bool], device, args: tuple, kwargs: dict) -> tup
     """(the variant's key, the positional arguments as the launcher takes them). The key holds what Triton
     specialises a compile on, or more: each tensor's dtype and 16-byte alignment (pointers become integers), each
     integer's class (1, a multiple of 16, 32- or 64-bit), the type of a float, bool or None (Triton types them without
-    looking at the value), and the value of a constexpr or of anything else."""
+    looking at the value), and the value of a constexpr or of anything else. Runs at every launch: kept to one pass
+    with no call per argument (a DiT block launches a dozen kernels of up to 20 arguments)."""
     values = []
     key = [device]
     for value, is_constexpr in zip(args, constexpr, strict=False):
         if isinstance(value, torch.Tensor):
             pointer = value.data_ptr()
             values.append(pointer)
-            key.append((value.dtype, pointer % 16 == 0))
+            key.append((value.dtype, not pointer & 15))
             continue
         values.append(value)
+        kind = type(value)
         if is_constexpr:
-            key.append(value)
-        elif type(value) is int:
-            key.append((value == 1, value % 16 == 0, value in _INT32, value < 2**63))
-        elif value is None or type(value) in (float, bool):
-            key.append(type(value))
+            key.append((kind, value))
+        elif kind is int:
+            # one number per class: 1 / a multiple of 16 / other, and 32-bit / 64-bit / unsigned 64-bit
+            key.append((1 if value == 1 else 2 if not value % 16 else 0) + (4 if value in _INT32 else 8 if value < 2**63
+                                                                          else 12))  # fmt: skip
+        elif value is None or kind is float or kind is bool:
+            key.append(kind)
         else:  # a numpy integer, say: its value, so no class of it shares a variant with another
-            key.append((type(value), value))
+            key.append((kind, value))
     if kwargs:
         key.append(tuple(kwargs.items()))
     return tuple(key), values
 
 
+_in_flight: dict[tuple[int, tuple], threading.Event] = {}  # (id(fn), key) -> set when that compile ended
+_in_flight_lock = threading.Lock()
+
+
 def _compile(fn, kernel: _Kernel, key: tuple, grid, args, kwargs):
     """Compile (or find) the variant through Triton's warmup, which launches nothing; None when the call does not
-    follow the call-site rules."""
+    follow the call-site rules. One thread compiles a variant; others meeting it meanwhile wait for that compile.
+
+    Per variant, not per kernel: a lock per kernel made the sampler's first launch of one variant wait behind the
+    warm-up threads' compiles of others (the first int8_convrot image on a fresh H200: 15.7 s with it, 10.9 s on
+    Triton's path). Without any, the warm-up's threads compiled one variant up to six times at once (Triton has no
+    such guard), each copy taking compile time and the interpreter's lock from the compiles the first image waits
+    for (bench_cold_start's compile timeline)."""
     if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
         return None
     if len(args) > len(kernel.names):
         raise TypeError(f"{kernel.names}: {len(args)} positional arguments for {len(kernel.names)} parameters")
-    # No lock: a lock per kernel made the sampler's first launch of one variant wait behind the warm-up threads'
-    # compiles of others (the first int8_convrot image on a fresh H200: 15.7 s with it, 10.9 s on Triton's path). Two
-    # threads meeting the same new variant at once both ask Triton, which compiles it at most twice; the M-bucket
-    # gate (launch_configs.compiles_pending) keeps the sampler off variants the warm-up is compiling.
-    compiled = fn.warmup(*args, grid=grid, **kwargs)
-    compiled.run  # noqa: B018 - loads the binary (sets compiled.function) on this device
-    params = {name: kwargs[name] for name in kernel.names if name in kwargs}
-    tail = tuple(params.get(name, kernel.defaults[i]) for i, name in enumerate(kernel.names) if i >= len(args))
-    variant = (compiled, tail)
-    kernel.variants[key] = variant
-    return variant
+    token = (id(fn), key)
+    while True:
+        with _in_flight_lock:
+            variant = kernel.variants.get(key)
+            if variant is not None:
+                return variant
+            other = _in_flight.get(token)
+            if other is None:
+                mine = _in_flight[token] = threading.Event()
+                break
+        other.wait()  # then found above, or (its compile failed) this thread tries, and meets the error itself
+    try:
+        compiled = fn.warmup(*args, grid=grid, **kwargs)
+        compiled.run  # noqa: B018 - loads the binary (sets compiled.function) on this device
+        params = {name: kwargs[name] for name in kernel.names if name in kwargs}
+        tail = tuple(params.get(name, kernel.defaults[i]) for i, name in enumerate(kernel.names) if i >= len(args))
+        variant = kernel.variants[key] = (compiled, tail)
+        return variant
+    finally:
+        with _in_flight_lock:
+            del _in_flight[token]
+        mine.set()
 
 
 def forget_variants() -> None:

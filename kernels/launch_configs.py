@@ -65,12 +65,19 @@ class LaunchConfig:
         data = dict(data)
         return cls.of(data.pop("num_warps"), data.pop("num_stages", 3), **data)
 
+    def __post_init__(self):
+        # built once: launches read them at every call (a dict built per launch costs about a microsecond)
+        object.__setattr__(self, "_meta", dict(self.meta))
+        object.__setattr__(self, "launch_kwargs", {**self._meta, "num_warps": self.num_warps,
+                                                   "num_stages": self.num_stages})  # fmt: skip
+
     def meta_dict(self) -> dict[str, int]:
-        return dict(self.meta)
+        """The tile parameters by name (shared: read it, do not change it)."""
+        return self._meta
 
     def as_dict(self) -> dict:
-        """The tile parameters with num_warps and num_stages: a table entry, and the launch's keyword arguments."""
-        return {**dict(self.meta), "num_warps": self.num_warps, "num_stages": self.num_stages}
+        """The tile parameters with num_warps and num_stages, as a table entry writes them (a copy)."""
+        return dict(self.launch_kwargs)
 
     def triton_config(self):
         return triton.Config(dict(self.meta), num_warps=self.num_warps, num_stages=self.num_stages)
@@ -269,7 +276,7 @@ class TunedKernel:
         error = None
         for config in ordered:
             try:
-                launch(fn, grid(config), *args, **constexprs, **config.as_dict())
+                launch(fn, grid(config), *args, **constexprs, **config.launch_kwargs)
                 return config
             except Exception as failure:  # noqa: BLE001 - compile or resource failure: try the next candidate
                 if not _is_resource_or_compile_error(failure):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import TL_DTYPES, jit, tl, triton, triton_runs_on
+from ._triton import TL_DTYPES, cdiv, jit, tl, triton_runs_on
 from .launch import launch
 
 BLOCK_M = 16
@@ -141,7 +141,7 @@ def linear_epilogue(
     out = torch.empty((m, n), dtype=out_dtype, device=y.device) if out is None else out
     dummy = out
     launch(
-        _linear_epilogue_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)),
+        _linear_epilogue_kernel, (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N)),
         y, y.stride(0), dummy if row_scale is None else row_scale, dummy if col_scale is None else col_scale,
         dummy if residual is None else residual, 0 if residual is None else residual.stride(0),
         dummy if gate is None else gate, 0 if gate is None else gate.stride(0), rows_per_batch, out, out.stride(0),

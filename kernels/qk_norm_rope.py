@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ._triton import jit, tl, triton, triton_runs_on
+from ._triton import cdiv, jit, next_power_of_2, tl, triton_runs_on
 from .launch import launch
 
 # Token gate: the fused kernel is used when B*S >= the threshold (0 = always). On the eager path each call
@@ -187,10 +187,10 @@ def _launch_fused(qkv, q_weight, k_weight, cos, sin, eps, k_out, v_out, tile_ele
     # Without v_out the grid has no v programs; q only stands in for the unused pointer and strides.
     v_target = q if v_out is None else v_out
 
-    block_pairs = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(heads), max(1, tile_elements // (2 * block_pairs)))
+    block_pairs = next_power_of_2(head_dim // 2)
+    block_h = min(next_power_of_2(heads), max(1, tile_elements // (2 * block_pairs)))
     parts = 2 if v_out is None else 3
-    grid = (batch * seq, parts * triton.cdiv(heads, block_h))
+    grid = (batch * seq, parts * cdiv(heads, block_h))
     launch(
         _qk_norm_rope_kernel,
         grid,

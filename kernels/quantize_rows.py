@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, jit, tl, triton, triton_runs_on
+from ._triton import INTERPRETER_ACTIVE, TL_DTYPES, cdiv, jit, next_power_of_2, tl, triton_runs_on
 from .launch import launch
 from .launch_configs import LaunchConfig, TunedKernel, m_bucket
 
@@ -62,7 +62,7 @@ def _fits(block_m: int, warps: int, block_k: int) -> bool:
 
 
 def _block_k(key: dict) -> int:
-    return max(triton.next_power_of_2(key["K"]), 256 if key["ROTATE"] else 16)
+    return max(next_power_of_2(key["K"]), 256 if key["ROTATE"] else 16)
 
 
 def _candidates(key: dict) -> list[LaunchConfig]:
@@ -404,25 +404,37 @@ def quantize_rows(
     pre = _PRE_LAYER_NORM if layer_norm is not None else _PRE_SWIGLU if swiglu else _PRE_NONE
     rot_a, ha, rot_b, hb = _rotation_factors(rotation, x.device) if rotation else (1, scale, 16, scale)
     # a row block holds whole groups and gives each rotation dot at least 16 rows (256 for groups up to 256)
-    block_k = max(triton.next_power_of_2(k), 16 * rot_b if rotation else 16)
+    block_k = max(next_power_of_2(k), 16 * rot_b if rotation else 16)
     whole_row = block_k <= WHOLE_ROW_LIMIT
     bucket = m_bucket(m)
     args = (x, x.stride(0), row_scale, col_scale, mod, mod.stride(0), rows_per_batch, ha, hb, q, q.stride(0), scale, m,
             k, bucket, 1.0 / k, float(eps))  # fmt: skip
-    modes = dict(PRE=pre, DEQUANT=dequant is not None, ROTATE=bool(rotation), ROT_A=rot_a, ROT_B=rot_b,
-                 OUT_INT8=fmt == "int8", QMAX=QMAX[fmt], MIN_SCALE=MIN_SCALE,
-                 ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
+    modes = _modes(pre, dequant is not None, rotation, rot_a, rot_b, fmt, act_dtype)
     if not whole_row:
         chunk_k = max(CHUNK_K, rotation)  # whole groups per chunk
-        launch(_quantize_rows_kernel, (triton.cdiv(m, CHUNK_M),), *args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=chunk_k,
+        launch(_quantize_rows_kernel, (cdiv(m, CHUNK_M),), *args, **modes, BLOCK_M=CHUNK_M, BLOCK_K=chunk_k,
                WHOLE_ROW=False, num_warps=4)  # fmt: skip
     elif INTERPRETER_ACTIVE:
         block_m, warps = INTERPRETER_SHAPE
-        _quantize_rows_kernel[(triton.cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,
+        _quantize_rows_kernel[(cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,
                                                          WHOLE_ROW=True, num_warps=warps)  # fmt: skip
     else:
         key = {"K": k, "M_BUCKET": bucket, "PRE": pre, "DEQUANT": dequant is not None, "ROTATE": bool(rotation),
                "OUT_INT8": fmt == "int8"}  # fmt: skip
-        TUNED.launch(_quantize_rows_kernel, lambda config: (triton.cdiv(m, config.meta_dict()["BLOCK_M"]),), args,
+        TUNED.launch(_quantize_rows_kernel, lambda config: (cdiv(m, config.meta_dict()["BLOCK_M"]),), args,
                      {**modes, "BLOCK_K": block_k, "WHOLE_ROW": True}, key, x.device)  # fmt: skip
     return q, scale
+
+
+_modes_cache: dict[tuple, dict] = {}
+
+
+def _modes(pre: int, dequant: bool, rotation: int, rot_a: int, rot_b: int, fmt: str, act_dtype) -> dict:
+    """The kernel's mode constexprs, one dict per combination built once (read at every launch, never changed)."""
+    key = (pre, dequant, rotation, rot_a, rot_b, fmt, act_dtype)
+    modes = _modes_cache.get(key)
+    if modes is None:
+        modes = _modes_cache[key] = dict(PRE=pre, DEQUANT=dequant, ROTATE=bool(rotation), ROT_A=rot_a, ROT_B=rot_b,
+                                         OUT_INT8=fmt == "int8", QMAX=QMAX[fmt], MIN_SCALE=MIN_SCALE,
+                                         ACT_DTYPE=TL_DTYPES[act_dtype])  # fmt: skip
+    return modes

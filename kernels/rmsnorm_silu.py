@@ -36,11 +36,12 @@ from ._triton import (
     INTERPRETER_ACTIVE,
     TRITON_AVAILABLE,
     SelfTests,
+    cdiv,
     jit,
+    next_power_of_2,
     pixel_strides,
     same_bits,
     tl,
-    triton,
     triton_runs_on,
 )
 from .launch import launch
@@ -260,7 +261,7 @@ def _tile(x: torch.Tensor) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_P) for x's layout: long runs along the contiguous axis."""
     channels = x.shape[1]
     block_c = BLOCK_C_CHANNELS_LAST if x.stride(1) == 1 else BLOCK_C_NCHW
-    block_c = min(block_c, triton.next_power_of_2(channels))
+    block_c = min(block_c, next_power_of_2(channels))
     return block_c, max(1, BLOCK_ELEMENTS // block_c)
 
 
@@ -273,7 +274,7 @@ def rmsnorm_silu_fused(x: torch.Tensor, gamma: torch.Tensor, scale: float, eps: 
     batch, channels, height, width = x.shape
     pixels = height * width
     block_c, block_p = _tile(x)
-    grid = (triton.cdiv(pixels, block_p), batch)
+    grid = (cdiv(pixels, block_p), batch)
     launch(
         _rmsnorm_silu_kernel,
         grid,
@@ -325,7 +326,7 @@ def rmsnorm_silu_eager_fused(
     if norm_strides is None:
         norm = norm.contiguous()
         norm_strides = pixel_strides(norm)
-    grid = (triton.cdiv(pixels, block_p) * triton.cdiv(channels, block_c), batch)
+    grid = (cdiv(pixels, block_p) * cdiv(channels, block_c), batch)
     launch(
         _eager_tail_kernel,
         grid,

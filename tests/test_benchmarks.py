@@ -116,10 +116,16 @@ def test_bench_lora_runs_every_measurement_on_a_tiny_model(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the random checkpoint and LoRAs were cleaned up
 
 
+FP32_ROUNDING_DB = 120  # PSNR above this: the same latents up to the last bits of fp32
+
+
 @pytest.mark.slow
 def test_bench_multigpu_runs_every_part_over_gloo_with_two_cpu_processes():
-    """bench_multigpu's smoke mode: rank 0 and one CPU worker (gloo), the tiny DiT in fp32, so the two-rank runs give
-    the one-rank latents exactly; each part prints its line."""
+    """bench_multigpu's smoke mode: rank 0 and one CPU worker (gloo), the tiny DiT in fp32; each part prints its line.
+    The two-rank latents equal the one-rank ones up to fp32 rounding (README: within 1e-5): a rank's GEMMs see half
+    the rows, and a CPU BLAS may choose another kernel, with another summation order, for another row count (149.9 dB
+    on a 2-core AVX-512/AMX host, bit-identical on others). A wrong shard, merge or K/V split costs far more than
+    that (tens of dB)."""
     script = BENCH_VAE.parent / "bench_multigpu.py"
     command = [sys.executable, str(script), "--tiny", "--device", "cpu", "--world-size", "2", "--precisions", "bf16",
                "--cfgs", "4", "--faults", "error", "--steps", "2"]  # fmt: skip
@@ -132,12 +138,12 @@ def test_bench_multigpu_runs_every_part_over_gloo_with_two_cpu_processes():
         by_what.setdefault(record["what"], []).append(record)
     assert {r["mode"] for r in by_what["multigpu_sampling"]} == {"sequence", "cfg"}
     for record in by_what["multigpu_sampling"] + by_what["multigpu_kv_cache"]:
-        assert record["psnr_vs_one_gpu"] == float("inf") and record["step_ms"] > 0
+        assert record["psnr_vs_one_gpu"] > FP32_ROUNDING_DB and record["step_ms"] > 0
     (kv,) = by_what["multigpu_kv_cache"]
     assert kv["per_gpu_cache_ratio"] == 0.5 and len(kv["per_gpu_cache_mib"]) == 2
     (recovery,) = by_what["multigpu_recovery"]
     assert "rank 1 (cpu): RuntimeError: injected fault" in recovery["error"]
-    assert recovery["next_run_psnr_vs_one_gpu"] == float("inf")
+    assert recovery["next_run_psnr_vs_one_gpu"] > FP32_ROUNDING_DB
     encoder = {r["encoder"]: r for r in by_what["multigpu_text_encoder"]}
     assert set(encoder) == {"resident on GPU 1", "offloaded from GPU 0"}
     assert all(r["seed_rerun_s"] > 0 and r["changed_prompt_s"] > r["encode_s"] > 0 for r in encoder.values())
@@ -276,11 +282,13 @@ def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
     rows = by_what["cold_start"]
     assert [(r["format"], r["warmup"]) for r in rows] == [("fp8", "off"), ("fp8", "on")]
     assert all(r["first_step_s"] > 0 and r["vae_first_s"] > 0 for r in rows)
-    overhead = _bench("bench_cold_start.py", "--tiny", "--device", "cpu", "--launch-overhead", "--profile")
+    overhead = _bench("bench_cold_start.py", "--tiny", "--device", "cpu", "--launch-overhead", "--profile",
+                      "--rounds", "2")  # fmt: skip
     overhead = overhead["launch_overhead"]
     # on the CPU only Triton's path (the direct launch needs CUDA); each format's line compares with bf16's
     assert [(r["format"], r["launch"]) for r in overhead] == [("bf16", "triton"), ("fp8", "triton")]
     assert all(r["decode_eager_ms"] > 0 and r["profile_tottime_top"] for r in overhead)
+    assert all(len(r["decode_eager_rounds_ms"]) == 2 for r in overhead)  # interleaved rounds, each timed
     assert overhead[1]["eager_vs_bf16"] > 0
 
 

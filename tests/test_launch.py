@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,6 +93,63 @@ def test_the_variant_key_separates_what_triton_specialises_on():
     assert values == [base[1:].data_ptr(), 32, 0.5, 4]  # pointers as integers, the rest as given
 
 
+class _SlowKernel:
+    """A stand-in for a JIT function on the CPU: its `warmup` (Triton's compile) takes a while and counts its calls."""
+
+    def __init__(self, fail: bool = False):
+        self.params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK", has_default=False, default=None)
+                       for n in ("x_ptr", "n", "BLOCK")]  # fmt: skip
+        self.compiles: list[tuple] = []
+        self.fail = fail
+        self.lock = threading.Lock()
+
+    def warmup(self, *args, grid, **kwargs):
+        with self.lock:
+            self.compiles.append(tuple(kwargs.items()))
+        time.sleep(0.2)
+        if self.fail:
+            raise RuntimeError("out of resource: shared memory")
+        return SimpleNamespace(run=None, function=0, packed_metadata=None)
+
+
+def _compile_from_threads(fn, keys_kwargs: list[dict]) -> list:
+    kernel = launch_module._Kernel(fn)
+    x = torch.zeros(16)
+    results, errors = [], []
+
+    def one(kwargs):
+        key, _ = launch_module.variant_key(kernel.constexpr, 0, (x, 16), kwargs)
+        try:
+            results.append(launch_module._compile(fn, kernel, key, (1,), (x, 16), kwargs))
+        except RuntimeError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(kwargs,)) for kwargs in keys_kwargs]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, errors, time.perf_counter() - started
+
+
+def test_threads_meeting_one_new_variant_compile_it_once_and_other_variants_do_not_wait():
+    fn = _SlowKernel()
+    results, errors, seconds = _compile_from_threads(fn, [{"BLOCK": 64}] * 6 + [{"BLOCK": 128}] * 2)
+    assert not errors and len(results) == 8
+    assert sorted(fn.compiles) == [(("BLOCK", 64),), (("BLOCK", 128),)]  # once each, not 6 and 2 times
+    assert len({id(r) for r in results}) == 2  # every thread got its variant
+    assert seconds < 0.35  # the two variants compiled at once (0.2 s each), not one after the other
+    assert launch_module._in_flight == {}
+
+
+def test_when_the_compiling_thread_fails_the_waiting_ones_meet_the_error_too():
+    fn = _SlowKernel(fail=True)
+    results, errors, _ = _compile_from_threads(fn, [{"BLOCK": 64}] * 3)
+    assert results == [] and len(errors) == 3 and "out of resource" in str(errors[0])
+    assert launch_module._in_flight == {}  # nothing left waiting: a later launch tries again
+
+
 @jit
 def _scaled_copy(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -114,15 +174,15 @@ def test_variants_follow_what_triton_specialises_on_and_agree_with_its_path():
         want = x.float() * 2.0
         torch.testing.assert_close(_copy(x).float(), want, rtol=0, atol=0)
     # aligned and misaligned pointers, a size of 1, of 16, of neither, a stride of 2, another dtype: distinct keys
-    assert len(launch_module._kernels[_scaled_copy].variants) >= 6
+    assert len(launch_module._kernels[id(_scaled_copy)].variants) >= 6
     # the same classes again reuse them, and agree with Triton's own path
-    count = len(launch_module._kernels[_scaled_copy].variants)
+    count = len(launch_module._kernels[id(_scaled_copy)].variants)
     for x in (base[2048:3072], base[3:1027], base[:33]):
         direct = _copy(x, factor=0.5)
         launch_module.set_fast_launch(False)
         torch.testing.assert_close(_copy(x, factor=0.5), direct, rtol=0, atol=0)
         launch_module.set_fast_launch(True)
-    assert len(launch_module._kernels[_scaled_copy].variants) == count
+    assert len(launch_module._kernels[id(_scaled_copy)].variants) == count
 
 
 @needs_gpu

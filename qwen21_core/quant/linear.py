@@ -47,7 +47,7 @@ FAST_ACCUM_ENV = "QWEN21_FP8_FAST_ACCUM"
 # 0.0375; bench_dit dit_fp8_accumulation), so it is on; QWEN21_FP8_FAST_ACCUM=0 turns it off.
 FP8_FAST_ACCUM = True
 INT_MM_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
-_backends: dict[tuple[str, str], str] = {}  # (device, kind) -> backend, probed once
+_backends: dict[tuple[torch.device, str], str] = {}  # (device, kind) -> backend, probed once
 
 
 @dataclass
@@ -239,13 +239,15 @@ def quantize_linears_(module: nn.Module, names, fmt: QuantFormat, quantize_activ
 
 def gemm_backend(device: torch.device, kind: str) -> str:
     """The W8A8 backend for quantised `kind` ("fp8"/"int8") weights on `device`, probed once per device."""
+    found = _backends.get((device, kind))  # the hot path (asked per layer and step): a tensor's device has its index
+    if found is not None:
+        return found
     device = indexed_device(device)
     if device.type != "cuda":
         return "weight_only"
-    key = (str(device), kind)
-    if key not in _backends:
-        _backends[key] = _probe(device, kind)
-    return _backends[key]
+    if (device, kind) not in _backends:
+        _backends[(device, kind)] = _probe(device, kind)
+    return _backends[(device, kind)]
 
 
 def _probe(device: torch.device, kind: str) -> str:
