@@ -48,8 +48,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1), as `triton.next_power_of_2` computes it, without its host cost."""
-    return 1 << max(0, int(n) - 1).bit_length()
+    """The smallest power of two >= n (0 for 0), as `triton.next_power_of_2` computes it, without its host cost."""
+    return 0 if n == 0 else 1 << (int(n) - 1).bit_length()
 
 
 def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):

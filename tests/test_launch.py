@@ -249,3 +249,15 @@ def test_a_direct_launch_runs_inside_a_capture_under_cudamallocasync(direct):
         assert done.returncode == 0 and "replayed right" in output, output[-3000:]
     else:
         assert done.returncode != 0 and "replayed right" not in output, output[-3000:]
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_the_host_grid_helpers_compute_what_tritons_do():
+    """kernels/_triton.py's cdiv and next_power_of_2 replace Triton's (slower) host calls in every launch grid."""
+    import triton
+    from qwen21_nodes.kernels._triton import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 15, 16, 17, 127, 128, 129, 4095, 4096, 4097, 12288, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 4, 16, 64, 128, 1000):
+            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
