@@ -94,19 +94,24 @@ def test_the_variant_key_separates_what_triton_specialises_on():
 
 
 class _SlowKernel:
-    """A stand-in for a JIT function on the CPU: its `warmup` (Triton's compile) takes a while and counts its calls."""
+    """A stand-in for a JIT function on the CPU: its `warmup` (Triton's compile) counts its calls. With a barrier of
+    two, a compile ends only once a second one runs beside it: compiles of two variants that could not overlap fail
+    with BrokenBarrierError (a RuntimeError) instead of passing by timing."""
 
-    def __init__(self, fail: bool = False):
+    def __init__(self, fail: bool = False, barrier: threading.Barrier | None = None):
         self.params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK", has_default=False, default=None)
                        for n in ("x_ptr", "n", "BLOCK")]  # fmt: skip
         self.compiles: list[tuple] = []
         self.fail = fail
+        self.barrier = barrier
         self.lock = threading.Lock()
 
     def warmup(self, *args, grid, **kwargs):
         with self.lock:
             self.compiles.append(tuple(kwargs.items()))
-        time.sleep(0.2)
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)
+        time.sleep(0.1)  # long enough for the other threads to meet this variant while it compiles
         if self.fail:
             raise RuntimeError("out of resource: shared memory")
         return SimpleNamespace(run=None, function=0, packed_metadata=None)
@@ -125,27 +130,25 @@ def _compile_from_threads(fn, keys_kwargs: list[dict]) -> list:
             errors.append(error)
 
     threads = [threading.Thread(target=one, args=(kwargs,)) for kwargs in keys_kwargs]
-    started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return results, errors, time.perf_counter() - started
+    return results, errors
 
 
 def test_threads_meeting_one_new_variant_compile_it_once_and_other_variants_do_not_wait():
-    fn = _SlowKernel()
-    results, errors, seconds = _compile_from_threads(fn, [{"BLOCK": 64}] * 6 + [{"BLOCK": 128}] * 2)
+    fn = _SlowKernel(barrier=threading.Barrier(2))  # the two variants' compiles must overlap to finish
+    results, errors = _compile_from_threads(fn, [{"BLOCK": 64}] * 6 + [{"BLOCK": 128}] * 2)
     assert not errors and len(results) == 8
     assert sorted(fn.compiles) == [(("BLOCK", 64),), (("BLOCK", 128),)]  # once each, not 6 and 2 times
     assert len({id(r) for r in results}) == 2  # every thread got its variant
-    assert seconds < 0.35  # the two variants compiled at once (0.2 s each), not one after the other
     assert launch_module._in_flight == {}
 
 
 def test_when_the_compiling_thread_fails_the_waiting_ones_meet_the_error_too():
     fn = _SlowKernel(fail=True)
-    results, errors, _ = _compile_from_threads(fn, [{"BLOCK": 64}] * 3)
+    results, errors = _compile_from_threads(fn, [{"BLOCK": 64}] * 3)
     assert results == [] and len(errors) == 3 and "out of resource" in str(errors[0])
     assert launch_module._in_flight == {}  # nothing left waiting: a later launch tries again
 
