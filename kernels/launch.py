@@ -170,10 +170,10 @@ def variant_key(constexpr: list[bool], device, args: tuple, kwargs: dict) -> tup
         kind = type(value)
         if is_constexpr:
             key.append((kind, value))
-        elif kind is int:
-            # one number per class: 1 / a multiple of 16 / other, and 32-bit / 64-bit / unsigned 64-bit
-            key.append((1 if value == 1 else 2 if not value % 16 else 0) + (4 if value in _INT32 else 8 if value < 2**63
-                                                                          else 12))  # fmt: skip
+        elif kind is int:  # its class as one number: 1 / a multiple of 16 / neither, plus its width
+            divisibility = 1 if value == 1 else 2 if not value % 16 else 0
+            width = 4 if value in _INT32 else 8 if value < 2**63 else 12  # 32-bit, 64-bit, unsigned 64-bit
+            key.append(divisibility + width)
         elif value is None or kind is float or kind is bool:
             key.append(kind)
         else:  # a numpy integer, say: its value, so no class of it shares a variant with another

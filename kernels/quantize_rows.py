@@ -417,7 +417,7 @@ def quantize_rows(
     elif INTERPRETER_ACTIVE:
         block_m, warps = INTERPRETER_SHAPE
         _quantize_rows_kernel[(cdiv(m, block_m),)](*args, **modes, BLOCK_M=block_m, BLOCK_K=block_k,
-                                                         WHOLE_ROW=True, num_warps=warps)  # fmt: skip
+                                                   WHOLE_ROW=True, num_warps=warps)  # fmt: skip
     else:
         key = {"K": k, "M_BUCKET": bucket, "PRE": pre, "DEQUANT": dequant is not None, "ROTATE": bool(rotation),
                "OUT_INT8": fmt == "int8"}  # fmt: skip
