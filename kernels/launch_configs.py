@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ._triton import triton
+from ._triton import next_power_of_2, triton
 from .launch import launch
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ M_BUCKET_MAX = 16384
 def m_bucket(rows: int) -> int:
     """The power-of-two bucket a row count is tuned under: prompts and reference counts of every length share a
     handful of buckets instead of each being a new key."""
-    return min(1 << max(0, int(rows) - 1).bit_length(), M_BUCKET_MAX)
+    return min(next_power_of_2(max(1, int(rows))), M_BUCKET_MAX)
 
 
 @dataclass(frozen=True)
