@@ -12,9 +12,9 @@ decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a
 `cold_start` with those times, the warm-up's parts and every Triton compile it saw (count, seconds, by kernel).
 
 Launch overhead: the 512^2 text-to-image decode step of each format, eager (synchronised wall time) with Triton's
-own launch path and with the direct one (kernels/launch.py) in the same process, in --rounds interleaved rounds (the
-median of the rounds, ratios the median of same-round ratios), and replayed from a CUDA graph (GPU time alone), the
-128-token prefill; then the host time of one small launch on each path (`launch_cost`).
+own launch path and with the direct one (kernels/launch.py) in the same process, and the 128-token prefill, both in
+--rounds interleaved rounds (the median of the rounds, ratios the median of same-round ratios); the step replayed
+from a CUDA graph (GPU time alone); then the host time of one small launch on each path (`launch_cost`).
 --profile adds a cProfile of eager steps (where the host time goes). Run it with
 PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync for ComfyUI's default allocator (each line names the allocator).
 """
@@ -241,6 +241,7 @@ def launch_overhead(args, device):
         for path in paths
     }
     rounds: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
+    prefill_rounds: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
     with torch.inference_mode():
         branches = {}
         for fmt in formats:
@@ -248,8 +249,8 @@ def launch_overhead(args, device):
             for path in paths:
                 set_fast_launch(path == "direct")
                 row, model, branch = rows[(fmt, path)], models[fmt], branches[fmt]
-                row["prefill_ms"] = round(timed(lambda: model.prefill(branch, embeds, cond), device, 10), 2)
-                model.decode(branch, x, t)  # the first call of each path compiles or loads its variants
+                model.prefill(branch, embeds, cond)  # the first calls of each path compile or load their variants
+                model.decode(branch, x, t)
                 sync(device)
                 host_started = time.perf_counter()
                 for _ in range(5):
@@ -263,6 +264,7 @@ def launch_overhead(args, device):
                 set_fast_launch(path == "direct")
                 for fmt in formats:
                     model, branch = models[fmt], branches[fmt]
+                    prefill_rounds[(fmt, path)].append(timed(lambda: model.prefill(branch, embeds, cond), device, 5))
                     rounds[(fmt, path)].append(timed(lambda: model.decode(branch, x, t), device, 10))
         for fmt in formats:
             branches[fmt].release()
@@ -276,6 +278,11 @@ def launch_overhead(args, device):
                 graphs.clear()
     set_fast_launch(None)
     for (fmt, path), row in rows.items():
+        prefills = prefill_rounds[(fmt, path)]
+        row["prefill_ms"] = round(statistics.median(prefills), 2)
+        row["prefill_rounds_ms"] = [round(v, 2) for v in prefills]
+        if fmt != "bf16":
+            row["prefill_vs_bf16"] = _median_ratio(prefills, prefill_rounds[("bf16", path)])
         times = rounds[(fmt, path)]
         row["decode_eager_ms"] = round(statistics.median(times), 2)
         row["decode_eager_rounds_ms"] = [round(v, 2) for v in times]

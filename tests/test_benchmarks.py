@@ -288,7 +288,9 @@ def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
     # on the CPU only Triton's path (the direct launch needs CUDA); each format's line compares with bf16's
     assert [(r["format"], r["launch"]) for r in overhead] == [("bf16", "triton"), ("fp8", "triton")]
     assert all(r["decode_eager_ms"] > 0 and r["profile_tottime_top"] for r in overhead)
-    assert all(len(r["decode_eager_rounds_ms"]) == 2 for r in overhead)  # interleaved rounds, each timed
+    # interleaved rounds, each timed, the prefill too
+    assert all(len(r["decode_eager_rounds_ms"]) == 2 == len(r["prefill_rounds_ms"]) for r in overhead)
+    assert overhead[1]["prefill_vs_bf16"] > 0
     assert overhead[1]["eager_vs_bf16"] > 0
 
 
