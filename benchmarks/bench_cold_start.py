@@ -201,9 +201,9 @@ def orchestrate(args):
 
 
 def launch_overhead(args, device):
-    """Every format's model built first, then rounds of eager decode steps, each round timing every (path, format)
-    once: a drift of the host's speed during the run (seen up to 1.8x between runs) then falls on every format
-    alike, and each ratio is the median of same-round ratios."""
+    """Every format's model built first, then rounds of prefills and eager decode steps, each round timing every
+    (path, format) once: a drift of the host's speed during the run (seen up to 1.8x between runs) then falls on
+    every format alike, and each ratio is the median of same-round ratios."""
     from bench_dit import case_inputs, timed
     from qwen21_nodes.kernels.launch import fast_launch_active, set_fast_launch
     from qwen21_nodes.qwen21_core.config import TransformerConfig
@@ -227,19 +227,9 @@ def launch_overhead(args, device):
     # Triton's own launch path, then the direct one (kernels/launch.py), every format in this one process
     paths = ["triton", "direct"] if fast_launch_active() else ["triton"]
     allocator = torch.cuda.get_allocator_backend() if device.type == "cuda" else None
-    rows = {
-        (fmt, path): dict(
-            what="launch_overhead",
-            format=fmt,
-            launch=path,
-            res=res,
-            prefix_tokens=layout.prefix_len,
-            allocator=allocator,
-            rounds=args.rounds,
-        )  # fmt: skip
-        for fmt in formats
-        for path in paths
-    }
+    common = dict(res=res, prefix_tokens=layout.prefix_len, allocator=allocator, rounds=args.rounds)
+    rows = {(fmt, path): dict(what="launch_overhead", format=fmt, launch=path, **common)
+            for fmt in formats for path in paths}  # fmt: skip
     rounds: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
     prefill_rounds: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
     with torch.inference_mode():
