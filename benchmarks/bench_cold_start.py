@@ -112,6 +112,7 @@ class CompileLog:
 def first_calls(args, device):
     """One child: load, warm-up, first DiT step, second decode, first and second VAE decode."""
     from bench_dit import case_inputs
+    from qwen21_nodes.qwen21_core.dit.kernel_warmup import PART
     from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 
     compiles = CompileLog()
@@ -137,7 +138,7 @@ def first_calls(args, device):
     layout = build_layout(mask, shapes, target)
     with torch.inference_mode():
         step_started = time.perf_counter()
-        row["waited_for_warmup_s"] = round(pipe.kernel_warmup.wait("dit") if pipe.kernel_warmup else 0.0, 2)
+        row["waited_for_warmup_s"] = round(pipe.kernel_warmup.wait(PART) if pipe.kernel_warmup else 0.0, 2)
         branch = dit.new_branch(layout, 1)
         dit.prefill(branch, embeds, cond)
         dit.decode(branch, x, t)

@@ -126,7 +126,8 @@ _pending_lock = threading.Lock()
 def compiles_pending(bucket: int, done: threading.Event) -> None:
     """Say that a warm-up compiles `bucket`'s configurations until `done` is set. A launch of that bucket outside a
     warm-up (no `forced_bucket`) waits for it: the sampler then waits only for the buckets its rows fall in, not
-    for every bucket a warm-up queued (dit/kernel_warmup.py), and never compiles a kernel twice at once."""
+    for every bucket a warm-up queued (dit/kernel_warmup.py), and does not compete with the warm-up for that
+    bucket's compiles (one variant is never compiled twice at once anyway: kernels/launch.py `_compile`)."""
     with _pending_lock:
         waiting = [event for event in _pending.get(int(bucket), []) if not event.is_set()]  # forget finished ones
         _pending[int(bucket)] = [*waiting, done]

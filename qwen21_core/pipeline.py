@@ -26,6 +26,7 @@ from ..kernels._triton import torch_ops_only
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
+from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
 from .dit.kv_cache import CacheShape
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
@@ -177,7 +178,6 @@ class Qwen21Pipeline:
         (dit/kernel_warmup.py)."""
         from ..kernels._triton import TRITON_AVAILABLE
         from ..kernels.launch_configs import compiles_pending
-        from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
         from .quant.kernel_warmup import dequantize_warmup_jobs
         from .vae.kernel_warmup import vae_warmup_jobs
 
@@ -408,7 +408,7 @@ class Qwen21Pipeline:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
-        self._wait_for_kernels("dit")  # the VAE's and later buckets' warm-up may go on: captures are thread-local
+        self._wait_for_kernels(PART)  # the VAE's and later buckets' warm-up may go on: captures are thread-local
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
         if self.manage_weights:
