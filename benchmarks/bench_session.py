@@ -3,6 +3,7 @@
     python benchmarks/bench_session.py                          # H200: the sessions in SESSIONS (child processes)
     python benchmarks/bench_session.py --only fp8:none:empty,fp8:none:warm
     python benchmarks/bench_session.py --turbo                  # fp8 + a LoRA, 8 steps, changed prompts
+    python benchmarks/bench_session.py --small 3                # fp8, changed 512^2 prompts (launch-bound steps)
     python benchmarks/bench_session.py --tiny --device cpu      # smoke test of the script itself
 
 A session is one process (a child of this script) with full-size random weights built in memory as bench_e2e.py
@@ -61,12 +62,13 @@ SHAPES = {
     "t2i_1344x768": ("text_to_image.json", 1344, 768, 0),
     "t2i_768x1344": ("text_to_image.json", 768, 1344, 0),
     "t2i_1536": ("text_to_image.json", 1536, 1536, 0),
+    "t2i_512": ("text_to_image.json", 512, 512, 0),  # --small only
     "edit_1ref": ("edit_1_reference.json", 1024, 1024, 1),
     "edit_4ref": ("edit_4_references.json", 1024, 1024, 4),
 }
 # --tiny: the tiny model at small sizes of the same aspects (multiples of 32)
 TINY_SIZES = {"t2i_1024": (128, 128), "t2i_1344x768": (192, 96), "t2i_768x1344": (96, 192), "t2i_1536": (160, 160),
-              "edit_1ref": (128, 128), "edit_4ref": (128, 128)}  # fmt: skip
+              "edit_1ref": (128, 128), "edit_4ref": (128, 128), "t2i_512": (64, 64)}  # fmt: skip
 TAIL = ["t2i_1024", "t2i_1344x768", "edit_1ref", "t2i_768x1344", "t2i_1024", "edit_4ref", "t2i_1536", "edit_1ref",
         "t2i_1024", "t2i_1344x768"]  # fmt: skip
 CAPPED_TAIL = 4
@@ -451,6 +453,12 @@ def turbo_plan(count: int) -> list[dict]:
     return [{"label": "t2i_1024", "changed": True, "lora": 1.0} for _ in range(count)]
 
 
+def small_plan(count: int) -> list[dict]:
+    """Changed prompts at 512^2, 40 steps: a step the host's launches bound, so the first image in a process should
+    already replay a decode graph (dit/decode_graphs.py decides on a step timed after the kernel warm-up)."""
+    return [{"label": "t2i_512", "changed": True, "lora": None} for _ in range(count)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -461,6 +469,8 @@ def main():
     parser.add_argument("--capped-tail", type=int, default=CAPPED_TAIL,
                         help="a capped session's tail (at most --tail); 26 makes a 40-prompt session")  # fmt: skip
     parser.add_argument("--turbo", action="store_true", help="fp8 + LoRA, 8 steps, changed 1024^2 prompts")
+    parser.add_argument("--small", type=int, default=0, metavar="N",
+                        help="fp8, N changed 512^2 prompts in this process: does the first replay?")  # fmt: skip
     parser.add_argument("--limit", type=int, default=0,
                         help="run only the first N prompts of a session (its first image, the next ones)")  # fmt: skip
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -484,6 +494,10 @@ def main():
         args.steps = min(args.steps, 8)
         args.child = args.child or "fp8:none:warm"
         child(args, turbo_plan(8 + args.tail // 4))
+        return 0
+    if args.small:
+        args.child = args.child or "fp8:none:warm"
+        child(args, small_plan(args.small))
         return 0
     if args.child:
         child(args, plan(args.tail)[: args.limit or None])

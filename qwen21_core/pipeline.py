@@ -192,6 +192,7 @@ class Qwen21Pipeline:
         parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART),
                  "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
+        self.decode_graphs.background_busy = self.kernel_warmup.busy  # no step is timed while it runs
         for bucket in later_buckets():
             compiles_pending(bucket, self.kernel_warmup.finished(bucket_part(bucket)))
         return self.kernel_warmup

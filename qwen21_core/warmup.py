@@ -141,6 +141,11 @@ class KernelWarmup:
     def done(self, name: str) -> bool:
         return self._done[name].is_set()
 
+    def busy(self) -> bool:
+        """Whether some part is still running: its threads then take the interpreter from the main thread now and
+        then, so host time measured meanwhile is not the step's own (dit/decode_graphs.py waits for this)."""
+        return bool(self._started_at) and not all(event.is_set() for event in self._done.values())
+
     def finished(self, name: str) -> threading.Event:
         """The event set when part `name` is done (also when one of its jobs failed or was skipped)."""
         return self._done[name]

@@ -204,6 +204,16 @@ def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     assert (tmp_path / "session_fp8_None.pstats").is_file() and (tmp_path / "session_fp8_24.pstats").is_file()
 
 
+def test_bench_session_small_runs_changed_512_prompts_and_reports_the_decode_graph():
+    """--small N: N changed prompts at 512^2 (tiny: 64^2) in one process, each line saying whether its decode graph
+    replayed (on the H200 the first image should; here the model is on the CPU, so graphs are off)."""
+    by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--small", "2")
+    prompts = by_what["session_prompt"]
+    assert [p["label"] for p in prompts] == ["t2i_512", "t2i_512"] and all(p["changed_prompt"] for p in prompts)
+    assert all(p["decode_graph"].startswith("off") for p in prompts)
+    assert by_what["session_summary"][0]["errors"] == 0
+
+
 @pytest.mark.slow
 def test_bench_comfyui_session_writes_files_our_loaders_read_as_comfy_orgs_fp8_scaled(tmp_path, monkeypatch):
     """The full-size file writers of bench_comfyui_session.py, on the tiny models: the DiT and the text encoder as
@@ -325,7 +335,8 @@ def test_tune_kernels_lists_every_key_the_dit_meets():
 def test_bench_edit_encode_times_both_paths_and_finds_them_identical():
     by_what = _bench("bench_edit_encode.py", "--tiny", "--device", "cpu", "--repeats", "2")
     (first,) = by_what["edit_first_call"]
-    assert all(len(first[part]) == 2 for part in ("text_only_s", "processor_s", "encode_prompts_s", "vae_encode_s"))
+    parts = ("text_only_s", "processor_s", "patch_embed_s", "vision_tower_s", "encode_prompts_s", "vae_encode_s")
+    assert all(len(first[part]) == 2 for part in parts)
     rows = by_what["edit_encode"]
     assert [r["references"] for r in rows] == [1, 4]
     for row in rows:

@@ -432,6 +432,27 @@ def test_a_launch_bound_first_step_captures_from_the_second_step(model):
     assert recorder.captures == 2
 
 
+def test_no_step_is_timed_while_the_background_warmup_runs(model):
+    """The warm-up's threads take the interpreter now and then, which reads as host time: a restart's second step,
+    timed while the VAE's kernels still loaded, captured a GPU-bound 1024^2 step. While `background_busy` says so,
+    steps run eagerly with no verdict; the first step after it is done is timed, and the one after captures."""
+    recorder = Recorder()
+    busy = [True]
+    graphs = DecodeGraphs(model, capture=recorder, background_busy=lambda: busy[0])
+    layout = _layout()
+    branch = _prefilled(graphs, layout)
+    x = torch.randn(1, 16, CHANNELS)
+    for t in (0.9, 0.8, 0.7):
+        tt = torch.full((1,), t)
+        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
+        assert getattr(branch, "first_sight", None) is None and not graphs.host_shares and recorder.captures == 0
+    busy[0] = False
+    graphs(branch, x * 0.6, torch.full((1,), 0.6))  # timed: on the CPU every step is host time
+    assert branch.first_sight == "launch_bound" and len(graphs.host_shares) == 1 and recorder.captures == 0
+    graphs(branch, x * 0.5, torch.full((1,), 0.5))
+    assert recorder.captures == 1
+
+
 def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):
     graphs = DecodeGraphs(model, capture=Recorder(), launch_bound_share=1.5)
     for length in range(3, 3 + 300):

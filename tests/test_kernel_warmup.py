@@ -31,9 +31,11 @@ def test_parts_run_side_by_side_and_wait_blocks_until_done():
                           torch.device("cpu"), threads=2).start()  # fmt: skip
     warmup.wait("b")  # b does not wait for a
     assert sorted(ran) == ["b1", "b2"] and not warmup.done("a")
+    assert warmup.busy()  # one part left is enough
     gate.set()
     warmup.wait()
     assert sorted(ran) == ["b1", "b2", "slow"] and warmup.done("a")
+    assert not warmup.busy()
     assert set(warmup.seconds) == {"a", "b"}
 
 
@@ -66,6 +68,7 @@ def test_the_pool_size_comes_from_the_environment_when_it_is_a_positive_integer(
 def test_wait_before_start_returns_at_once():
     warmup = KernelWarmup({"dit": [lambda: time.sleep(10)]}, torch.device("cpu"))
     assert warmup.wait() == 0.0
+    assert not warmup.busy()  # not started: no thread takes the interpreter
 
 
 def test_the_first_images_buckets_and_the_later_ones_cover_every_bucket_once():
@@ -294,3 +297,30 @@ def test_on_the_gpu_torch_ops_decode_and_encode_the_same_bits_as_the_kernels(dty
         decoded, encoded = vae.decode(z, tiling="off"), vae.encode(image, tiling="off")
     assert torch.equal(vae.decode(z, tiling="off"), decoded)
     assert torch.equal(vae.encode(image, tiling="off"), encoded)
+
+
+def test_the_pipeline_times_no_decode_step_while_its_warmup_runs(monkeypatch):
+    """The pipeline gives its decode graphs the warm-up's `busy` when it starts the warm-up: no step that decides
+    on a capture is timed while the warm-up's threads may take the interpreter (dit/decode_graphs.py)."""
+    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+    from qwen21_nodes.qwen21_core import warmup as warmup_module
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+
+    gate = threading.Event()
+    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what the warm-up touches
+    pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, None, None, None
+    pipe.execution_device = torch.device("cuda", 0)  # the warm-up starts on CUDA devices only
+    pipe.decode_graphs = DecodeGraphs(None)
+    monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
+    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: [lambda: gate.wait(30)]})
+    monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
+    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)  # no CUDA stream on this machine
+    warmup = pipeline_module.Qwen21Pipeline.start_kernel_warmup(pipe)
+    try:
+        assert warmup is not None and pipe.decode_graphs.background_busy()
+    finally:
+        gate.set()
+    warmup.wait()
+    assert not warmup.failures and not pipe.decode_graphs.background_busy()

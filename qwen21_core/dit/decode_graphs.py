@@ -18,8 +18,11 @@ Bookkeeping rules:
   generation stays eager; the key is captured when a later generation meets it again (a new seed, a batch).
   A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay.
   The first step this object ever decodes is not timed (its next one is): it carries the process's one-time costs
-  (first launches, lazy library set-up, the background warm-up's threads holding the interpreter), which read as
-  host time and made the first image of every process capture a GPU-bound 1024^2 step;
+  (first launches, lazy library set-up), which read as host time and made the first image of every process capture
+  a GPU-bound 1024^2 step. Nor is a step timed while the background kernel warm-up (qwen21_core/warmup.py) still
+  runs (`background_busy`): its threads take the interpreter now and then, which reads as host time too (after a
+  restart the second step, timed while the VAE's kernels still loaded, captured a GPU-bound 1024^2 step: a first
+  image 1.36-1.42x the steady one, BENCHMARKS "Session"). The next step after it is done is timed instead;
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -39,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +168,8 @@ class DecodeGraphs:
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
     _stepped: bool = False  # a step was decoded: one-time costs are paid, a timed step now measures the shape
+    # True while other threads of this process may take the interpreter (the kernel warm-up): no step is timed then
+    background_busy: Callable[[], bool] | None = None
 
     # ---- generation lifetime ----------------------------------------------------------------------
 
@@ -327,8 +333,9 @@ class DecodeGraphs:
 
     def _timed_first_step(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """An eager step, timed: the host's share of its wall time decides whether this generation captures. The
-        first step of all is only run (the next one is timed): its host time is mostly one-time costs."""
-        if not self._stepped:
+        first step of all is only run (the next one is timed): its host time is mostly one-time costs. So is a step
+        while the background warm-up runs: the first step after it is timed."""
+        if not self._stepped or (self.background_busy is not None and self.background_busy()):
             self._stepped = True
             return self.transformer.decode(branch, x, t)
         cuda = x.device.type == "cuda"
