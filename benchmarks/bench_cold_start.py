@@ -4,8 +4,9 @@
     python benchmarks/bench_cold_start.py --launch-overhead  # 512^2 eager step per format, where the CPU time goes
     python benchmarks/bench_cold_start.py --tiny --device cpu  # smoke test of the script itself
 
-Cold start: each configuration runs in its own child process with its own Triton cache folder (TRITON_CACHE_DIR):
-"empty" is a fresh machine, "warm" the same folder again (a restart). A child builds the full-size DiT (random
+Cold start: each configuration runs in its own child process with its own Triton cache folder (TRITON_CACHE_DIR)
+and CUDA driver cache (CUDA_CACHE_PATH: kernels compiled from PTX): "empty" is a fresh machine, "warm" the same
+folders again (a restart). A child builds the full-size DiT (random
 weights, quantised as the loader does) and the VAE on the GPU, then, as a user would: load -> (the background kernel
 warm-up starts, unless --warmup off) -> a pause standing in for encoding -> the first 1024^2 DiT step (prefill and
 decode, after the warm-up if on) -> a second decode -> the first VAE decode -> a second. One JSON line per child:
@@ -183,7 +184,8 @@ def orchestrate(args):
         cache = root / folder
         if state == "empty" and cache.exists():
             raise RuntimeError(f"{cache} should be empty for this child")
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), **extra)
+        # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=str(cache / "cuda"), **extra)
         command = [sys.executable, str(HERE / "bench_cold_start.py"), "--child", "--format", fmt, "--warmup", warmup,
                    "--cache", state, "--device", args.device] + (["--tiny"] if args.tiny else [])  # fmt: skip
         started = time.perf_counter()

@@ -16,6 +16,7 @@ that size), in that order, each first call against its second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -86,7 +87,14 @@ def host_parts(images, resolution: int) -> dict:
     return {name: round(1000 * statistics.median(values), 2) for name, values in parts.items()}
 
 
-def first_edit(encoder, vae, device, resolution: int, source_size) -> dict:
+def top_host_ops(profile, count: int = 12) -> list:
+    """[op, self CPU ms, calls] of the ops that held the host longest (a first launch's module load and any PTX
+    compile happen there)."""
+    rows = sorted(profile.key_averages(), key=lambda row: row.self_cpu_time_total, reverse=True)[:count]
+    return [[row.key, round(row.self_cpu_time_total / 1000, 2), row.count] for row in rows]
+
+
+def first_edit(encoder, vae, device, resolution: int, source_size, profile: bool = False) -> dict:
     """The first edit in a process that has encoded text only (as in a session): each part's first call against its
     second, after the kernel warm-up's text and VAE jobs ran (as a session's background warm-up does)."""
     from qwen21_nodes.qwen21_core.images import prepare_condition_image
@@ -101,12 +109,16 @@ def first_edit(encoder, vae, device, resolution: int, source_size) -> dict:
     out = {}
 
     def part(name: str, fn) -> None:
+        first = name not in out
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         sync(device)
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), profiler if profile and first else contextlib.nullcontext():
             fn()
         sync(device)
         out.setdefault(name, []).append(round(time.perf_counter() - start, 4))
+        if profile and first:  # (the profiler's own cost is in this first time)
+            out.setdefault("first_call_host_ops", {})[name] = top_host_ops(profiler)
 
     for take in range(2):  # the text-only prompts a session begins with; the second is what an image adds to
         part("text_only_s", lambda take=take: encoder.encode_prompts([f"make it stormy {take + 2}"]))
@@ -132,6 +144,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--references", default="1,4")
+    parser.add_argument("--profile-first", action="store_true",
+                        help="edit_first_call also names the ops holding the host longest in first calls")  # fmt: skip
     args = parser.parse_args()
     from qwen21_nodes.qwen21_core.encoding import encode_conditioning
     from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
@@ -140,7 +154,8 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     resolution, source_size = (128, (150, 110)) if args.tiny else (1024, (1200, 900))
     encoder, vae = build(args, device, dtype)
-    emit(what="edit_first_call", resolution=resolution, **first_edit(encoder, vae, device, resolution, source_size))
+    first = first_edit(encoder, vae, device, resolution, source_size, args.profile_first)
+    emit(what="edit_first_call", resolution=resolution, **first)
     for count in [int(c) for c in args.references.split(",")]:
         images = sources(count, source_size, seed=count)
         cache = ReferenceCache()

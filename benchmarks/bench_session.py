@@ -17,10 +17,11 @@ each session runs its prompts with one runner OutputCache, so the loader runs on
 its strength changes, and the rerun reuses the encoder's output; each prompt's line lists the nodes it took from the
 cache (`cached`, by class) and has no `*_s` for them.
 
-Kernel cache: "empty" is a new TRITON_CACHE_DIR (a fresh machine), "warm" the one an earlier session filled (a
-restart). A cap (24 / 16 / 12 GiB) is `set_per_process_memory_fraction` plus the same budget given to the memory
-manager, as bench_e2e.py does; capped sessions of one precision share a process (sequential, state reset between
-them) to save the build, which `shared_process` says.
+Kernel cache: "empty" is a new TRITON_CACHE_DIR and CUDA_CACHE_PATH (the driver's cache of kernels compiled from
+PTX; both are empty on a fresh machine), "warm" the ones an earlier session filled (a restart). A cap (24 / 16 / 12
+GiB) is `set_per_process_memory_fraction` plus the same budget given to the memory manager, as bench_e2e.py does;
+capped sessions of one precision share a process (sequential, state reset between them) to save the build, which
+`shared_process` says.
 
 Output, one JSON line each: `session_prompt` per prompt, `session_summary` per session (see the issue's fields:
 first_image_s, steady_image_s, changed_prompt_ratio, new_shape_extra_s, prompts, errors; plus load_s, the
@@ -413,7 +414,8 @@ def orchestrate(args) -> int:
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
             command,
-            dict(os.environ, TRITON_CACHE_DIR=str(cache)),
+            # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
+            dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=str(cache / "cuda")),
             args.child_timeout,
             Path(args.log_dir or tempfile.gettempdir(), f"session_{number}_{chosen[0][0]}.log"),
         )

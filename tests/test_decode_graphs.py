@@ -404,53 +404,84 @@ def test_a_gpu_bound_first_generation_stays_eager_and_the_next_one_captures(mode
     assert recorder.captures == 1 and graphs.describe() == "replay"
 
 
-def test_a_launch_bound_first_step_captures_from_the_second_step(model):
-    """On the CPU the host runs every op itself, so a step is all host time: launch-bound. The very first step this
-    object decodes only runs (it carries the process's one-time costs); the next is timed, the one after captures,
-    the rest replay. A later key is timed at its own first step."""
+def test_a_launch_bound_key_is_timed_at_its_second_step_and_captures_at_its_third(model):
+    """On the CPU the host runs every op itself, so a step is all host time: launch-bound. A key's first step only
+    runs (it carries one-time costs: first launches, a new shape's set-up), its second is timed, the third captures,
+    the rest replay. A later key is timed at its own second step."""
     recorder = Recorder()
     graphs = DecodeGraphs(model, capture=recorder)  # the default share
     layout = _layout()
     branch = _prefilled(graphs, layout)
     x = torch.randn(1, 16, CHANNELS)
-    steps = (0.9, 0.7, 0.5, 0.2)
+    steps = (0.9, 0.7, 0.5, 0.3, 0.2)
     outputs = []
     for number, t in enumerate(steps):
         outputs.append(graphs(branch, x * t, torch.full((1,), t)))
         if number == 0:  # not timed: no verdict yet, nothing captured
             assert getattr(branch, "first_sight", None) is None and not graphs.host_shares
     assert branch.first_sight == "launch_bound" and branch.host_share >= 0.9
-    assert recorder.captures == 1 and recorder.graphs[0].replays == 2
+    assert recorder.captures == 1 and recorder.graphs[0].replays == 3
     for out, t in zip(outputs, steps, strict=True):
         assert torch.equal(out, model.decode(branch, x * t, torch.full((1,), t)))
     graphs.release(branch)
     graphs.end_generation()
-    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key, its first step timed
+    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key
     graphs(other, x, torch.full((1,), 0.9))
+    assert getattr(other, "first_sight", None) is None and not graphs.host_shares
+    graphs(other, x * 0.7, torch.full((1,), 0.7))
     assert other.first_sight == "launch_bound" and len(graphs.host_shares) == 1
     graphs(other, x * 0.5, torch.full((1,), 0.5))
     assert recorder.captures == 2
 
 
-def test_no_step_is_timed_while_the_background_warmup_runs(model):
-    """The warm-up's threads take the interpreter now and then, which reads as host time: a restart's second step,
-    timed while the VAE's kernels still loaded, captured a GPU-bound 1024^2 step. While `background_busy` says so,
-    steps run eagerly with no verdict; the first step after it is done is timed, and the one after captures."""
+def test_while_the_warmup_runs_the_share_is_the_threads_cpu_time(model, monkeypatch):
+    """The warm-up's threads take the interpreter now and then, which reads as host wall time: a restart's second
+    step, timed while the VAE's kernels still loaded, captured a GPU-bound 1024^2 step. While `background_busy` says
+    so, the host's share is this thread's CPU time: a step below the share gives no verdict (the next is timed again),
+    one above it is launch-bound all the same."""
+    import qwen21_nodes.qwen21_core.dit.decode_graphs as decode_graphs
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    spent = {"wall": 0.010, "cpu": 0.004}  # per decode: 10 ms of wall time, 4 of them this thread's CPU time
+    monkeypatch.setattr(decode_graphs.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(decode_graphs.time, "thread_time", lambda: clock["cpu"])
+
+    class Timed:  # the model's decode, advancing the fake clocks
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, *args, **kwargs):
+            clock["wall"] += spent["wall"]
+            clock["cpu"] += spent["cpu"]
+            return self.inner.decode(*args, **kwargs)
+
     recorder = Recorder()
     busy = [True]
     graphs = DecodeGraphs(model, capture=recorder, background_busy=lambda: busy[0])
-    layout = _layout()
-    branch = _prefilled(graphs, layout)
+    branch = _prefilled(graphs, _layout())
+    graphs.transformer = Timed(model)
     x = torch.randn(1, 16, CHANNELS)
-    for t in (0.9, 0.8, 0.7):
+    for t in (0.9, 0.8, 0.7):  # the first only runs; the next two read a CPU share of 0.4: no verdict
         tt = torch.full((1,), t)
         assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
-        assert getattr(branch, "first_sight", None) is None and not graphs.host_shares and recorder.captures == 0
-    busy[0] = False
-    graphs(branch, x * 0.6, torch.full((1,), 0.6))  # timed: on the CPU every step is host time
-    assert branch.first_sight == "launch_bound" and len(graphs.host_shares) == 1 and recorder.captures == 0
+    assert getattr(branch, "first_sight", None) is None and graphs.deferred_shares == [0.4, 0.4]
+    assert "no verdict while the kernel warm-up ran" in graphs.describe() and recorder.captures == 0
+    busy[0] = False  # done: the wall share (all of it here) decides
+    graphs(branch, x * 0.6, torch.full((1,), 0.6))
+    assert branch.first_sight == "launch_bound" and graphs.host_shares == [1.0]
     graphs(branch, x * 0.5, torch.full((1,), 0.5))
     assert recorder.captures == 1
+    graphs.release(branch)
+    graphs.end_generation()
+    busy[0] = True
+    spent["cpu"] = 0.0095  # the thread's own work fills the step even while the warm-up runs: launch-bound
+    other = _prefilled(graphs, _layout(text=7))
+    for t in (0.9, 0.8):
+        graphs(other, x * t, torch.full((1,), t))
+    assert other.first_sight == "launch_bound" and graphs.host_shares == [0.95] and not graphs.deferred_shares
 
 
 def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):
@@ -478,8 +509,9 @@ def test_the_status_speaks_of_this_generation_only(model):
     graphs.release(branch)
     graphs.end_generation()
     graphs.launch_bound_share = 1.5  # from now on every first-seen key is GPU-bound: eager
-    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key
-    graphs(other, x, torch.full((1,), 0.9))
+    other = _prefilled(graphs, _layout(text=7))  # a new prompt length: a new key, timed at its second step
+    for t in (0.9, 0.5):
+        graphs(other, x * t, torch.full((1,), t))
     assert graphs.describe().startswith("off: ") and "decoded eagerly" in graphs.describe()
 
 

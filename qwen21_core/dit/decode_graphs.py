@@ -10,19 +10,22 @@ outputs are bit-identical (checked on the GPU).
 Bookkeeping rules:
 - key = (role, batch, prefix length, image layout, target shape, dtype, device, attention backend,
   compiled blocks or not);
-- a key met for the first time is captured only when the step is bound by the host's launches. The first step of
-  its first generation runs eagerly and is timed: if the host spent at least `launch_bound_share` of the step's
-  wall time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against
-  56.63 ms eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the
-  step, a graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"), and the whole
-  generation stays eager; the key is captured when a later generation meets it again (a new seed, a batch).
-  A capture costs a warm-up step and the capture itself, which every changed prompt of a new length used to pay.
-  The first step this object ever decodes is not timed (its next one is): it carries the process's one-time costs
-  (first launches, lazy library set-up), which read as host time and made the first image of every process capture
-  a GPU-bound 1024^2 step. Nor is a step timed while the background kernel warm-up (qwen21_core/warmup.py) still
-  runs (`background_busy`): its threads take the interpreter now and then, which reads as host time too (after a
-  restart the second step, timed while the VAE's kernels still loaded, captured a GPU-bound 1024^2 step: a first
-  image 1.36-1.42x the steady one, BENCHMARKS "Session"). The next step after it is done is timed instead;
+- a key met for the first time is captured only when the step is bound by the host's launches. Its first
+  generation runs eagerly and times one step: if the host spent at least `launch_bound_share` of the step's wall
+  time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against 56.63 ms
+  eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the step, a
+  graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"), and the whole generation stays
+  eager; the key is captured when a later generation meets it again (a new seed, a batch). A capture costs a warm-up
+  step and the capture itself, which every changed prompt of a new length used to pay. Two things read as host time
+  and are kept out of the measure:
+  - a key's first step carries one-time costs (the process's first launches and lazy library set-up, a new shape's
+    first GEMM heuristics and allocations): it is only run, and the key's second step is timed. Timing the first
+    made the first image of every process capture a GPU-bound 1024^2 step, and every first 1536^2 image capture;
+  - while the background kernel warm-up runs (qwen21_core/warmup.py, `background_busy`) its threads take the
+    interpreter now and then: a restart's second step, timed while the VAE's kernels still loaded, captured a
+    GPU-bound 1024^2 step (a first image 1.36-1.42x the steady one, BENCHMARKS "Session"). Then the host's share is
+    this thread's CPU time over the step's wall time, which waits for the interpreter do not raise; below the share
+    it gives no verdict, and the next step is timed again;
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -65,7 +68,7 @@ GPU_BOUND_REASON = (
 )
 
 
-_MEASURE = object()  # _entry_for's answer for the first step of a first-seen key: run it eagerly, timed
+_MEASURE = object()  # _entry_for's answer for a first-seen key's steps before its verdict: eager, one of them timed
 
 
 @dataclass
@@ -167,8 +170,8 @@ class DecodeGraphs:
     replays: int = 0  # steps the current generation replayed (describe() reports this generation, not earlier ones)
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
-    _stepped: bool = False  # a step was decoded: one-time costs are paid, a timed step now measures the shape
-    # True while other threads of this process may take the interpreter (the kernel warm-up): no step is timed then
+    deferred_shares: list = field(default_factory=list)  # steps timed while the warm-up ran, with no verdict
+    # True while other threads of this process may take the interpreter (the kernel warm-up, qwen21_core/warmup.py)
     background_busy: Callable[[], bool] | None = None
 
     # ---- generation lifetime ----------------------------------------------------------------------
@@ -252,6 +255,7 @@ class DecodeGraphs:
             entry.in_use = False
         self.reasons.clear()
         self.host_shares.clear()
+        self.deferred_shares.clear()
         self.replays = 0
 
     def clear(self):
@@ -274,11 +278,13 @@ class DecodeGraphs:
 
     def describe(self) -> str:
         replays = self.replays
-        shares = f" (host share of a first step: {', '.join(f'{s:.2f}' for s in self.host_shares)})"
+        shares = f" (host share of a new key's step: {', '.join(f'{s:.2f}' for s in self.host_shares)})"
+        deferred = (f" (no verdict while the kernel warm-up ran, host CPU shares "
+                    f"{', '.join(f'{s:.2f}' for s in self.deferred_shares)})")  # fmt: skip
+        text = "replay" if replays else "off"
         if self.reasons:
-            text = ("replay, " if replays else "off: ") + "; ".join(self.reasons)
-            return text + (shares if self.host_shares else "")
-        return "replay" if replays else "off"
+            text = ("replay, " if replays else "off: ") + "; ".join(self.reasons) + (shares if self.host_shares else "")
+        return text + (deferred if self.deferred_shares else "")
 
     # ---- decode -----------------------------------------------------------------------------------
 
@@ -286,7 +292,6 @@ class DecodeGraphs:
         entry = self._entry_for(branch)
         if entry is _MEASURE:
             return self._timed_first_step(branch, x, t)
-        self._stepped = True
         if entry is None:
             return self.transformer.decode(branch, x, t)
         entry.static_x.copy_(x)
@@ -332,28 +337,34 @@ class DecodeGraphs:
         return self._capture_new(key, branch)
 
     def _timed_first_step(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """An eager step, timed: the host's share of its wall time decides whether this generation captures. The
-        first step of all is only run (the next one is timed): its host time is mostly one-time costs. So is a step
-        while the background warm-up runs: the first step after it is timed."""
-        if not self._stepped or (self.background_busy is not None and self.background_busy()):
-            self._stepped = True
+        """An eager step, timed: the host's share of its wall time decides whether this generation captures. A key's
+        first step is only run (its one-time costs read as host time); while the background warm-up runs, the share
+        is this thread's CPU time, and a step below the share leaves the verdict to the next one."""
+        if not getattr(branch, "stepped", False):
+            branch.stepped = True
             return self.transformer.decode(branch, x, t)
+        busy = self.background_busy is not None and self.background_busy()
         cuda = x.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(x.device)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         out = self.transformer.decode(branch, x, t)
-        host = time.perf_counter() - started
+        host = (time.thread_time() - started_cpu) if busy else (time.perf_counter() - started)
         if cuda:
             torch.cuda.synchronize(x.device)
         total = time.perf_counter() - started
-        share = host / total if total > 0 else 1.0
-        branch.first_sight = "launch_bound" if share >= self.launch_bound_share else "gpu_bound"
-        branch.host_share = round(share, 3)
-        log.debug("decode graphs: first step of a new key, host share %.3f (%s)", share, branch.first_sight)
-        if branch.first_sight == "gpu_bound":
+        share = round(min(host / total, 1.0) if total > 0 else 1.0, 3)
+        launch_bound = share >= self.launch_bound_share
+        if busy and not launch_bound:
+            self.deferred_shares.append(share)
+            log.debug("decode graphs: host CPU share %.3f while the kernel warm-up runs: no verdict yet", share)
+            return out
+        branch.first_sight = "launch_bound" if launch_bound else "gpu_bound"
+        branch.host_share = share
+        log.debug("decode graphs: a new key's second step, host share %.3f (%s)", share, branch.first_sight)
+        if not launch_bound:
             self._note(GPU_BOUND_REASON)
-        self.host_shares.append(branch.host_share)  # reported by describe(): what the choice was made on
+        self.host_shares.append(share)  # reported by describe(): what the choice was made on
         return out
 
     def _evict_idle(self, keep: int):
