@@ -185,7 +185,7 @@ def orchestrate(args):
         if state == "empty" and cache.exists():
             raise RuntimeError(f"{cache} should be empty for this child")
         # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=str(cache / "cuda"), **extra)
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=f"{cache}_cuda", **extra)
         command = [sys.executable, str(HERE / "bench_cold_start.py"), "--child", "--format", fmt, "--warmup", warmup,
                    "--cache", state, "--device", args.device] + (["--tiny"] if args.tiny else [])  # fmt: skip
         started = time.perf_counter()

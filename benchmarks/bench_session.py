@@ -415,7 +415,7 @@ def orchestrate(args) -> int:
         returncode = stream_child(
             command,
             # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
-            dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=str(cache / "cuda")),
+            dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_CACHE_PATH=f"{cache}_cuda"),
             args.child_timeout,
             Path(args.log_dir or tempfile.gettempdir(), f"session_{number}_{chosen[0][0]}.log"),
         )

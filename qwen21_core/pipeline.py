@@ -170,15 +170,19 @@ class Qwen21Pipeline:
         (qwen21_core/warmup.py), so the first encode and image do not wait for them. Nothing on a CPU, without Triton
         or with QWEN21_KERNEL_WARMUP=0.
 
-        "text" is the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; empty when that
-        kernel is turned off, kernels/dequantize_weight.py), queued first: the encode comes first. Nobody waits for
-        it: the layers use torch's expression until it is done. The DiT's weight-only layers share its keys (it is
-        the same kernel), so the DiT's QuantLinears are scanned too. "dit" is what a first image needs (the sampler
-        waits for it); each later M bucket is a part of its own, waited for by the launches that need it
-        (dit/kernel_warmup.py)."""
+        Parts, queued in this order:
+        - "text": the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; none when that kernel
+          is turned off, kernels/dequantize_weight.py), first because the encode comes first. The DiT's weight-only
+          layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too. Nobody waits for
+          it: the layers use torch's expression until the kernel is ready;
+        - "image_encode": an image prompt's encode on a tiny model, whose kernels a fresh machine's first edit waited
+          for (text/kernel_warmup.py). A part of its own, so that its failure skips no other job; nobody waits;
+        - "dit": what a first image needs (the sampler waits for it); then "vae"; then each later M bucket, a part
+          of its own, waited for by the launches that need it (dit/kernel_warmup.py)."""
         from ..kernels._triton import TRITON_AVAILABLE
         from ..kernels.launch_configs import compiles_pending
         from .quant.kernel_warmup import dequantize_warmup_jobs
+        from .text.kernel_warmup import image_encode_warmup_jobs
         from .vae.kernel_warmup import vae_warmup_jobs
 
         device = indexed_device(self.execution_device)
@@ -188,8 +192,9 @@ class Qwen21Pipeline:
         quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
                      (self.transformer, device)]  # fmt: skip
         dit = dit_warmup_parts(self.transformer, device)
+        image = image_encode_warmup_jobs(encoder, indexed_device(encoder.device)) if encoder is not None else []
         # the VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
-        parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART),
+        parts = {"text": dequantize_warmup_jobs(quantised), "image_encode": image, PART: dit.pop(PART),
                  "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
         self.decode_graphs.background_busy = self.kernel_warmup.busy  # no step is timed while it runs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -324,3 +325,76 @@ def test_the_pipeline_times_no_decode_step_while_its_warmup_runs(monkeypatch):
         gate.set()
     warmup.wait()
     assert not warmup.failures and not pipe.decode_graphs.background_busy()
+
+
+def test_the_image_encode_job_runs_a_tiny_model_and_leaves_shared_state_alone():
+    """The job runs an image prompt through a tiny Qwen3-VL of the encoder's classes. It runs beside the main thread,
+    so it must not touch what they share: the global random state, SDPA's backend flags (global in torch: a changed
+    flag would change the kernel a decode step on the main thread picks) and the encoder itself."""
+    from PIL import Image
+    from qwen21_nodes.qwen21_core.text import kernel_warmup as text_warmup
+    from qwen21_nodes.qwen21_core.text.encoder import ENCODE_INPUTS, Qwen21TextEncoder, build_prompt_text
+    from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder, tiny_text_encoder_config
+
+    model, processor = build_tiny_text_encoder()
+    encoder = Qwen21TextEncoder(model, processor)
+    assert text_warmup.image_encode_warmup_jobs(encoder, torch.device("cpu")) == []  # off CUDA: nothing to load
+    assert text_warmup.image_encode_warmup_jobs(None, torch.device("cuda", 0)) == []
+    (job,) = text_warmup.image_encode_warmup_jobs(encoder, torch.device("cuda", 0))  # made, not run: no GPU here
+    assert callable(job)
+
+    image = Image.new("RGB", (text_warmup.WARMUP_IMAGE_SIZE,) * 2)
+    inputs = processor(text=[build_prompt_text("a warm-up", 1)], images=[image], return_tensors="pt")
+    inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
+    assert "image_grid_thw" in inputs and inputs["pixel_values"].shape[0] > 0  # an image prompt indeed
+    weights = {name: p.clone() for name, p in encoder.model.named_parameters()}
+    rng = torch.random.get_rng_state()
+
+    def flags():
+        return (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
+
+    before = flags()
+    ran, seen_flags = [], set()
+    original = torch.nn.Module.__call__
+
+    def recording(module, *args, **kwargs):  # what ran, and SDPA's flags while it ran (a context restores them)
+        ran.append(type(module).__name__)
+        seen_flags.add(flags())
+        return original(module, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.Module, "__call__", recording)
+        text_warmup.run_tiny_image_encode(tiny_text_encoder_config(processor.tokenizer), inputs,
+                                          torch.device("cpu"), torch.float32)  # fmt: skip
+    assert "Qwen3VLVisionModel" in ran and "Qwen3VLTextModel" in ran  # the vision tower and the language model ran
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert seen_flags == {before} and flags() == before
+    assert all(torch.equal(p, weights[name]) for name, p in encoder.model.named_parameters())
+
+
+def test_the_warmup_queues_the_image_encode_job_with_the_text_part(monkeypatch):
+    """start_kernel_warmup queues the image-encode job, for the device the encoder runs on, as a part of its own
+    (its failure must not skip the dequantisation jobs)."""
+    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+    from qwen21_nodes.qwen21_core import warmup as warmup_module
+    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+
+    asked, ran = [], []
+    encoder = types.SimpleNamespace(model=None, device=torch.device("cuda", 1))
+    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)
+    pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, encoder, None, None
+    pipe.execution_device = torch.device("cuda", 0)
+    pipe.decode_graphs = DecodeGraphs(None)
+    monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
+    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: []})
+    monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
+    monkeypatch.setattr("qwen21_nodes.qwen21_core.text.kernel_warmup.image_encode_warmup_jobs",
+                        lambda enc, device: asked.append((enc, device)) or [lambda: ran.append(device)])  # fmt: skip
+    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)
+    warmup = pipeline_module.Qwen21Pipeline.start_kernel_warmup(pipe)
+    warmup.wait()
+    assert asked == [(encoder, torch.device("cuda", 1))] and ran == [torch.device("cuda", 1)]
+    assert warmup.jobs["image_encode"] == 1 and warmup.jobs["text"] == 0 and not warmup.failures

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 IMAGE_SLOT = "<image{index}><|vision_start|><|image_pad|><|vision_end|>"
+# the processor outputs an encode passes to the model (text/kernel_warmup.py passes the same)
+ENCODE_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
 IM_START = "<|im_start|>"
 IMAGE_PAD = "<|image_pad|>"
 
@@ -379,11 +381,7 @@ class Qwen21TextEncoder:
         text = build_prompt_text(prompt, len(images))
         inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = inputs["input_ids"][0]
-        model_inputs = {
-            name: inputs[name].to(self._device)
-            for name in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
-            if name in inputs
-        }
+        model_inputs = {name: inputs[name].to(self._device) for name in ENCODE_INPUTS if name in inputs}
         # every changed prompt is a new length: no kernel that plans each new shape (qwen21_core/sdpa.py)
         with _final_norm_skipped(self._text_model), planless_kernels():
             hidden = self.model(**model_inputs, use_cache=False).last_hidden_state[0]  # [L_full, hidden]

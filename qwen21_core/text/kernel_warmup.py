@@ -1,0 +1,56 @@
+"""Launch the CUDA kernels an image prompt's encode needs before the first edit does.
+
+On a fresh H200 machine the first edit's encode took 1.96 s against 0.16 s for the second, and 1.71 s of it went to
+one op: `image_grid_thw.prod(-1)` in transformers' Qwen3-VL. The driver compiles that int64 reduction kernel from
+PTX the first time it is launched. It keeps the result in its cache (CUDA_CACHE_PATH), so a restart's first edit took
+0.16 s (bench_edit_encode.py --profile-first, BENCHMARKS "Session"). The vision tower's first run added
+its own first launches.
+
+The job here runs the same code on a tiny model of the same classes: a 2-layer Qwen3-VL, one prompt, one small
+image. The kernels load (or compile) once per process, so it does not matter which model launches them. The model is
+built on the meta device and then given uninitialised memory. The values do not matter, only which kernels launch,
+and the process's random state stays untouched. Two things are shared with the main thread, so the job stays off
+them:
+- The tokenizer: a fast tokenizer used from two threads at once can fail with "Already borrowed". So the job's
+  inputs are made when the job is made, on the caller's thread.
+- SDPA's backend flags are global, not per thread: entering `planless_kernels` here could change the kernel that a
+  decode step on the main thread picks. So the tiny model uses transformers' eager attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from PIL import Image
+
+from .encoder import ENCODE_INPUTS, Qwen21TextEncoder, build_prompt_text
+
+WARMUP_IMAGE_SIZE = 64  # the processor scales it up to its minimum pixel count (256^2 for Qwen3-VL): 64 image tokens
+
+
+def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.device) -> list[Callable[[], None]]:
+    """One job that runs an image prompt through a tiny Qwen3-VL on `device`. There are no jobs without an encoder
+    or off CUDA. Everything that reads the tokenizer (the inputs, the tiny model's config) runs now, on the caller's
+    thread."""
+    if encoder is None or device.type != "cuda":
+        return []
+    from .tiny import tiny_text_encoder_config
+
+    processor = encoder.processor
+    image = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE), (128, 128, 128))
+    inputs = processor(text=[build_prompt_text("a warm-up", 1)], images=[image], return_tensors="pt")
+    inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
+    config, dtype = tiny_text_encoder_config(processor.tokenizer), encoder.dtype
+    return [lambda: run_tiny_image_encode(config, inputs, device, dtype)]
+
+
+def run_tiny_image_encode(config, inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """A Qwen3-VL of `config` (no weights set: meta, then uninitialised memory on `device`) runs `inputs` once."""
+    from transformers import Qwen3VLModel
+
+    with torch.device("meta"):
+        model = Qwen3VLModel._from_config(config, attn_implementation="eager")
+    model = model.to_empty(device=device).to(dtype).eval()
+    with torch.no_grad():
+        model(**{name: tensor.to(device) for name, tensor in inputs.items()}, use_cache=False)
