@@ -398,3 +398,19 @@ def test_the_warmup_queues_the_image_encode_job_with_the_text_part(monkeypatch):
     warmup.wait()
     assert asked == [(encoder, torch.device("cuda", 1))] and ran == [torch.device("cuda", 1)]
     assert warmup.jobs["image_encode"] == 1 and warmup.jobs["text"] == 0 and not warmup.failures
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_image_encode_job_runs_and_leaves_the_random_state_alone():
+    """The job itself on CUDA: the meta-built tiny model given CUDA memory runs an image prompt, and neither the CPU's
+    nor the GPU's random state moves (the main thread's seeds stay its own)."""
+    from qwen21_nodes.qwen21_core.text.encoder import Qwen21TextEncoder
+    from qwen21_nodes.qwen21_core.text.kernel_warmup import image_encode_warmup_jobs
+    from qwen21_nodes.qwen21_core.text.tiny import build_tiny_text_encoder
+
+    model, processor = build_tiny_text_encoder()
+    (job,) = image_encode_warmup_jobs(Qwen21TextEncoder(model.to(torch.bfloat16), processor), torch.device("cuda", 0))
+    cpu_rng, gpu_rng = torch.random.get_rng_state(), torch.cuda.get_rng_state()
+    job()
+    torch.cuda.synchronize()
+    assert torch.equal(cpu_rng, torch.random.get_rng_state()) and torch.equal(gpu_rng, torch.cuda.get_rng_state())
