@@ -137,8 +137,8 @@ def first_edit(encoder, vae, device, resolution: int, source_size, profile: bool
     for take in range(2):  # [first, second] per part
         text = build_prompt_text(f"make it stormy, take {take}", 1)
         part("processor_s", lambda text=text: encoder.processor(text=[text], images=[image.vlm], return_tensors="pt"))
-        # the vision tower alone, its patch embedding (a Conv3d) first: a fresh machine's first edit waited ~1.6 s
-        # for the tower's first run on the GPU (BENCHMARKS "Session")
+        # the vision tower alone, its patch embedding (a Conv3d) first: where an image prompt's first-use costs are
+        # (BENCHMARKS "Session": on a fresh machine most were in transformers' int64 prod after the tower)
         inputs = encoder.processor(text=[text], images=[image.vlm], return_tensors="pt")
         pixels = inputs["pixel_values"].to(device, encoder.dtype)
         grid = inputs["image_grid_thw"].to(device)

@@ -4,8 +4,9 @@ The first image in a fresh process used to wait for every Triton kernel to compi
 H200 machine, notes/session_h200.md). `KernelWarmup` compiles them in background threads instead, while the user
 is still loading, typing or encoding: the quantised Linears' weight dequantisation, which the text encoder needs
 first (quant/kernel_warmup.py), an image prompt's encode on a tiny model (text/kernel_warmup.py), the DiT's kernels
-for every M bucket (dit/kernel_warmup.py) and the VAE's (vae/kernel_warmup.py). Triton's compiler releases the GIL for most of its work, so several threads compile at
-once. With compiled kernels on disk (a restart) each job only loads them.
+for every M bucket (dit/kernel_warmup.py) and the VAE's (vae/kernel_warmup.py). Triton's compiler releases the GIL
+for most of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only
+loads them.
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
 compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it,
