@@ -291,7 +291,7 @@ class DecodeGraphs:
     def __call__(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         entry = self._entry_for(branch)
         if entry is _MEASURE:
-            return self._timed_first_step(branch, x, t)
+            return self._step_before_verdict(branch, x, t)
         if entry is None:
             return self.transformer.decode(branch, x, t)
         entry.static_x.copy_(x)
@@ -336,7 +336,7 @@ class DecodeGraphs:
                 return None
         return self._capture_new(key, branch)
 
-    def _timed_first_step(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def _step_before_verdict(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """An eager step, timed: the host's share of its wall time decides whether this generation captures. A key's
         first step is only run (its one-time costs read as host time); while the background warm-up runs, the share
         is this thread's CPU time, and a step below the share leaves the verdict to the next one."""
@@ -361,7 +361,7 @@ class DecodeGraphs:
             return out
         branch.first_sight = "launch_bound" if launch_bound else "gpu_bound"
         branch.host_share = share
-        log.debug("decode graphs: a new key's second step, host share %.3f (%s)", share, branch.first_sight)
+        log.debug("decode graphs: a new key's timed step, host share %.3f (%s)", share, branch.first_sight)
         if not launch_bound:
             self._note(GPU_BOUND_REASON)
         self.host_shares.append(share)  # reported by describe(): what the choice was made on
