@@ -11,7 +11,8 @@ content hash reads a 4 MB source digest where the old code hashed the 16 MB floa
 (digest, resize and copies, the float copy the VAE reads). Before them, `edit_first_call`: the first edit's parts
 (processor, the vision tower's patch embedding, the whole vision tower, the encoder with an image, the VAE encoder at
 that size), in that order, each first call against its second, after the warm-up's jobs (--image-warmup off leaves
-out its image-encode job: run each in a fresh process with a new CUDA_CACHE_PATH to compare them on a fresh machine).
+out its image-encode job). What that job removes is paid once per machine, not per process or driver cache (a new
+CUDA_CACHE_PATH does not bring it back): compare the two as the first process on two fresh machines.
 """
 
 from __future__ import annotations

@@ -457,7 +457,7 @@ def turbo_plan(count: int) -> list[dict]:
 
 def small_plan(count: int) -> list[dict]:
     """Changed prompts at 512^2, 40 steps: a step the host's launches bound, so the first image in a process should
-    already replay a decode graph (dit/decode_graphs.py decides on a step timed after the kernel warm-up)."""
+    already replay a decode graph, also while the kernel warm-up runs (dit/decode_graphs.py)."""
     return [{"label": "t2i_512", "changed": True, "lora": None} for _ in range(count)]
 
 

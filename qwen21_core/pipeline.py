@@ -175,10 +175,11 @@ class Qwen21Pipeline:
           is turned off, kernels/dequantize_weight.py), first because the encode comes first. The DiT's weight-only
           layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too. Nobody waits for
           it: the layers use torch's expression until the kernel is ready;
+        - "dit": what a first image needs (the sampler waits for it);
         - "image_encode": an image prompt's encode on a tiny model, whose kernels a fresh machine's first edit waited
           for (text/kernel_warmup.py). A part of its own, so that its failure skips no other job; nobody waits;
-        - "dit": what a first image needs (the sampler waits for it); then "vae"; then each later M bucket, a part
-          of its own, waited for by the launches that need it (dit/kernel_warmup.py)."""
+        - "vae", then each later M bucket, a part of its own, waited for by the launches that need it
+          (dit/kernel_warmup.py)."""
         from ..kernels._triton import TRITON_AVAILABLE
         from ..kernels.launch_configs import compiles_pending
         from .quant.kernel_warmup import dequantize_warmup_jobs
@@ -193,11 +194,13 @@ class Qwen21Pipeline:
                      (self.transformer, device)]  # fmt: skip
         dit = dit_warmup_parts(self.transformer, device)
         image = image_encode_warmup_jobs(encoder, indexed_device(encoder.device)) if encoder is not None else []
-        # the VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
-        parts = {"text": dequantize_warmup_jobs(quantised), "image_encode": image, PART: dit.pop(PART),
+        # the image encode after the DiT's first part (a one-thread pool would make the first image wait for it), the
+        # VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
+        parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), "image_encode": image,
                  "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
         self.kernel_warmup = KernelWarmup(parts, device).start()
-        self.decode_graphs.background_busy = self.kernel_warmup.busy  # no step is timed while it runs
+        # while it runs, decode graphs read a step's host share from the thread's CPU time (dit/decode_graphs.py)
+        self.decode_graphs.background_busy = self.kernel_warmup.busy
         for bucket in later_buckets():
             compiles_pending(bucket, self.kernel_warmup.finished(bucket_part(bucket)))
         return self.kernel_warmup

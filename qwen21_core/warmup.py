@@ -144,7 +144,7 @@ class KernelWarmup:
 
     def busy(self) -> bool:
         """Whether some part is still running: its threads then take the interpreter from the main thread now and
-        then, so host time measured meanwhile is not the step's own (dit/decode_graphs.py waits for this)."""
+        then, so wall time measured meanwhile is not the step's own (dit/decode_graphs.py reads CPU time then)."""
         return bool(self._started_at) and not all(event.is_set() for event in self._done.values())
 
     def finished(self, name: str) -> threading.Event:

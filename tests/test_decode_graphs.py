@@ -468,7 +468,8 @@ def test_while_the_warmup_runs_the_share_is_the_threads_cpu_time(model, monkeypa
         tt = torch.full((1,), t)
         assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
     assert getattr(branch, "first_sight", None) is None and graphs.deferred_shares == [0.4, 0.4]
-    assert "no verdict while the kernel warm-up ran" in graphs.describe() and recorder.captures == 0
+    assert "no verdict in 2 steps while the kernel warm-up ran, host CPU shares 0.40-0.40" in graphs.describe()
+    assert recorder.captures == 0
     busy[0] = False  # done: the wall share (all of it here) decides
     graphs(branch, x * 0.6, torch.full((1,), 0.6))
     assert branch.first_sight == "launch_bound" and graphs.host_shares == [1.0]
@@ -482,6 +483,17 @@ def test_while_the_warmup_runs_the_share_is_the_threads_cpu_time(model, monkeypa
     for t in (0.9, 0.8):
         graphs(other, x * t, torch.full((1,), t))
     assert other.first_sight == "launch_bound" and graphs.host_shares == [0.95] and not graphs.deferred_shares
+    graphs.release(other)
+    graphs.end_generation()
+    # where the thread's clock is coarse (Windows), no step gives a verdict while the warm-up runs, however high
+    monkeypatch.setattr(decode_graphs, "THREAD_CLOCK_FINE", False)
+    third = _prefilled(graphs, _layout(text=9))
+    for t in (0.9, 0.8, 0.7):
+        graphs(third, x * t, torch.full((1,), t))
+    assert third.first_sight is None and graphs.host_shares == [] and recorder.captures == 1
+    busy[0] = False
+    graphs(third, x * 0.6, torch.full((1,), 0.6))
+    assert third.first_sight == "launch_bound"
 
 
 def test_seen_keys_are_bounded_and_forgotten_with_the_entries(model):

@@ -300,9 +300,9 @@ def test_on_the_gpu_torch_ops_decode_and_encode_the_same_bits_as_the_kernels(dty
     assert torch.equal(vae.encode(image, tiling="off"), encoded)
 
 
-def test_the_pipeline_times_no_decode_step_while_its_warmup_runs(monkeypatch):
-    """The pipeline gives its decode graphs the warm-up's `busy` when it starts the warm-up: no step that decides
-    on a capture is timed while the warm-up's threads may take the interpreter (dit/decode_graphs.py)."""
+def test_the_pipeline_tells_its_decode_graphs_when_its_warmup_runs(monkeypatch):
+    """The pipeline gives its decode graphs the warm-up's `busy` when it starts the warm-up: while the warm-up's threads
+    may take the interpreter, a step's host share is read from the thread's CPU time (dit/decode_graphs.py)."""
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module
     from qwen21_nodes.qwen21_core import warmup as warmup_module
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
@@ -363,17 +363,36 @@ def test_the_image_encode_job_runs_a_tiny_model_and_leaves_shared_state_alone():
         seen_flags.add(flags())
         return original(module, *args, **kwargs)
 
+    sdpa_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.nn.Module, "__call__", recording)
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                      lambda *args, **kwargs: sdpa_calls.append(1) or sdpa(*args, **kwargs))  # fmt: skip
         text_warmup.run_tiny_image_encode(tiny_text_encoder_config(processor.tokenizer), inputs,
                                           torch.device("cpu"), torch.float32)  # fmt: skip
     assert "Qwen3VLVisionModel" in ran and "Qwen3VLTextModel" in ran  # the vision tower and the language model ran
+    assert not sdpa_calls  # eager attention: no SDPA kernel chosen (and none planned) for the tiny model
     assert torch.equal(rng, torch.random.get_rng_state())
     assert seen_flags == {before} and flags() == before
     assert all(torch.equal(p, weights[name]) for name, p in encoder.model.named_parameters())
 
 
-def test_the_warmup_queues_the_image_encode_job_with_the_text_part(monkeypatch):
+def test_an_image_encode_job_that_cannot_be_made_is_logged_and_left_out(caplog):
+    """Making the job runs the processor on the loading thread, outside the warm-up's guard: a failure there must not
+    fail the model's load."""
+    from qwen21_nodes.qwen21_core.text.kernel_warmup import image_encode_warmup_jobs
+
+    def broken(*args, **kwargs):
+        raise ValueError("no image processor here")
+
+    encoder = types.SimpleNamespace(processor=broken, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING):
+        assert image_encode_warmup_jobs(encoder, torch.device("cuda", 0)) == []
+    assert "no image processor here" in caplog.text and "first edit" in caplog.text
+
+
+def test_the_warmup_queues_the_image_encode_job_as_a_part_of_its_own(monkeypatch):
     """start_kernel_warmup queues the image-encode job, for the device the encoder runs on, as a part of its own
     (its failure must not skip the dequantisation jobs)."""
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module

@@ -25,7 +25,8 @@ Bookkeeping rules:
     interpreter now and then: a restart's second step, timed while the VAE's kernels still loaded, captured a
     GPU-bound 1024^2 step (a first image 1.36-1.42x the steady one, BENCHMARKS "Session"). Then the host's share is
     this thread's CPU time over the step's wall time, which waits for the interpreter do not raise; below the share
-    it gives no verdict, and the next step is timed again;
+    it gives no verdict, and the next step is timed again (on Windows, whose thread clock is coarse, no step is
+    timed while the warm-up runs);
 - an entry serves one live branch at a time; a second live branch with the same key decodes eagerly
   until the first is released;
 - at most `max_entries` entries; the least recently used free entry is evicted (its buffers freed)
@@ -43,6 +44,7 @@ prefix K/V already there: the sampler compares `cache.prefix_id` and skips the p
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -59,7 +61,7 @@ from .transformer import Branch, QwenImage21Transformer
 log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 1  # lazy cuBLAS workspaces and first kernel launches happen here, outside the capture
-# a first-seen key captures from its second step when the host took at least this share of the first's wall time
+# a first-seen key captures from the step after its timed one when the host took at least this share of its wall time
 LAUNCH_BOUND_SHARE = 0.9
 SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
 GPU_BOUND_REASON = (
@@ -68,6 +70,9 @@ GPU_BOUND_REASON = (
 )
 
 
+# Windows counts a thread's CPU time in 15.6 ms ticks, too coarse against a 30-80 ms step: there no step is timed while
+# the warm-up runs
+THREAD_CLOCK_FINE = sys.platform != "win32"
 _MEASURE = object()  # _entry_for's answer for a first-seen key's steps before its verdict: eager, one of them timed
 
 
@@ -165,7 +170,7 @@ class DecodeGraphs:
     launch_bound_share: float = LAUNCH_BOUND_SHARE  # 0: capture every key at its first step
     entries: OrderedDict = field(default_factory=OrderedDict)
     seen: OrderedDict = field(default_factory=OrderedDict)  # keys earlier generations decoded without an entry
-    host_shares: list = field(default_factory=list)  # the current generation's timed first steps
+    host_shares: list = field(default_factory=list)  # shares of the current generation's steps that gave a verdict
     reasons: list = field(default_factory=list)  # fallback reasons of the current generation
     replays: int = 0  # steps the current generation replayed (describe() reports this generation, not earlier ones)
     _weights: tuple | None = None
@@ -279,8 +284,9 @@ class DecodeGraphs:
     def describe(self) -> str:
         replays = self.replays
         shares = f" (host share of a new key's step: {', '.join(f'{s:.2f}' for s in self.host_shares)})"
-        deferred = (f" (no verdict while the kernel warm-up ran, host CPU shares "
-                    f"{', '.join(f'{s:.2f}' for s in self.deferred_shares)})")  # fmt: skip
+        waited = self.deferred_shares
+        deferred = (f" (no verdict in {len(waited)} steps while the kernel warm-up ran, host CPU shares "
+                    f"{min(waited, default=0):.2f}-{max(waited, default=0):.2f})")  # fmt: skip
         text = "replay" if replays else "off"
         if self.reasons:
             text = ("replay, " if replays else "off: ") + "; ".join(self.reasons) + (shares if self.host_shares else "")
@@ -329,7 +335,7 @@ class DecodeGraphs:
             return None
         if key not in self.seen and self.launch_bound_share > 0:  # first generation with this key: capture only
             # if launches bound the step (a share of 0 captures every key at once)
-            verdict = getattr(branch, "first_sight", None)
+            verdict = branch.first_sight
             if verdict is None:
                 return _MEASURE
             if verdict == "gpu_bound":
@@ -340,10 +346,12 @@ class DecodeGraphs:
         """An eager step, timed: the host's share of its wall time decides whether this generation captures. A key's
         first step is only run (its one-time costs read as host time); while the background warm-up runs, the share
         is this thread's CPU time, and a step below the share leaves the verdict to the next one."""
-        if not getattr(branch, "stepped", False):
+        if not branch.stepped:
             branch.stepped = True
             return self.transformer.decode(branch, x, t)
         busy = self.background_busy is not None and self.background_busy()
+        if busy and not THREAD_CLOCK_FINE:
+            return self.transformer.decode(branch, x, t)  # no verdict while the warm-up runs
         cuda = x.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(x.device)

@@ -262,6 +262,11 @@ class Branch:
     decode_key_mask: torch.Tensor | None  # [1, 1, 1, P+N] bool on device, None without padding
     attention_backend: str = "auto"
     graph_key: tuple | None = None  # set when a DecodeGraphs manager may capture this branch
+    # DecodeGraphs' verdict on a first-seen key (dit/decode_graphs.py): whether a step ran, "launch_bound" or
+    # "gpu_bound" once a timed step decided, and the host's share of that step
+    stepped: bool = False
+    first_sight: str | None = None
+    host_share: float | None = None
     # Sequence parallel (parallel/ulysses.py SequenceShard): this rank's rows, and heads for attention and the
     # cache; None: everything here. Duck-typed, so the model never imports torch.distributed.
     shard: object | None = None

@@ -13,18 +13,22 @@ and the process's random state stays untouched. Two things are shared with the m
 them:
 - The tokenizer: a fast tokenizer used from two threads at once can fail with "Already borrowed". So the job's
   inputs are made when the job is made, on the caller's thread.
-- SDPA's backend flags are global, not per thread: entering `planless_kernels` here could change the kernel that a
-  decode step on the main thread picks. So the tiny model uses transformers' eager attention.
+- SDPA's backend flags are global, not per thread: entering `planless_kernels` here (as the encoder does) could
+  change the kernel that a decode step on the main thread picks, and SDPA outside it would plan cuDNN attention the
+  encoder never runs. So the tiny model uses transformers' eager attention.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from PIL import Image
 
 from .encoder import ENCODE_INPUTS, Qwen21TextEncoder, build_prompt_text
+
+log = logging.getLogger(__name__)
 
 WARMUP_IMAGE_SIZE = 64  # the processor scales it up to its minimum pixel count (256^2 for Qwen3-VL): 64 image tokens
 
@@ -37,11 +41,16 @@ def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.de
         return []
     from .tiny import tiny_text_encoder_config
 
-    processor = encoder.processor
-    image = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE), (128, 128, 128))
-    inputs = processor(text=[build_prompt_text("a warm-up", 1)], images=[image], return_tensors="pt")
-    inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
-    config, dtype = tiny_text_encoder_config(processor.tokenizer), encoder.dtype
+    try:
+        processor = encoder.processor
+        image = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE), (128, 128, 128))
+        inputs = processor(text=[build_prompt_text("a warm-up", 1)], images=[image], return_tensors="pt")
+        inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
+        config, dtype = tiny_text_encoder_config(processor.tokenizer), encoder.dtype
+    except Exception as error:  # noqa: BLE001 - a warm-up never fails a load
+        log.warning("no image-encode warm-up (%s: %s); the first edit loads its kernels itself",
+                    type(error).__name__, error)  # fmt: skip
+        return []
     return [lambda: run_tiny_image_encode(config, inputs, device, dtype)]
 
 
@@ -49,8 +58,9 @@ def run_tiny_image_encode(config, inputs: dict, device: torch.device, dtype: tor
     """A Qwen3-VL of `config` (no weights set: meta, then uninitialised memory on `device`) runs `inputs` once."""
     from transformers import Qwen3VLModel
 
+    # no dtype= here: transformers would set the process's default dtype for it, from this background thread
     with torch.device("meta"):
         model = Qwen3VLModel._from_config(config, attn_implementation="eager")
-    model = model.to_empty(device=device).to(dtype).eval()
+    model = model.to(dtype).to_empty(device=device).eval()
     with torch.no_grad():
         model(**{name: tensor.to(device) for name, tensor in inputs.items()}, use_cache=False)
