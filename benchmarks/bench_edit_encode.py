@@ -120,27 +120,30 @@ def first_edit(encoder, vae, device, resolution: int, source_size, profile: bool
             out["image_warmup_s"] = round(time.perf_counter() - started, 4)
     image = prepare_condition_image(sources(1, source_size, seed=99)[0], resolution)
 
-    def part(name: str, fn) -> None:
+    def part(name: str, fn):
+        """Time `fn()` under `name` (its first call and its second); returns what it returned."""
         first = name not in out
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         sync(device)
         start = time.perf_counter()
         with torch.no_grad(), profiler if profile and first else contextlib.nullcontext():
-            fn()
+            result = fn()
         sync(device)
         out.setdefault(name, []).append(round(time.perf_counter() - start, 4))
         if profile and first:  # (the profiler's own cost is in this first time)
             out.setdefault("first_call_host_ops", {})[name] = top_host_ops(profiler)
+        return result
 
     for take in range(2):  # the text-only prompts a session begins with; the second is what an image adds to
         part("text_only_s", lambda take=take: encoder.encode_prompts([f"make it stormy {take + 2}"]))
     visual = encoder.model.visual
     for take in range(2):  # [first, second] per part
         text = build_prompt_text(f"make it stormy, take {take}", 1)
-        part("processor_s", lambda text=text: encoder.processor(text=[text], images=[image.vlm], return_tensors="pt"))
+        inputs = part(
+            "processor_s", lambda text=text: encoder.processor(text=[text], images=[image.vlm], return_tensors="pt")
+        )
         # the vision tower alone, its patch embedding (a Conv3d) first: where an image prompt's first-use costs are
         # (BENCHMARKS "Session": on a fresh machine most were in transformers' int64 prod after the tower)
-        inputs = encoder.processor(text=[text], images=[image.vlm], return_tensors="pt")
         pixels = inputs["pixel_values"].to(device, encoder.dtype)
         grid = inputs["image_grid_thw"].to(device)
         part("patch_embed_s", lambda pixels=pixels: visual.patch_embed(pixels))

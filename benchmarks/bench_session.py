@@ -492,14 +492,10 @@ def main():
     if args.tiny:
         args.steps = min(args.steps, 2)
         args.tail = min(args.tail, 2)
-    if args.turbo:
-        args.steps = min(args.steps, 8)
+    if args.turbo or args.small:  # one session in this process, on whatever kernel cache it finds
+        args.steps = min(args.steps, 8) if args.turbo else args.steps
         args.child = args.child or "fp8:none:warm"
-        child(args, turbo_plan(8 + args.tail // 4))
-        return 0
-    if args.small:
-        args.child = args.child or "fp8:none:warm"
-        child(args, small_plan(args.small))
+        child(args, turbo_plan(8 + args.tail // 4) if args.turbo else small_plan(args.small))
         return 0
     if args.child:
         child(args, plan(args.tail)[: args.limit or None])

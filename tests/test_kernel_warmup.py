@@ -300,25 +300,32 @@ def test_on_the_gpu_torch_ops_decode_and_encode_the_same_bits_as_the_kernels(dty
     assert torch.equal(vae.encode(image, tiling="off"), encoded)
 
 
-def test_the_pipeline_tells_its_decode_graphs_when_its_warmup_runs(monkeypatch):
-    """The pipeline gives its decode graphs the warm-up's `busy` when it starts the warm-up: while the warm-up's threads
-    may take the interpreter, a step's host share is read from the thread's CPU time (dit/decode_graphs.py)."""
+def _pipeline_starting_a_warmup(monkeypatch, encoder=None, dit_jobs=()):
+    """A pipeline with only what start_kernel_warmup touches, on "cuda:0" (the warm-up starts on CUDA devices only),
+    its warm-up's parts stubbed: the DiT's first part runs `dit_jobs`, the others have none, no CUDA stream."""
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module
     from qwen21_nodes.qwen21_core import warmup as warmup_module
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 
-    gate = threading.Event()
-    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what the warm-up touches
-    pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, None, None, None
-    pipe.execution_device = torch.device("cuda", 0)  # the warm-up starts on CUDA devices only
+    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)
+    pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, encoder, None, None
+    pipe.execution_device = torch.device("cuda", 0)
     pipe.decode_graphs = DecodeGraphs(None)
     monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
-    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: [lambda: gate.wait(30)]})
+    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: list(dit_jobs)})
     monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
     monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
     monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
-    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)  # no CUDA stream on this machine
-    warmup = pipeline_module.Qwen21Pipeline.start_kernel_warmup(pipe)
+    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)
+    return pipe
+
+
+def test_the_pipeline_tells_its_decode_graphs_when_its_warmup_runs(monkeypatch):
+    """The pipeline gives its decode graphs the warm-up's `busy` when it starts the warm-up: while the warm-up's threads
+    may take the interpreter, a step's host share is read from the thread's CPU time (dit/decode_graphs.py)."""
+    gate = threading.Event()
+    pipe = _pipeline_starting_a_warmup(monkeypatch, dit_jobs=[lambda: gate.wait(30)])
+    warmup = pipe.start_kernel_warmup()
     try:
         assert warmup is not None and pipe.decode_graphs.background_busy()
     finally:
@@ -395,25 +402,12 @@ def test_an_image_encode_job_that_cannot_be_made_is_logged_and_left_out(caplog):
 def test_the_warmup_queues_the_image_encode_job_as_a_part_of_its_own(monkeypatch):
     """start_kernel_warmup queues the image-encode job, for the device the encoder runs on, as a part of its own
     (its failure must not skip the dequantisation jobs)."""
-    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
-    from qwen21_nodes.qwen21_core import warmup as warmup_module
-    from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
-
     asked, ran = [], []
     encoder = types.SimpleNamespace(model=None, device=torch.device("cuda", 1))
-    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)
-    pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, encoder, None, None
-    pipe.execution_device = torch.device("cuda", 0)
-    pipe.decode_graphs = DecodeGraphs(None)
-    monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
-    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: []})
-    monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
-    monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
-    monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
+    pipe = _pipeline_starting_a_warmup(monkeypatch, encoder=encoder)
     monkeypatch.setattr("qwen21_nodes.qwen21_core.text.kernel_warmup.image_encode_warmup_jobs",
                         lambda enc, device: asked.append((enc, device)) or [lambda: ran.append(device)])  # fmt: skip
-    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)
-    warmup = pipeline_module.Qwen21Pipeline.start_kernel_warmup(pipe)
+    warmup = pipe.start_kernel_warmup()
     warmup.wait()
     assert asked == [(encoder, torch.device("cuda", 1))] and ran == [torch.device("cuda", 1)]
     assert warmup.jobs["image_encode"] == 1 and warmup.jobs["text"] == 0 and not warmup.failures
