@@ -259,6 +259,8 @@ def launch_overhead(args, device):
                     model, branch = models[fmt], branches[fmt]
                     prefill_rounds[(fmt, path)].append(timed(lambda: model.prefill(branch, embeds, cond), device, 5))
                     rounds[(fmt, path)].append(timed(lambda: model.decode(branch, x, t), device, 10))
+        if args.trace:
+            trace_prefills(models, branches, embeds, cond, device)
         for fmt in formats:
             branches[fmt].release()
             if device.type == "cuda":
@@ -287,6 +289,25 @@ def launch_overhead(args, device):
         emit(**row)
     if device.type == "cuda" and "direct" in paths:
         launch_cost(device)
+
+
+def trace_prefills(models: dict, branches: dict, embeds, cond, device, repeats: int = 3) -> None:
+    """--trace: torch.profiler over a few prefills of each format (the direct launch path where it is active): the
+    host ops by own time and how much of the wall time the GPU was busy."""
+    from _trace import gpu_timeline, top_host_ops
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for fmt, model in models.items():
+        sync(device)
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(repeats):
+                with torch.profiler.record_function("qwen21 prefill"):
+                    model.prefill(branches[fmt], embeds, cond)
+            sync(device)
+        timeline = gpu_timeline(profiler) if device.type == "cuda" else {}
+        emit(what="prefill_trace", format=fmt, prefills=repeats, **timeline, top_host_ops=top_host_ops(profiler, 25))
 
 
 def _median_ratio(times: list[float], against: list[float]) -> float:
@@ -337,6 +358,11 @@ def main():
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--launch-overhead", action="store_true")
     parser.add_argument("--profile", action="store_true", help="with --launch-overhead: cProfile the eager steps")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --launch-overhead: torch.profiler over each format's prefills (prefill_trace lines)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="with --launch-overhead: timed rounds of every format")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="fp8")

@@ -31,6 +31,7 @@ allocated-memory bound and the warm-up's timings).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
@@ -136,6 +137,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     handle = place_as_loaded(handle, cap, device)
     load_s = round(time.perf_counter() - load_started, 2)
     classes = classes_with(handle, output_dir, device)
+    if args.trace:
+        classes = labelled_nodes(classes)
     node_cache = OutputCache()  # one per session, as a ComfyUI server keeps one
     seen, rows, profiles = {}, [], []
     kind = dict(precision=precision, cap_gib=cap, kernel_cache=cache)
@@ -153,13 +156,15 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             or (args.profile == "first" and index == 0)
         )
         profiler = cProfile.Profile() if profiled else None
+        tracer = torch_tracer(device) if args.trace and index in TRACED else contextlib.nullcontext()
         started = time.perf_counter()
         try:
             if profiler is not None:
                 profiler.enable()
             try:
-                result = execute(prompt, classes, node_cache)
-                sync(device)
+                with tracer:
+                    result = execute(prompt, classes, node_cache)
+                    sync(device)
             finally:
                 if profiler is not None:
                     profiler.disable()
@@ -176,7 +181,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             continue
         row["total_s"] = round(time.perf_counter() - started, 3)
         phases = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s"}  # fmt: skip
+                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "SaveImage": "save_s"}  # fmt: skip
         for node_id, seconds in result.seconds.items():
             name = phases.get(prompt[node_id]["class_type"])
             if name:
@@ -193,6 +198,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         seen[shape] = True
         emit(**row)
         rows.append(row)
+        if not isinstance(tracer, contextlib.nullcontext):
+            emit(**traced(tracer, kind, row, args, first=index == TRACED[0]))
     warmup = handle.pipe.kernel_warmup
     out = summary(rows, kind, load_s, warmup)
     references = handle.pipe.references
@@ -237,6 +244,42 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
         out["warmup_parts_s"] = warmup.seconds
         out["warmup_failures"] = warmup.failures
     return out
+
+
+TRACED = (2, 3)  # --trace: two prompts after the first two (the first image and the first changed prompt)
+
+
+def torch_tracer(device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def labelled_nodes(classes: dict) -> dict:
+    """The node classes with each run inside a "node <class>" profiler range, so a trace says which node the host
+    was in while the GPU waited (benchmarks/_trace.py)."""
+    labelled = {}
+    for name, cls in classes.items():
+        function = getattr(cls, cls.FUNCTION)
+
+        def run(self, *args, _function=function, _label=f"node {name}", **kwargs):
+            with torch.profiler.record_function(_label):
+                return _function(self, *args, **kwargs)
+
+        labelled[name] = type(cls.__name__, (cls,), {cls.FUNCTION: run})
+    return labelled
+
+
+def traced(tracer, kind: dict, row: dict, args, first: bool) -> dict:
+    """--trace: a session_trace line for one prompt (GPU busy and idle, the gaps by what the host was in, the top
+    kernels and host ops); the first traced prompt's Chrome trace goes to --log-dir."""
+    from _trace import gpu_timeline, top_host_ops
+
+    if first and args.log_dir:
+        tracer.export_chrome_trace(str(Path(args.log_dir, f"session_trace_{kind['precision']}_{row['i']}.json")))
+    return dict(what="session_trace", **kind, i=row["i"], label=row["label"], total_s=row.get("total_s"),
+                **gpu_timeline(tracer), top_host_ops=top_host_ops(tracer))  # fmt: skip
 
 
 def free_query_cost(device, repeats: int = 20) -> dict:
@@ -411,6 +454,7 @@ def orchestrate(args) -> int:
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail),
                    "--capped-tail", str(args.capped_tail), "--limit", str(args.limit)]  # fmt: skip
         command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
+        command += ["--trace", "--log-dir", args.log_dir] if args.trace else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
             command,
@@ -488,6 +532,9 @@ def main():
         "the session's first prompt (first). cProfile counts the main thread only up to Python 3.11; from 3.12 on (the "
         "H200's) every thread, the warm-up's too",
     )
+    parser.add_argument("--trace", action="store_true",
+                        help="torch.profiler over prompts 3 and 4: a session_trace line each (GPU busy and idle, "
+                        "what the host was in while the GPU waited); a Chrome trace in --log-dir")  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         args.steps = min(args.steps, 2)

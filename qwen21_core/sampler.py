@@ -281,7 +281,8 @@ class Sampler:
         try:
             for i in range(total):
                 t = (timesteps[i].expand(batch).to(dtype)) / 1000
-                velocities = run.step(x, t, first=i == 0 or not self.prefix_cache)
+                with torch.profiler.record_function("qwen21 step"):  # profiler ranges: benchmarks/_trace.py
+                    velocities = run.step(x, t, first=i == 0 or not self.prefix_cache)
                 v = velocities[0]
                 if use_cfg:
                     v_neg = velocities[1]
@@ -313,7 +314,8 @@ class _LocalRun:
         velocities = []
         for (branch, prompt), prefix_id in zip(self.branches, self.prefix_ids, strict=True):
             if first:
-                sampler._prefill(branch, prompt, self.cond_tokens, prefix_id if sampler.prefix_cache else None)
+                with torch.profiler.record_function("qwen21 prefill"):
+                    sampler._prefill(branch, prompt, self.cond_tokens, prefix_id if sampler.prefix_cache else None)
             velocities.append(sampler._velocity(branch, x, t))
         return velocities
 

@@ -214,6 +214,55 @@ def test_bench_session_small_runs_changed_512_prompts_and_reports_the_decode_gra
     assert by_what["session_summary"][0]["errors"] == 0
 
 
+def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
+    """--trace: torch.profiler over prompts 3 and 4, one session_trace line each, every prompt's SaveImage time in
+    its line, and the first traced prompt's Chrome trace with the node and sampler ranges in it (on the CPU there is
+    no GPU work to split into busy and idle, and the line says so)."""
+    by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--turbo", "--tail", "0", "--trace",
+                     "--log-dir", str(tmp_path))  # fmt: skip
+    traces = by_what["session_trace"]
+    assert [t["i"] for t in traces] == [2, 3]
+    assert all(t["error"] == "no GPU work in the trace" and t["top_host_ops"] for t in traces)
+    prompts = by_what["session_prompt"]
+    assert all(p["save_s"] > 0 and p["total_s"] >= p["sample_s"] + p["decode_s"] + p["save_s"] for p in prompts)
+    names = {event.get("name") for event in json.loads((tmp_path / "session_trace_fp8_2.json").read_text())[
+        "traceEvents"]}  # fmt: skip
+    assert {"node Qwen21Encode", "node Qwen21Sampler", "node Qwen21VAEDecode", "node SaveImage", "qwen21 prefill",
+            "qwen21 step"} <= names  # fmt: skip
+
+
+def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in():
+    """benchmarks/_trace.py on a made-up trace: busy is the union of GPU work (overlaps counted once), a gap goes to
+    the innermost labelled ranges the host was in while it lasted, short gaps are only summed, and the GPU side of a
+    user annotation is not work."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from types import SimpleNamespace
+
+    from _trace import gpu_timeline
+
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device),
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    trace = [
+        event("node Qwen21Sampler", "CPU", 0, 10_000),
+        event("qwen21 prefill", "CPU", 0, 3_000),
+        event("qwen21 prefill", "CUDA", 0, 3_000),  # the annotation's GPU copy: not work
+        event("node SaveImage", "CPU", 10_000, 14_000),
+        event("gemm", "CUDA", 1_000, 2_000),
+        event("gemm", "CUDA", 1_500, 2_500),  # overlaps the first: 1.5 ms busy together
+        event("norm", "CUDA", 2_600, 9_000),  # 0.1 ms gap before it: short
+    ]
+    timeline = gpu_timeline(SimpleNamespace(events=lambda: trace))
+    assert timeline["wall_ms"] == 14.0 and timeline["gpu_busy_ms"] == 7.9
+    assert timeline["idle_in_short_gaps_ms"] == 0.1
+    # the last kernel ends at 9 ms, inside the sampler's range; the GPU then idles to the end of SaveImage
+    assert timeline["idle_by_host_range_ms"] == {"node SaveImage": 4.0, "qwen21 prefill": 1.0,
+                                                 "node Qwen21Sampler": 1.0}  # fmt: skip
+    assert timeline["longest_gaps"][0] == {"ms": 5.0, "at_ms": 9.0, "host": "node Qwen21Sampler"}
+    assert timeline["top_gpu_work"][0] == {"name": "norm", "calls": 1, "ms": 6.4}
+
+
 @pytest.mark.slow
 def test_bench_comfyui_session_writes_files_our_loaders_read_as_comfy_orgs_fp8_scaled(tmp_path, monkeypatch):
     """The full-size file writers of bench_comfyui_session.py, on the tiny models: the DiT and the text encoder as
@@ -293,7 +342,10 @@ def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
     assert [(r["format"], r["warmup"]) for r in rows] == [("fp8", "off"), ("fp8", "on")]
     assert all(r["first_step_s"] > 0 and r["vae_first_s"] > 0 for r in rows)
     overhead = _bench("bench_cold_start.py", "--tiny", "--device", "cpu", "--launch-overhead", "--profile",
-                      "--rounds", "2")  # fmt: skip
+                      "--rounds", "2", "--trace")  # fmt: skip
+    # --trace: each format's prefills under torch.profiler, the host's ops by own time
+    traces = overhead["prefill_trace"]
+    assert [t["format"] for t in traces] == ["bf16", "fp8"] and all(t["top_host_ops"] for t in traces)
     overhead = overhead["launch_overhead"]
     # on the CPU only Triton's path (the direct launch needs CUDA); each format's line compares with bf16's
     assert [(r["format"], r["launch"]) for r in overhead] == [("bf16", "triton"), ("fp8", "triton")]
