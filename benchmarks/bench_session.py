@@ -156,7 +156,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             or (args.profile == "first" and index == 0)
         )
         profiler = cProfile.Profile() if profiled else None
-        tracer = torch_tracer(device) if args.trace and index in TRACED else contextlib.nullcontext()
+        traced_at = [int(i) for i in args.trace.split(",") if i]
+        tracer = torch_tracer(device) if index in traced_at else contextlib.nullcontext()
         started = time.perf_counter()
         try:
             if profiler is not None:
@@ -199,7 +200,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         emit(**row)
         rows.append(row)
         if not isinstance(tracer, contextlib.nullcontext):
-            emit(**traced(tracer, kind, row, args, first=index == TRACED[0]))
+            emit(**traced(tracer, kind, row, args, first=index == traced_at[0]))
     warmup = handle.pipe.kernel_warmup
     out = summary(rows, kind, load_s, warmup)
     references = handle.pipe.references
@@ -244,9 +245,6 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
         out["warmup_parts_s"] = warmup.seconds
         out["warmup_failures"] = warmup.failures
     return out
-
-
-TRACED = (2, 3)  # --trace: two prompts after the first two (the first image and the first changed prompt)
 
 
 def torch_tracer(device):
@@ -454,7 +452,7 @@ def orchestrate(args) -> int:
                    "--device", args.device, "--steps", str(args.steps), "--tail", str(args.tail),
                    "--capped-tail", str(args.capped_tail), "--limit", str(args.limit)]  # fmt: skip
         command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
-        command += ["--trace", "--log-dir", args.log_dir] if args.trace else []
+        command += ["--trace", args.trace, "--log-dir", args.log_dir] if args.trace else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
             command,
@@ -532,9 +530,10 @@ def main():
         "the session's first prompt (first). cProfile counts the main thread only up to Python 3.11; from 3.12 on (the "
         "H200's) every thread, the warm-up's too",
     )
-    parser.add_argument("--trace", action="store_true",
-                        help="torch.profiler over prompts 3 and 4: a session_trace line each (GPU busy and idle, "
-                        "what the host was in while the GPU waited); a Chrome trace in --log-dir")  # fmt: skip
+    parser.add_argument("--trace", nargs="?", const="2,3", default="", metavar="I,J",
+                        help="torch.profiler over the prompts numbered I, J (from 0; default 2,3): a session_trace "
+                        "line each (GPU busy and idle, what the host was in while the GPU waited); the first's Chrome "
+                        "trace in --log-dir")  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         args.steps = min(args.steps, 2)
