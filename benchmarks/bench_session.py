@@ -157,7 +157,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         )
         profiler = cProfile.Profile() if profiled else None
         traced_at = [int(i) for i in args.trace.split(",") if i]
-        tracer = torch_tracer(device) if index in traced_at else contextlib.nullcontext()
+        tracer = torch_tracer(device, args.trace_stack) if index in traced_at else contextlib.nullcontext()
         started = time.perf_counter()
         try:
             if profiler is not None:
@@ -247,11 +247,11 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
     return out
 
 
-def torch_tracer(device):
+def torch_tracer(device, stack: bool):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, with_stack=stack)
 
 
 def labelled_nodes(classes: dict) -> dict:
@@ -453,6 +453,7 @@ def orchestrate(args) -> int:
                    "--capped-tail", str(args.capped_tail), "--limit", str(args.limit)]  # fmt: skip
         command += ["--profile", args.profile, "--log-dir", args.log_dir] if args.profile else []
         command += ["--trace", args.trace, "--log-dir", args.log_dir] if args.trace else []
+        command += ["--trace-stack"] if args.trace_stack else []
         command += ["--tiny"] if args.tiny else []
         returncode = stream_child(
             command,
@@ -534,6 +535,11 @@ def main():
                         help="torch.profiler over the prompts numbered I, J (from 0; default 2,3): a session_trace "
                         "line each (GPU busy and idle, what the host was in while the GPU waited); the first's Chrome "
                         "trace in --log-dir")  # fmt: skip
+    parser.add_argument(
+        "--trace-stack",
+        action="store_true",
+        help="with --trace: Python frames in the Chrome trace too (what the host ran between ops)",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.steps = min(args.steps, 2)

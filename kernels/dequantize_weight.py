@@ -20,12 +20,12 @@ and `warm_up` makes them ready after a compile, a launch and a bit-for-bit check
 up (QWEN21_KERNEL_WARMUP=0, tests, benchmarks) compiles on its first call, synchronously, and is ready after it.
 A failed compile, launch or check is logged once and keeps torch's expression for that key.
 
-When it serves (`QWEN21_DEQUANT_KERNEL`): by default for layers multiplying at least KERNEL_MIN_ROWS activation
-rows. On the H200 (`bash benchmarks/h200.sh te-dequant`, BENCHMARKS "Text encoder") the fp8 Qwen3-VL-8B's changed-
-prompt encode took 1.165x less time with it at 1131 tokens (one condition image) and 1.374x less at 4221 (four), but
-0.935x at 101 tokens, a text prompt: there the encode is bound by the host's launches, and Triton's one launch costs
-more than torch's three; the layer alone (4096x12288, 128 rows) dequantised and multiplied 5.135x faster. "1" uses it
-at every row count, "0" never (the warm-up then skips it).
+When it serves (`QWEN21_DEQUANT_KERNEL`): by default at every row count. On the H200 (`python
+benchmarks/bench_text_encoder.py --dequant --no-reference --repeats 7`, BENCHMARKS "Text encoder") the fp8
+Qwen3-VL-8B's changed-prompt encode took 1.469x less time with it at 101 tokens (a text prompt), 1.103x at 1131 (one
+condition image) and 1.115x at 4221 (four); the layer alone (4096x12288, 128 rows) dequantised and multiplied 5.19x
+faster. (Before kernels/launch.py's direct launch, a text prompt's encode was bound by the host's launches and the
+kernel lost there, 0.935x; it then served from 512 rows only.) "0" turns it off (the warm-up then skips it).
 """
 
 from __future__ import annotations
@@ -134,18 +134,11 @@ _lock = threading.Lock()
 
 
 KERNEL_ENV = "QWEN21_DEQUANT_KERNEL"
-KERNEL_MIN_ROWS = 512  # by default, below this many activation rows torch's expression serves (see the docstring)
-
-
-def kernel_setting() -> str:
-    """ "auto" (by row count), "always" or "never", from QWEN21_DEQUANT_KERNEL ("1" / "0"; anything else: auto)."""
-    raw = os.environ.get(KERNEL_ENV, "").strip()
-    return {"1": "always", "0": "never"}.get(raw, "auto")
 
 
 def kernel_enabled() -> bool:
-    """Whether the kernel may serve at all (and so is worth a warm-up compile)."""
-    return kernel_setting() != "never"
+    """Whether the kernel may serve (and so is worth a warm-up compile): unless QWEN21_DEQUANT_KERNEL is "0"."""
+    return os.environ.get(KERNEL_ENV, "").strip() != "0"
 
 
 def _key(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[str, torch.dtype, torch.dtype]:
@@ -193,7 +186,7 @@ def warm_up(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
         return False
 
 
-def _serves(q: torch.Tensor, out_dtype: torch.dtype, rows: int | None = None) -> bool:
+def _serves(q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     if not triton_runs_on(q.device) or q.dtype not in STORAGE_DTYPES or out_dtype not in OUT_DTYPES:
         return False
     if q.dim() != 2 or q.shape[1] % ALIGNMENT or q.data_ptr() % ALIGNMENT or not q.is_contiguous():
@@ -201,8 +194,7 @@ def _serves(q: torch.Tensor, out_dtype: torch.dtype, rows: int | None = None) ->
     key = _key(q.device, q.dtype, out_dtype)
     if key in _forced:
         return _forced[key]
-    setting = kernel_setting()
-    if setting == "never" or (setting == "auto" and rows is not None and rows < KERNEL_MIN_ROWS):
+    if not kernel_enabled():
         return False
     state = _states.get(key)
     if state is None:  # nobody warms this key up: compile now, unless a CUDA graph is being captured
@@ -210,12 +202,11 @@ def _serves(q: torch.Tensor, out_dtype: torch.dtype, rows: int | None = None) ->
     return state == _READY
 
 
-def dequantize_for_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                          rows: int | None = None) -> torch.Tensor:  # fmt: skip
-    """`dequantize_weight_fast(q, scale, dtype)` where the kernel is ready for (q's device, q's dtype, dtype) and
-    pays off for `rows` activation rows (None: any), torch's expression elsewhere (fewer rows, a key being warmed up,
-    one that failed, CPU): the same bits, never a wait."""
-    if not _serves(q, dtype, rows) or scale.dtype != torch.float32 or scale.data_ptr() % ALIGNMENT or q.numel() == 0:
+def dequantize_for_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_weight_fast(q, scale, dtype)` where the kernel is ready for (q's device, q's dtype, dtype), torch's
+    expression elsewhere (a key being warmed up, one that failed, the kernel turned off, CPU): the same bits, never a
+    wait."""
+    if not _serves(q, dtype) or scale.dtype != torch.float32 or scale.data_ptr() % ALIGNMENT or q.numel() == 0:
         return dequantize_weight_reference(q, scale, dtype)
     key = _key(q.device, q.dtype, dtype)
     if ready(q.device, q.dtype, dtype):

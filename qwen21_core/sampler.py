@@ -262,6 +262,8 @@ class Sampler:
         h, w = target_shape
         sigmas = sigmas.to(device)
         timesteps = timesteps.to(device)
+        # moved once: a copy from pageable host memory at every step's denormalize made the host wait for the GPU
+        self.mean, self.std = self.mean.to(device), self.std.to(device)
 
         x = noise.to(device)
         if start is not None:

@@ -162,7 +162,9 @@ class Block(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        return any(isinstance(layer, QuantLinear) for layer in self.linears().values())
+        # read twice per block and step: direct attributes, not linears()' submodule lookups
+        attn, mlp = self.attn, self.img_mlp
+        return any(isinstance(layer, QuantLinear) for layer in (attn.to_qkv, attn.to_out, mlp.gate_up, mlp.out))
 
     def _qkv(self, x, scale1, fns):
         """[B, S, D] -> [B, S, 3, H, head_dim] (a view of one GEMM)."""
@@ -204,6 +206,8 @@ class Block(nn.Module):
         del q
         if split is not None:
             attn = split.to_tokens(attn)
+        if x.shape[1] <= PREFILL_ROW_CHUNK:
+            return self._finish(x, attn, mod0, EAGER)
         # rows are independent after attention: chunk them so huge prefixes stay in bounded memory
         out = torch.empty_like(x)
         for start in range(0, x.shape[1], PREFILL_ROW_CHUNK):

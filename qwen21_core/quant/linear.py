@@ -148,18 +148,18 @@ class QuantLinear(nn.Module):
         return linear_epilogue(out.data, row_scale=out.row_scale, col_scale=out.col_scale, residual=residual, gate=gate,
                                rows_per_batch=rows_per_batch)  # fmt: skip
 
-    def dequantized_weight(self, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The stored (rotated, for ConvRot) weight in `dtype`: for the weight-only path. q * scale in fp32, rounded
-        once to `dtype`: on CUDA one kernel (kernels/dequantize_weight.py) once it is compiled and where it pays off
-        for `rows` activation rows, torch's expression elsewhere and on the CPU, with the same bits."""
+        once to `dtype`: on CUDA one kernel (kernels/dequantize_weight.py) once it is compiled, torch's expression
+        until then and on the CPU, with the same bits."""
         if self.qweight.is_cuda:
-            return dequantize_for_linear(self.qweight, self.weight_scale, dtype, rows)
+            return dequantize_for_linear(self.qweight, self.weight_scale, dtype)
         return dequantize_weight_reference(self.qweight, self.weight_scale, dtype)
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.rotation:
             x = rotate(x.float(), self.fmt.rotation).to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype, rows=x.numel() // x.shape[-1]))
+        return F.linear(x, self.dequantized_weight(x.dtype))
 
     def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in the original (unrotated) basis, for checks and for LoRA merges of dequantised copies."""

@@ -187,6 +187,7 @@ class Qwen21TextEncoder:
         self._im_start_id = self._special_token_id(IM_START)
         self._image_pad_id = self._special_token_id(IMAGE_PAD)
         self._identity: str | None = None
+        self._largest_weight_only: int | None = None  # elements of the biggest weight-only Linear (activation_bytes)
 
     def _special_token_id(self, token: str) -> int:
         tokenizer = self.processor.tokenizer
@@ -254,8 +255,11 @@ class Qwen21TextEncoder:
         product and the bf16 result, alive together while the layer runs: torch's expression, which serves until the
         dequantisation kernel is compiled; the kernel writes the result only)."""
         element = self._text_model.embed_tokens.weight.element_size()
-        weight_only = [m for m in self.model.modules() if isinstance(m, QuantLinear) and not m.quantize_activations]
-        dequantised = max((layer.in_features * layer.out_features for layer in weight_only), default=0)
+        if self._largest_weight_only is None:  # asked at every encode; the encoder's Linears are fixed once built
+            sizes = [m.in_features * m.out_features for m in self.model.modules()
+                     if isinstance(m, QuantLinear) and not m.quantize_activations]  # fmt: skip
+            self._largest_weight_only = max(sizes, default=0)
+        dequantised = self._largest_weight_only
         return int(tokens) * ACTIVATION_VECTORS_PER_TOKEN * self.hidden_size * element + dequantised * (4 + element)
 
     def estimated_tokens(self, prompt: str, num_images: int, output_resolution: int) -> int:
