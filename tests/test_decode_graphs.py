@@ -381,27 +381,48 @@ def test_compiled_and_eager_blocks_never_share_a_graph(model):
     assert graphs.key_for(layout, 1, "auto", "positive") == eager_key
 
 
-def test_a_gpu_bound_first_generation_stays_eager_and_the_next_one_captures(model):
+def _generation(graphs, layout, prompt: str, seed: int, model, steps=(0.9, 0.5)):
+    """One generation as the sampler runs it: prefilled, its prefix named (`cache.prefix_id`), stepped, released.
+    Every step is checked against eager decode."""
+    branch = _prefilled(graphs, layout, seed=seed)
+    branch.cache.prefix_id = prompt
+    x = torch.randn(1, 16, CHANNELS, generator=torch.Generator().manual_seed(seed))
+    for t in steps:
+        tt = torch.full((1,), t)
+        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
+    status = graphs.describe()
+    graphs.release(branch)
+    graphs.end_generation()
+    return branch, status
+
+
+def test_a_gpu_bound_key_stays_eager_until_the_same_prompt_comes_again(model):
     """A new key whose step the GPU bounds (the host's share of it below `launch_bound_share`) is not worth a
-    capture's warm-up and recording in its first generation: it decodes eagerly, and a later generation with the
-    same key (a new seed) captures and replays."""
+    capture: its first generation decodes eagerly. A changed prompt of the same length (same key, another prefix)
+    stays eager too (on the H200 its capture cost about 90 ms and bought nothing); the same prompt again (a new seed)
+    captures and replays, and its graph entry keeps the prefix for the runs after it."""
     recorder = Recorder()
     graphs = DecodeGraphs(model, capture=recorder, launch_bound_share=1.5)  # no step reaches 1.5: GPU-bound
     layout = _layout()
-    x = torch.randn(1, 16, CHANNELS)
-    branch = _prefilled(graphs, layout)
-    for t in (0.9, 0.5, 0.2):
-        tt = torch.full((1,), t)
-        assert torch.equal(graphs(branch, x * t, tt), model.decode(branch, x * t, tt))
-    assert recorder.captures == 0 and branch.first_sight == "gpu_bound"
-    assert "decoded eagerly" in graphs.describe()
-    graphs.release(branch)
-    graphs.end_generation()
-    again = _prefilled(graphs, layout, seed=1)
-    for t in (0.9, 0.5):
-        tt = torch.full((1,), t)
-        assert torch.equal(graphs(again, x * t, tt), model.decode(again, x * t, tt))
-    assert recorder.captures == 1 and graphs.describe() == "replay"
+    first, status = _generation(graphs, layout, "prompt A", 0, model, steps=(0.9, 0.5, 0.2))
+    assert recorder.captures == 0 and first.first_sight == "gpu_bound" and "decoded eagerly" in status
+    _branch, status = _generation(graphs, layout, "prompt B", 1, model)  # changed prompt, same length
+    assert recorder.captures == 0 and "prompt is not the last one of its length" in status
+    _branch, status = _generation(graphs, layout, "prompt B", 2, model)  # the same prompt, a new seed
+    assert recorder.captures == 1 and status == "replay"
+    entry = graphs.entries[graphs.key_for(layout, 1, "auto", "positive")]
+    assert entry.branch.cache.prefix_id == "prompt B"  # kept with the entry: the next rerun skips the prefill
+
+
+def test_a_prefix_without_a_name_never_counts_as_the_same_prompt(model):
+    """Without a prefix id (prefix cache off, or a conditioning with no content hash) nothing tells a rerun from a
+    changed prompt: a GPU-bound key then stays eager."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder, launch_bound_share=1.5)
+    layout = _layout()
+    for seed in range(3):
+        _generation(graphs, layout, None, seed, model)
+    assert recorder.captures == 0
 
 
 def test_a_launch_bound_key_is_timed_at_its_second_step_and_captures_at_its_third(model):

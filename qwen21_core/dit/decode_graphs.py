@@ -14,10 +14,13 @@ Bookkeeping rules:
   generation runs eagerly and times one step: if the host spent at least `launch_bound_share` of the step's wall
   time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against 56.63 ms
   eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the step, a
-  graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"), and the whole generation stays
-  eager; the key is captured when a later generation meets it again (a new seed, a batch). A capture costs a warm-up
-  step and the capture itself, which every changed prompt of a new length used to pay. Two things read as host time
-  and are kept out of the measure:
+  graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"; 8-step turbo images sampled in
+  0.6 s either way), and the whole generation stays eager. The verdict is remembered with the key: a later
+  generation captures only if it runs the same prompt again (the same prefix, a new seed), where the kept graph
+  entry also keeps the prefix K/V for the runs after it; a changed prompt that happens to have a length met before
+  stays eager (its capture cost about 90 ms and bought nothing: 8-step turbo images 0.69 s against 0.6 s,
+  BENCHMARKS "Session"). A capture costs a warm-up step and the capture itself. Two things read as host time and
+  are kept out of the measure:
   - a key's first step carries one-time costs (the process's first launches and lazy library set-up, a new shape's
     first GEMM heuristics and allocations): it is only run, and the key's second step is timed. Timing the first
     made the first image of every process capture a GPU-bound 1024^2 step, and every first 1536^2 image capture;
@@ -66,7 +69,11 @@ LAUNCH_BOUND_SHARE = 0.9
 SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
 GPU_BOUND_REASON = (
     "first generation of this shape and prompt length, and the GPU (not the host's launches) "
-    "bounds a step: decoded eagerly, captured if the shape comes again"
+    "bounds a step: decoded eagerly, captured if the same prompt comes again (a new seed)"
+)
+GPU_BOUND_AGAIN_REASON = (
+    "the GPU bounds this shape's step and the prompt is not the last one of its length: decoded eagerly (a capture "
+    "would cost about a step and gain nothing), captured if the same prompt comes again"
 )
 
 
@@ -169,7 +176,8 @@ class DecodeGraphs:
     capture: object = cuda_graph_capture  # swapped in tests
     launch_bound_share: float = LAUNCH_BOUND_SHARE  # 0: capture every key at its first step
     entries: OrderedDict = field(default_factory=OrderedDict)
-    seen: OrderedDict = field(default_factory=OrderedDict)  # keys earlier generations decoded without an entry
+    # keys earlier generations decoded without an entry -> (their verdict, the prefix they ran: cache.prefix_id)
+    seen: OrderedDict = field(default_factory=OrderedDict)
     host_shares: list = field(default_factory=list)  # shares of the current generation's steps that gave a verdict
     reasons: list = field(default_factory=list)  # fallback reasons of the current generation
     replays: int = 0  # steps the current generation replayed (describe() reports this generation, not earlier ones)
@@ -248,7 +256,7 @@ class DecodeGraphs:
             entry.in_use = False
             return
         if key is not None:
-            self.seen[key] = True
+            self.seen[key] = (branch.first_sight, None if branch.cache is None else branch.cache.prefix_id)
             self.seen.move_to_end(key)
             while len(self.seen) > SEEN_KEYS_KEPT:
                 self.seen.popitem(last=False)
@@ -333,14 +341,29 @@ class DecodeGraphs:
         if reason is not None:
             self._note(reason)
             return None
-        if key not in self.seen and self.launch_bound_share > 0:  # first generation with this key: capture only
-            # if launches bound the step (a share of 0 captures every key at once)
+        if self.launch_bound_share > 0:  # (a share of 0 captures every key at once)
+            decision = self._capture_decision(key, branch)
+            if decision is not True:
+                return decision
+        return self._capture_new(key, branch)
+
+    def _capture_decision(self, key, branch: Branch):
+        """For a key with no entry: True (capture now), None (decode eagerly) or _MEASURE (time a step first)."""
+        earlier = self.seen.get(key)
+        if earlier is None:  # first generation with this key: capture only if launches bound its step
             verdict = branch.first_sight
             if verdict is None:
                 return _MEASURE
-            if verdict == "gpu_bound":
-                return None
-        return self._capture_new(key, branch)
+            return True if verdict == "launch_bound" else None
+        verdict, prefix = earlier
+        same_prompt = (
+            branch.cache is not None and branch.cache.prefix_id is not None and branch.cache.prefix_id == prefix
+        )
+        if verdict == "gpu_bound" and not same_prompt:
+            branch.first_sight = verdict  # what this generation runs on, remembered again at its release
+            self._note(GPU_BOUND_AGAIN_REASON)
+            return None
+        return True
 
     def _step_before_verdict(self, branch: Branch, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """An eager step, timed: the host's share of its wall time decides whether this generation captures. A key's
