@@ -26,7 +26,9 @@ def gpu_timeline(profiler, top: int = 12) -> dict:
         if event.name.startswith(LABELS):
             if event.device_type.name == "CPU":
                 ranges.append((start, end, event.name))
-            continue  # the GPU-side copy of a user annotation is not work
+            continue
+        if getattr(event, "is_user_annotation", False):
+            continue  # the GPU-side copy of any annotation (ours above, torch.compile's regions) is not work
         if event.device_type.name == "CUDA":
             work.append((start, end, event.name))
     if not work:

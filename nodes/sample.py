@@ -153,8 +153,8 @@ class Qwen21Sampler:
                         "prefill. A new size pays a capture of 0.1 s (512x512) to 1.9 s (2048x2048) "
                         "(BENCHMARKS: DiT), so a shape and prompt length met for the first time is captured at "
                         "once only where launches bound the step; elsewhere that image runs eagerly and the "
-                        "capture waits until the same prompt comes again (a new seed). Under ComfyUI's default "
-                        "cudaMallocAsync allocator graphs need the pack's direct kernel launch (Triton 3.6 to 3.8) "
+                        "capture waits until the same prompt comes again (a new seed, prefix_cache on). Under "
+                        "ComfyUI's default cudaMallocAsync allocator graphs need the pack's direct kernel launch (Triton 3.6 to 3.8) "
                         "and resident blocks; elsewhere the step runs eagerly and the status says why "
                         "(--disable-cuda-malloc lifts the allocator's limits).",
                     },

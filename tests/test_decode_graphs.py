@@ -414,6 +414,21 @@ def test_a_gpu_bound_key_stays_eager_until_the_same_prompt_comes_again(model):
     assert entry.branch.cache.prefix_id == "prompt B"  # kept with the entry: the next rerun skips the prefill
 
 
+def test_a_generation_without_a_verdict_keeps_the_earlier_one(model):
+    """A generation interrupted before its timed step (or one whose every timed step was deferred while the warm-up
+    ran) reaches no verdict; the key keeps the GPU-bound verdict an earlier one reached, so the next changed prompt of
+    that length still decodes eagerly instead of capturing."""
+    recorder = Recorder()
+    graphs = DecodeGraphs(model, capture=recorder, launch_bound_share=1.5)
+    layout = _layout()
+    _generation(graphs, layout, "prompt A", 0, model)
+    _generation(graphs, layout, "prompt B", 1, model, steps=())  # interrupted before its first step
+    key = graphs.key_for(layout, 1, "auto", "positive")
+    assert graphs.seen[key] == ("gpu_bound", "prompt B")
+    _generation(graphs, layout, "prompt C", 2, model)
+    assert recorder.captures == 0
+
+
 def test_a_prefix_without_a_name_never_counts_as_the_same_prompt(model):
     """Without a prefix id (prefix cache off, or a conditioning with no content hash) nothing tells a rerun from a
     changed prompt: a GPU-bound key then stays eager."""

@@ -16,11 +16,12 @@ Bookkeeping rules:
   eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the step, a
   graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"; 8-step turbo images sampled in
   0.6 s either way), and the whole generation stays eager. The verdict is remembered with the key: a later
-  generation captures only if it runs the same prompt again (the same prefix, a new seed), where the kept graph
-  entry also keeps the prefix K/V for the runs after it; a changed prompt that happens to have a length met before
-  stays eager (its capture cost about 90 ms and bought nothing: 8-step turbo images 0.69 s against 0.6 s,
-  BENCHMARKS "Session"). A capture costs a warm-up step and the capture itself. Two things read as host time and
-  are kept out of the measure:
+  generation captures only if it runs the same prompt again (the same prefix id, a new seed: only with the prefix
+  cache on, which names a generation's prefix), where the kept graph entry also keeps the prefix K/V for the runs
+  after it; a changed prompt that happens to have a length met before stays eager (its capture cost about 90 ms and
+  bought nothing: 8-step turbo images 0.69 s against 0.6 s, BENCHMARKS "Session"). A generation that reached no
+  verdict (interrupted, or every timed step deferred) keeps the earlier one. A capture costs a warm-up step and the
+  capture itself. Two things read as host time and are kept out of the measure:
   - a key's first step carries one-time costs (the process's first launches and lazy library set-up, a new shape's
     first GEMM heuristics and allocations): it is only run, and the key's second step is timed. Timing the first
     made the first image of every process capture a GPU-bound 1024^2 step, and every first 1536^2 image capture;
@@ -69,11 +70,11 @@ LAUNCH_BOUND_SHARE = 0.9
 SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
 GPU_BOUND_REASON = (
     "first generation of this shape and prompt length, and the GPU (not the host's launches) "
-    "bounds a step: decoded eagerly, captured if the same prompt comes again (a new seed)"
+    "bounds a step: decoded eagerly, captured if the same prompt comes again (a new seed, prefix cache on)"
 )
 GPU_BOUND_AGAIN_REASON = (
     "the GPU bounds this shape's step and the prompt is not the last one of its length: decoded eagerly (a capture "
-    "would cost about a step and gain nothing), captured if the same prompt comes again"
+    "would cost about a step and gain nothing), captured if the same prompt comes again (prefix cache on)"
 )
 
 
@@ -256,7 +257,10 @@ class DecodeGraphs:
             entry.in_use = False
             return
         if key is not None:
-            self.seen[key] = (branch.first_sight, None if branch.cache is None else branch.cache.prefix_id)
+            # a generation with no verdict (interrupted before its timed step, or every step deferred while the
+            # warm-up ran) keeps the one an earlier generation reached
+            verdict = branch.first_sight or self.seen.get(key, (None, None))[0]
+            self.seen[key] = (verdict, None if branch.cache is None else branch.cache.prefix_id)
             self.seen.move_to_end(key)
             while len(self.seen) > SEEN_KEYS_KEPT:
                 self.seen.popitem(last=False)
@@ -324,7 +328,8 @@ class DecodeGraphs:
             return async_allocator_blocker(self.transformer.compiled, bool(self.transformer.streaming_signature()))
         return None
 
-    def _entry_for(self, branch: Branch) -> _Entry | None:
+    def _entry_for(self, branch: Branch):
+        """The branch's entry (captured now if due), None (decode eagerly) or _MEASURE (a timed eager step)."""
         key = getattr(branch, "graph_key", None)
         if key is None:
             return None
@@ -349,13 +354,12 @@ class DecodeGraphs:
 
     def _capture_decision(self, key, branch: Branch):
         """For a key with no entry: True (capture now), None (decode eagerly) or _MEASURE (time a step first)."""
-        earlier = self.seen.get(key)
-        if earlier is None:  # first generation with this key: capture only if launches bound its step
+        verdict, prefix = self.seen.get(key, (None, None))
+        if verdict is None:  # no earlier verdict for this key: capture only if launches bound this generation's step
             verdict = branch.first_sight
             if verdict is None:
                 return _MEASURE
             return True if verdict == "launch_bound" else None
-        verdict, prefix = earlier
         same_prompt = (
             branch.cache is not None and branch.cache.prefix_id is not None and branch.cache.prefix_id == prefix
         )
