@@ -154,9 +154,9 @@ class Qwen21Sampler:
                         "(BENCHMARKS: DiT), so a shape and prompt length met for the first time is captured at "
                         "once only where launches bound the step; elsewhere that image runs eagerly and the "
                         "capture waits until the same prompt comes again (a new seed, prefix_cache on). Under "
-                        "ComfyUI's default cudaMallocAsync allocator graphs need the pack's direct kernel launch (Triton 3.6 to 3.8) "
-                        "and resident blocks; elsewhere the step runs eagerly and the status says why "
-                        "(--disable-cuda-malloc lifts the allocator's limits).",
+                        "ComfyUI's default cudaMallocAsync allocator graphs need the pack's direct kernel launch "
+                        "(Triton 3.6 to 3.8) and resident blocks; elsewhere the step runs eagerly and the status says "
+                        "why (--disable-cuda-malloc lifts the allocator's limits).",
                     },
                 ),
                 "kv_cache": (
