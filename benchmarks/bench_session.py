@@ -140,6 +140,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     if args.trace:
         classes = labelled_nodes(classes)
     node_cache = OutputCache()  # one per session, as a ComfyUI server keeps one
+    traced_at = [int(i) for i in args.trace.split(",") if i]
     seen, rows, profiles = {}, [], []
     kind = dict(precision=precision, cap_gib=cap, kernel_cache=cache)
     for index, spec in enumerate(specs):
@@ -156,7 +157,6 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             or (args.profile == "first" and index == 0)
         )
         profiler = cProfile.Profile() if profiled else None
-        traced_at = [int(i) for i in args.trace.split(",") if i]
         tracer = torch_tracer(device, args.trace_stack) if index in traced_at else contextlib.nullcontext()
         started = time.perf_counter()
         try:
@@ -200,7 +200,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         emit(**row)
         rows.append(row)
         if not isinstance(tracer, contextlib.nullcontext):
-            emit(**traced(tracer, kind, row, args, first=index == traced_at[0]))
+            emit(**traced(tracer, kind, row, args, first=index == min(traced_at)))
     warmup = handle.pipe.kernel_warmup
     out = summary(rows, kind, load_s, warmup)
     references = handle.pipe.references
@@ -533,8 +533,8 @@ def main():
     )
     parser.add_argument("--trace", nargs="?", const="2,3", default="", metavar="I,J",
                         help="torch.profiler over the prompts numbered I, J (from 0; default 2,3): a session_trace "
-                        "line each (GPU busy and idle, what the host was in while the GPU waited); the first's Chrome "
-                        "trace in --log-dir")  # fmt: skip
+                        "line each (GPU busy and idle, what the host was in while the GPU waited); the earliest one's "
+                        "Chrome trace in --log-dir")  # fmt: skip
     parser.add_argument(
         "--trace-stack",
         action="store_true",

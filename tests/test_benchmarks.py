@@ -215,9 +215,9 @@ def test_bench_session_small_runs_changed_512_prompts_and_reports_the_decode_gra
 
 
 def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
-    """--trace: torch.profiler over prompts 3 and 4, one session_trace line each, every prompt's SaveImage time in
-    its line, and the first traced prompt's Chrome trace with the node and sampler ranges in it (on the CPU there is
-    no GPU work to split into busy and idle, and the line says so)."""
+    """--trace: torch.profiler over prompts 2 and 3 (numbered from 0), one session_trace line each, every prompt's
+    SaveImage time in its line, and the first traced prompt's Chrome trace with the node and sampler ranges in it (on
+    the CPU there is no GPU work to split into busy and idle, and the line says so)."""
     by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--turbo", "--tail", "0", "--trace",
                      "--log-dir", str(tmp_path))  # fmt: skip
     traces = by_what["session_trace"]
@@ -231,11 +231,11 @@ def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
             "qwen21 step"} <= names  # fmt: skip
 
 
-def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in():
+def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in(monkeypatch):
     """benchmarks/_trace.py on a made-up trace: busy is the union of GPU work (overlaps counted once), a gap goes to
     the innermost labelled ranges the host was in while it lasted, short gaps are only summed, and the GPU side of a
     user annotation is not work."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from types import SimpleNamespace
 
     from _trace import gpu_timeline
