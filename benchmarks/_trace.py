@@ -13,8 +13,18 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import torch
+
 LABELS = ("node ", "qwen21 ")
 MIN_GAP_US = 200.0  # shorter gaps are launch latency between kernels: summed, not listed
+
+
+def tracer(device, stack: bool = False):
+    """A torch.profiler over the host and, on CUDA, the GPU; `stack`: Python frames too."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, with_stack=stack)
 
 
 def gpu_timeline(profiler, top: int = 12) -> dict:

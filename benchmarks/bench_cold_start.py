@@ -294,14 +294,11 @@ def launch_overhead(args, device):
 def trace_prefills(models: dict, branches: dict, embeds, cond, device, repeats: int = 3) -> None:
     """--trace: torch.profiler over a few prefills of each format (the direct launch path where it is active): the
     host ops by own time and how much of the wall time the GPU was busy."""
-    from _trace import gpu_timeline, top_host_ops
+    from _trace import gpu_timeline, top_host_ops, tracer
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     for fmt, model in models.items():
         sync(device)
-        with torch.profiler.profile(activities=activities) as profiler:
+        with tracer(device) as profiler:
             for _ in range(repeats):
                 with torch.profiler.record_function("qwen21 prefill"):
                     model.prefill(branches[fmt], embeds, cond)

@@ -126,6 +126,7 @@ def session_prompt(spec: dict, index: int, args, lora_name: str | None, text_ind
 
 def run_session(handle, precision, cap, cache, args, device, output_dir, lora_name, specs: list[dict],
                 fresh: bool) -> None:  # fmt: skip
+    from _trace import tracer as torch_tracer
     from bench_e2e import cap_memory, classes_with, reset
     from qwen21_nodes.nodes import host
     from qwen21_nodes.runner.graph import OutputCache, execute
@@ -245,13 +246,6 @@ def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
         out["warmup_parts_s"] = warmup.seconds
         out["warmup_failures"] = warmup.failures
     return out
-
-
-def torch_tracer(device, stack: bool):
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, with_stack=stack)
 
 
 def labelled_nodes(classes: dict) -> dict:
