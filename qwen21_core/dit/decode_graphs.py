@@ -84,6 +84,11 @@ THREAD_CLOCK_FINE = sys.platform != "win32"
 _MEASURE = object()  # _entry_for's answer for a first-seen key's steps before its verdict: eager, one of them timed
 
 
+def _prefix_id(branch: Branch):
+    """What the branch's prefix holds (set by the sampler with the prefix cache on), or None."""
+    return None if branch.cache is None else branch.cache.prefix_id
+
+
 @dataclass
 class _Entry:
     key: tuple
@@ -260,7 +265,7 @@ class DecodeGraphs:
             # a generation with no verdict (interrupted before its timed step, or every step deferred while the
             # warm-up ran) keeps the one an earlier generation reached
             verdict = branch.first_sight or self.seen.get(key, (None, None))[0]
-            self.seen[key] = (verdict, None if branch.cache is None else branch.cache.prefix_id)
+            self.seen[key] = (verdict, _prefix_id(branch))
             self.seen.move_to_end(key)
             while len(self.seen) > SEEN_KEYS_KEPT:
                 self.seen.popitem(last=False)
@@ -360,11 +365,8 @@ class DecodeGraphs:
             if verdict is None:
                 return _MEASURE
             return True if verdict == "launch_bound" else None
-        same_prompt = (
-            branch.cache is not None and branch.cache.prefix_id is not None and branch.cache.prefix_id == prefix
-        )
-        if verdict == "gpu_bound" and not same_prompt:
-            branch.first_sight = verdict  # what this generation runs on, remembered again at its release
+        same_prompt = prefix is not None and _prefix_id(branch) == prefix
+        if verdict == "gpu_bound" and not same_prompt:  # its release keeps this verdict (it reaches none itself)
             self._note(GPU_BOUND_AGAIN_REASON)
             return None
         return True

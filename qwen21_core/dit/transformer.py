@@ -148,6 +148,7 @@ def attention_out_and_mlp(x, attn, gate1, scale2, gate2, w_out, w_gate_up, w_dow
 
 # The block's Linears that may be quantised, by their path inside a block.
 QUANTIZABLE = ("attn.to_qkv", "attn.to_out", "img_mlp.gate_up", "img_mlp.out")
+_QUANTIZABLE_PARTS = tuple(tuple(name.split(".")) for name in QUANTIZABLE)  # (child, grandchild): plain getattrs
 
 
 class Block(nn.Module):
@@ -162,9 +163,8 @@ class Block(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        # read twice per block and step: direct attributes, not linears()' submodule lookups
-        attn, mlp = self.attn, self.img_mlp
-        return any(isinstance(layer, QuantLinear) for layer in (attn.to_qkv, attn.to_out, mlp.gate_up, mlp.out))
+        # read twice per block and step: attribute reads, not linears()' get_submodule walks
+        return any(isinstance(getattr(getattr(self, a), b), QuantLinear) for a, b in _QUANTIZABLE_PARTS)
 
     def _qkv(self, x, scale1, fns):
         """[B, S, D] -> [B, S, 3, H, head_dim] (a view of one GEMM)."""
