@@ -252,6 +252,12 @@ def launch_overhead(args, device):
                 sync(device)
                 if args.profile:
                     row["profile_tottime_top"] = profile_steps(lambda: model.decode(branch, x, t), device)
+                    row["prefill_profile_tottime_top"] = profile_steps(
+                        lambda: model.prefill(branch, embeds, cond), device
+                    )
+        graphed = prefill_graphs_setup(models, branches, layout, mask, embeds, cond, target, rows) if (
+            device.type == "cuda") else {}  # fmt: skip
+        graph_rounds: dict[str, list[float]] = {fmt: [] for fmt in graphed}
         for _ in range(args.rounds):
             for path in paths:
                 set_fast_launch(path == "direct")
@@ -259,6 +265,9 @@ def launch_overhead(args, device):
                     model, branch = models[fmt], branches[fmt]
                     prefill_rounds[(fmt, path)].append(timed(lambda: model.prefill(branch, embeds, cond), device, 5))
                     rounds[(fmt, path)].append(timed(lambda: model.decode(branch, x, t), device, 10))
+                    if fmt in graphed and path == paths[-1]:
+                        graphs, graph_branch = graphed[fmt]
+                        graph_rounds[fmt].append(timed(lambda: graphs(graph_branch, embeds, cond), device, 5))
         if args.trace:
             trace_prefills(models, branches, embeds, cond, device)
         for fmt in formats:
@@ -278,6 +287,11 @@ def launch_overhead(args, device):
         row["prefill_rounds_ms"] = [round(v, 2) for v in prefills]
         if fmt != "bf16":
             row["prefill_vs_bf16"] = _median_ratio(prefills, prefill_rounds[("bf16", path)])
+        if fmt in graph_rounds and path == paths[-1]:
+            graph_times = graph_rounds[fmt]
+            row["prefill_graph_ms"] = round(statistics.median(graph_times), 2)
+            row["prefill_graph_vs_eager"] = _median_ratio(graph_times, prefills)
+            row["prefill_graph_vs_bf16_eager"] = _median_ratio(graph_times, prefill_rounds[("bf16", path)])
         times = rounds[(fmt, path)]
         row["decode_eager_ms"] = round(statistics.median(times), 2)
         row["decode_eager_rounds_ms"] = [round(v, 2) for v in times]
@@ -289,6 +303,45 @@ def launch_overhead(args, device):
         emit(**row)
     if device.type == "cuda" and "direct" in paths:
         launch_cost(device)
+
+
+def prefill_graphs_setup(models, branches, layout, mask, embeds, cond, target, rows) -> dict:
+    """Each format's prefill graph (dit/prefill_graphs.py) at the benchmark's prompt length, seen and captured, with
+    the capture's time and whether its K/V equal the eager prefill's bit for bit, there and at a shorter prompt padded
+    into the same bucket (fields on the rows of the last launch path). -> {format: (graphs, branch)}."""
+    from qwen21_nodes.qwen21_core.dit.prefill_graphs import PrefillGraphs, bucket_for
+    from qwen21_nodes.qwen21_core.dit.sequence import build_layout
+
+    def kv(branch):
+        return torch.stack([torch.stack(branch.cache.prefix(i)) for i in range(branch.cache.shape.num_layers)])
+
+    shorter = max(1, layout.prefix_len * 3 // 4)
+    short_layout = build_layout(mask[:shorter], [], target)
+    graphed = {}
+    for fmt, model in models.items():
+        graphs = PrefillGraphs(model)
+        branch = model.new_branch(layout, 1)
+        graphs(branch, embeds, cond)  # first sight: eager
+        sync(model.device)
+        started = time.perf_counter()
+        graphs(branch, embeds, cond)  # captures, then replays
+        sync(model.device)
+        capture_ms = round((time.perf_counter() - started) * 1e3, 1)
+        model.prefill(branches[fmt], embeds, cond)
+        identical = bool(torch.equal(kv(branch), kv(branches[fmt])))
+        short_graph, short_eager = model.new_branch(short_layout, 1), model.new_branch(short_layout, 1)
+        graphs(short_graph, embeds[:shorter], cond)
+        model.prefill(short_eager, embeds[:shorter], cond)
+        short_identical = bool(torch.equal(kv(short_graph), kv(short_eager)))
+        short_graph.release()
+        short_eager.release()
+        for (row_fmt, _path), row in rows.items():
+            if row_fmt == fmt:
+                row.update(prefill_graph_bucket=bucket_for(layout.prefix_len), prefill_graph_capture_ms=capture_ms,
+                           prefill_graph_identical=identical, prefill_graph_padded_tokens=shorter,
+                           prefill_graph_padded_identical=short_identical, prefill_graph=graphs.describe())  # fmt: skip
+        graphed[fmt] = (graphs, branch)
+    return graphed
 
 
 def trace_prefills(models: dict, branches: dict, embeds, cond, device, repeats: int = 3) -> None:
@@ -354,7 +407,9 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--launch-overhead", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="with --launch-overhead: cProfile the eager steps")
+    parser.add_argument(
+        "--profile", action="store_true", help="with --launch-overhead: cProfile the eager steps and the prefills"
+    )
     parser.add_argument(
         "--trace",
         action="store_true",

@@ -359,6 +359,7 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
             row["sample_inner_s"] = stats.get("seconds")
             row["plan"] = stats.get("plan")
             row["decode_graph"] = stats.get("decode_graph")
+            row["prefill_graph"] = stats.get("prefill_graph")
             if stats.get("peak_vram_mib"):
                 row["sample_peak_gib"] = round(stats["peak_vram_mib"] / 1024, 2)
     device = server.get("/system_stats")["devices"][0]

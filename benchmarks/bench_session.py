@@ -195,6 +195,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
         stats = handle.pipe.last_sample_stats
         row["plan"] = stats.get("plan")
         row["decode_graph"] = stats.get("decode_graph")
+        row["prefill_graph"] = stats.get("prefill_graph")
         row["branch_setup_s"] = stats.get("branch_setup_s")  # new K/V caches: pinned host RAM is slow to get
         row["text_encoder_on_gpu"] = handle.text_encoder.device_bytes() > 0
         seen[shape] = True

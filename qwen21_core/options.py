@@ -22,7 +22,8 @@ PARALLEL_MODES = ("auto", "off", "cfg", "sequence")
 class SampleOptions:
     """prefix_cache:      cache the text/condition prefix K/V after step 1 (False recomputes it every step,
                           for checking; identical results, slower).
-    decode_graphs:     replay decode steps from CUDA graphs (CUDA only; bit-identical to eager decode).
+    decode_graphs:     replay decode steps from CUDA graphs (CUDA only; bit-identical to eager decode), and with
+                       quantised blocks a text prompt's prefill too (dit/prefill_graphs.py; bit-identical K/V).
     compile_blocks:    regional torch.compile of the bf16 block math (opt-in; not bit-identical).
     attention_backend: SDPA backend, one of ATTENTION_BACKENDS ("auto" lets torch choose, but not cuDNN in the prefill,
                        whose shapes change with every prompt: dit/attention.py backend_context).

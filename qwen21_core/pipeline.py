@@ -28,13 +28,21 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
 from .dit.kv_cache import CacheShape
+from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
 from .memory.pinned_buffers import HOST_KV_BUFFERS
-from .memory.planner import SamplingPlan, device_free_bytes, host_free_bytes, indexed_device, plan_sampling
+from .memory.planner import (
+    DECODE_HEADROOM_BYTES,
+    SamplingPlan,
+    device_free_bytes,
+    host_free_bytes,
+    indexed_device,
+    plan_sampling,
+)
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
@@ -51,7 +59,6 @@ log = logging.getLogger(__name__)
 READ_LORAS_KEPT = 2
 
 SCHEDULES = ("default", "turbo")
-DECODE_HEADROOM_BYTES = 2 * 2**30  # activations of a decode step at 2048^2 stay below this (bf16)
 # Peak activations of a step beyond weights and K/V cache, in units of (tokens x inner_dim x element size):
 # 512 MiB for 4096 target tokens x 4096 channels in bf16 on the H200 (bench_dit `ours_decode_peak_extra_mib`).
 ACTIVATION_FACTOR = 16
@@ -87,6 +94,7 @@ class Qwen21Pipeline:
         self.text_encoder_device = text_encoder.device if text_encoder is not None else transformer.device
         self.vae_execution_device = next(vae.parameters()).device
         self.decode_graphs = DecodeGraphs(transformer)
+        self.prefill_graphs = PrefillGraphs(transformer)  # with decode graphs: the CUDA-graph option covers both
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
         # the pinned K/V buffers kept for the next host cache outlive a DiT's unloading, not the pipeline
         weakref.finalize(self, HOST_KV_BUFFERS.clear).atexit = False
@@ -433,6 +441,7 @@ class Qwen21Pipeline:
             options=options,
             kv_placement=plan.kv_placement,
             decode_runner=runner,
+            prefill_runner=self.prefill_graphs if runner is not None else None,
             workers=self.workers,
             lora_stack=self.lora_stack,
         )
@@ -457,12 +466,14 @@ class Qwen21Pipeline:
                 pass  # the sampler said why its steps ran eagerly
             elif runner is not None:
                 stats.decode_graph = self.decode_graphs.describe()
+                stats.prefill_graph = self.prefill_graphs.describe()
             elif not options.decode_graphs:
                 stats.decode_graph = "off: disabled"
             else:
                 stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
             self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
             self.decode_graphs.end_generation()
+            self.prefill_graphs.end_generation()
         return latents
 
     # ---- LoRA -------------------------------------------------------------------------------------
@@ -535,18 +546,19 @@ class Qwen21Pipeline:
         return self.decode_graphs.idle_cache_bytes() + kept
 
     def release_device_caches(self):
-        """Free what is tied to the DiT's place on the device: the decode graphs (they read its weights by address)
-        with their K/V caches, the workers' kept caches, cached device memory. What a memory manager runs when the
-        DiT leaves the device. Condition images seen before and the kept pinned K/V buffers stay: neither depends on
-        where the DiT is, and at a 12 GB cap, where the DiT leaves for every encode, dropping them made every edit
-        resize and VAE-encode its references again and a 4-reference edit pin its 8 GiB of host K/V again."""
-        entries = len(self.decode_graphs.entries)
+        """Free what is tied to the DiT's place on the device: the decode and prefill graphs (they read its weights
+        by address) with their K/V buffers, the workers' kept caches, cached device memory. What a memory manager runs
+        when the DiT leaves the device. Condition images seen before and the kept pinned K/V buffers stay: neither
+        depends on where the DiT is, and at a 12 GB cap, where the DiT leaves for every encode, dropping them made every
+        edit resize and VAE-encode its references again and a 4-reference edit pin its 8 GiB of host K/V again."""
+        entries = len(self.decode_graphs.entries) + len(self.prefill_graphs.entries)
         self.decode_graphs.clear()
+        self.prefill_graphs.clear()
         if self.workers is not None:
             self.workers.release()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        log.info("Qwen21 released %d decode graph entries and cached memory (weights kept)", entries)
+        log.info("Qwen21 released %d decode and prefill graph entries and cached memory (weights kept)", entries)
 
     def release(self):
         """Free everything that can be rebuilt (an out-of-memory retry): the device caches above, the condition

@@ -57,6 +57,7 @@ class SampleStats:
     cache_host_bytes: int = 0
     kv_cache: str = ""
     decode_graph: str = "off"
+    prefill_graph: str = "off"
     peak_vram_bytes: int = 0
     branch_setup_s: float = 0.0  # the host's time making the branches: K/V caches (pinned host RAM too), tables
     parallel: str = "off"  # e.g. "sequence over 2 ranks" (parallel/)
@@ -79,6 +80,7 @@ class SampleStats:
             "prefix_cache_host_mib": round(self.cache_host_bytes / 2**20, 1),
             "kv_cache": self.kv_cache,
             "decode_graph": self.decode_graph,
+            "prefill_graph": self.prefill_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
             "parallel": self.parallel,
             "ranks": self.ranks,
@@ -116,6 +118,7 @@ class Sampler:
         options: SampleOptions | None = None,
         kv_placement: str = "gpu",
         decode_runner=None,
+        prefill_runner=None,
         workers=None,
         lora_stack: tuple = (),
     ):
@@ -128,6 +131,7 @@ class Sampler:
         self.attention_backend = self.options.attention_backend
         self.kv = self.options.kv_spec(kv_placement)  # the pipeline resolves "auto" placement from free memory
         self.decode_runner = decode_runner  # e.g. the CUDA-graph manager; None = eager decode
+        self.prefill_runner = prefill_runner  # e.g. the prefill graphs (dit/prefill_graphs.py); None = eager prefill
         self.workers = workers  # a parallel.pool.WorkerPool: other devices holding the same DiT; None = this one only
         self.lora_stack = lora_stack  # ((path, identity, strength), ...) merged into the weights (for the workers)
         self.stats = SampleStats()
@@ -237,7 +241,7 @@ class Sampler:
             self.stats.prefix_cache = "reused"  # a kept cache already holds this prefix (same conditioning)
             return
         cache.prefix_id = None
-        self.transformer.prefill(branch, prompt.embeds, cond_tokens)
+        (self.prefill_runner or self.transformer.prefill)(branch, prompt.embeds, cond_tokens)
         cache.prefix_id = prefix_id
         self.stats.prefills += 1
 

@@ -232,7 +232,9 @@ def test_moved_weights_invalidate_all_entries(model, monkeypatch):
     branch = _prefilled(graphs, layout)
     graphs(branch, torch.randn(1, 16, CHANNELS), torch.full((1,), 0.5))
     graphs.release(branch)
-    monkeypatch.setattr(graphs, "_weights_signature", lambda: ("moved",))
+    from qwen21_nodes.qwen21_core.dit import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "weights_signature", lambda transformer: ("moved",))
     _prefilled(graphs, layout)
     assert not graphs.entries
     assert "weights moved" in graphs.describe()

@@ -599,10 +599,10 @@ def test_released_host_kv_buffers_are_kept_for_the_next_host_cache(monkeypatch):
 
 def test_the_dits_unloading_keeps_what_does_not_depend_on_its_place_and_a_retry_drops_all(monkeypatch):
     """At a 12 GB cap the DiT leaves the GPU for every encode, and the memory manager runs its unload callback. That
-    frees what reads the DiT's weights by address (the decode graphs, with their K/V caches) but keeps the condition
-    images seen before and the pinned K/V buffers kept for the next host cache: when it dropped them too, the H200
-    session's 12 GB edits never found a reference again and a 4-reference edit pinned its 8 GiB again. An
-    out-of-memory retry's release still drops all of them."""
+    frees what reads the DiT's weights by address (the decode and prefill graphs, with their K/V buffers) but keeps
+    the condition images seen before and the pinned K/V buffers kept for the next host cache: when it dropped them
+    too, the H200 session's 12 GB edits never found a reference again and a 4-reference edit pinned its 8 GiB again.
+    An out-of-memory retry's release still drops all of them."""
     from PIL import Image
     from qwen21_nodes.nodes.model import Qwen21Model
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module
@@ -615,6 +615,7 @@ def test_the_dits_unloading_keeps_what_does_not_depend_on_its_place_and_a_retry_
     pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what releasing touches
     cleared = []
     pipe.decode_graphs = types.SimpleNamespace(entries={}, clear=lambda: cleared.append("graphs"))
+    pipe.prefill_graphs = types.SimpleNamespace(entries={}, clear=lambda: cleared.append("prefill graphs"))
     pipe.workers = None
     pipe.references = ReferenceCache()
     pipe.references.prepare(Image.new("RGBA", (96, 64), (200, 30, 30, 255)), 64)
@@ -628,10 +629,10 @@ def test_the_dits_unloading_keeps_what_does_not_depend_on_its_place_and_a_retry_
     )  # fmt: skip
     handle = Qwen21Model(node_pipe, offload_text_encoder="auto")
     handle.transformer.released()  # what the memory manager runs once it moved the DiT off
-    assert cleared == ["graphs"]
+    assert cleared == ["graphs", "prefill graphs"]
     assert len(pipe.references._entries) == 1 and buffers.kept_bytes == 16
     pipe.release()  # an out-of-memory retry
-    assert cleared == ["graphs", "graphs"] and not pipe.references._entries and buffers.kept_bytes == 0
+    assert cleared == ["graphs", "prefill graphs"] * 2 and not pipe.references._entries and buffers.kept_bytes == 0
 
 
 @pytest.mark.gpu

@@ -145,7 +145,14 @@ def cuda_allocator_backend() -> str:
 _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _warmup_stream() -> torch.cuda.Stream:
+def weights_signature(transformer: QwenImage21Transformer) -> tuple:
+    """What a captured graph reads by address: every parameter's, and the LoRA side paths' factors (with their shapes
+    and rows, built into the graph). A change means the graphs must be captured again."""
+    side_paths = tuple(m.signature() for m in transformer.modules() if isinstance(m, LowRankSidePath))
+    return tuple(p.data_ptr() for p in transformer.parameters()), side_paths
+
+
+def warmup_stream() -> torch.cuda.Stream:
     """One side stream per device for the warm-up runs before a capture. A stream that runs a GEMM gets a cuBLAS
     workspace that lives as long as the process, so a new stream per capture leaves memory behind at every capture."""
     device = torch.cuda.current_device()
@@ -156,7 +163,7 @@ def _warmup_stream() -> torch.cuda.Stream:
 
 def cuda_graph_capture(decode, static_x, static_t):
     """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
-    stream = _warmup_stream()
+    stream = warmup_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
@@ -202,13 +209,8 @@ class DecodeGraphs:
             self._logged.add(reason)
             log.info("decode graphs: %s; decoding eagerly", reason)
 
-    def _weights_signature(self) -> tuple:
-        # LoRA side paths too: a graph reads their factors by address and has their shapes and rows built in
-        side_paths = tuple(m.signature() for m in self.transformer.modules() if isinstance(m, LowRankSidePath))
-        return tuple(p.data_ptr() for p in self.transformer.parameters()), side_paths
-
     def _check_weights(self):
-        signature = self._weights_signature()
+        signature = weights_signature(self.transformer)
         if self._weights is not None and signature != self._weights and self.entries:
             self._note("weights moved since capture (model offloaded/reloaded): graphs rebuilt")
             self.clear()

@@ -198,6 +198,25 @@ class PrefixKVCache:
         else:
             self._encode(self._parts(flat))
 
+    def store_padded_prefix(self, kv: torch.Tensor) -> None:
+        """Every layer's prefix K/V from `kv` [layers, 2, 1, P', H, D] (P' >= P; rows from P on are ignored): what a
+        prefill graph wrote for a prompt padded to its bucket (dit/prefill_graphs.py). A bf16 prefix on the GPU is one
+        copy; other storage goes through `store_prefix`, layer by layer."""
+        s = self.shape
+        if kv.shape[0] != s.num_layers or kv.shape[3] < s.prefix_len:
+            raise ValueError(f"padded prefix K/V {tuple(kv.shape)} do not cover {s.num_layers} layers x "
+                             f"{s.prefix_len} rows")  # fmt: skip
+        rows = kv[:, :, :, : s.prefix_len]
+        if self._joint is None and self.fmt == "bf16" and self.placement == "gpu":
+            # a layer's bytes are K then V, each [1, P, H, D]: the storage is [layers, 2, 1, P, H, D]
+            self._storage.view(s.dtype).view(s.num_layers, 2, 1, s.prefix_len, s.heads, s.head_dim).copy_(rows)
+            return
+        for layer in range(s.num_layers):
+            k, v = self.prefill_targets(layer)
+            k.copy_(rows[layer, 0])
+            v.copy_(rows[layer, 1])
+            self.store_prefix(layer)
+
     def _encode(self, parts) -> None:
         for (values, scale, fmt), source in zip(parts, (self._work[0], self._work[1]), strict=True):
             if fmt is None:

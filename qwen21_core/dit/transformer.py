@@ -573,12 +573,22 @@ class QwenImage21Transformer(nn.Module):
             x[0, layout.image_rows.to(device)] = self.img_in(condition_latents.to(device, dtype))
         if branch.shard is not None:
             x = branch.shard.prefix.rows(x)  # sequence parallel: this rank's rows from here on
-        _, mod0 = self._modulation(torch.zeros(1, device=device))
+        self.prefill_blocks(branch, x)
+        branch.cache.filled = True
+
+    def embed_text_prefix(self, text: torch.Tensor) -> torch.Tensor:
+        """A text-only prefix's rows [1, P, D] from its prompt rows [P, context_dim] in order (what `prefill` builds
+        when the layout has no image rows): for the prefill graphs (dit/prefill_graphs.py)."""
+        return self.txt_in(text)[None]
+
+    def prefill_blocks(self, branch, x: torch.Tensor) -> None:
+        """The blocks over the prefix rows x [1, P, D], each layer's K/V into `branch.cache` (see Block.prefill;
+        `branch` may be a padded stand-in with the same attributes, dit/prefill_graphs.py)."""
+        _, mod0 = self._modulation(torch.zeros(1, device=x.device))
         last = len(self.transformer_blocks) - 1
         with backend_context(branch.attention_backend, prefill=True):
             for i, block in self._blocks():
                 x = block.prefill(x, mod0, branch, i, last=i == last)
-        branch.cache.filled = True
 
     @torch.no_grad()
     def decode(self, branch: Branch, x: torch.Tensor, t: torch.Tensor, in_graph: bool = False) -> torch.Tensor:

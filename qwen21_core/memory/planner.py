@@ -22,6 +22,7 @@ import torch
 from ..errors import stable_name
 
 HEADROOM_BYTES = 512 * 2**20  # fragmentation and small allocations the estimates do not see
+DECODE_HEADROOM_BYTES = 2 * 2**30  # activations of a decode step at 2048^2 stay below this (bf16)
 
 
 def indexed_device(device) -> torch.device:
