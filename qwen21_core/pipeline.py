@@ -433,6 +433,7 @@ class Qwen21Pipeline:
         log.info("sampling plan: %s", plan.reason)
         vae_config = self.vae.config
         runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
+        self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
         sampler = Sampler(
             self.transformer,
             self.scheduler_config,

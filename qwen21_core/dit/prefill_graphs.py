@@ -4,44 +4,49 @@ launches.
 A prefill runs every block once over the prompt's rows. At a text-to-image prompt's length (about a hundred tokens)
 that is a few milliseconds of GPU work behind tens of milliseconds of Python launching it. The quantised blocks launch
 more kernels through more Python than bf16's, so there a 128-token prefill took 1.45-1.77x bf16's (BENCHMARKS
-"Kernel launch configurations"). A graph replays the whole prefill in one launch.
+"Kernel launch configurations"). A graph replays the blocks in one launch.
 
 Prompts change length, and a graph has fixed shapes. Text attends causally, so a row never sees the rows after it:
-the prompt is run padded to its bucket (the next power of two, the same M bucket the kernels are tuned under,
+the blocks run on the prompt padded to its bucket (the next power of two, the M bucket the kernels are tuned under,
 kernels/launch_configs.py `m_bucket`), and the prompt's rows of every layer's K/V are copied into the branch's cache.
-Rows past the prompt hold whatever the last replay left there; they are finite and nobody reads them.
+The text projection (`txt_in`, bf16) runs eagerly on the prompt's own rows, as in the eager prefill. Rows past the
+prompt hold whatever the last replay left there; they are finite and nobody reads them.
 
 Rules:
-- only where every block Linear is quantised and carries no LoRA side path: that prefill is the one the host bounds
-  most, and there the replayed K/V equal the eager prefill's bit for bit, padded or not (H200, fp8, int8 and
-  int8_convrot: bench_cold_start --launch-overhead). bf16 blocks prefill eagerly: their GEMMs at the padded row count
-  ran other cuBLAS kernels, and the K/V differed in the last bits, which the exact path may not. A layer kept in bf16
-  or a side path's bf16 GEMMs could do the same, so those prefill eagerly too;
+- only where every block Linear runs a W8A8 GEMM (fp8 `_scaled_mm`, our int8 kernel, `_int_mm`) at both the prompt's
+  and the bucket's row count, with no LoRA side path: that prefill is the one the host bounds most, its row
+  quantiser and integer GEMMs compute a row from that row alone, and there the replayed K/V equalled the eager
+  prefill's bit for bit (H200, fp8, int8, int8_convrot: 96 and 128 tokens at full size, bench_cold_start
+  --launch-overhead; 20 to 128 tokens on the tiny model, tests/test_prefill_graphs.py). bf16 GEMMs (bf16 blocks, layers
+  kept in bf16, the weight-only path, side paths) ran other cuBLAS kernels at the padded row count and the K/V
+  differed in the last bits, which the exact path may not: those prefill eagerly. So do attention backends other
+  than "auto" and "flash";
 - only a text-only prefix (no condition images, no padded keys) of at most MAX_TOKENS tokens, all blocks resident
-  (not streaming), one device (no sequence shard), on CUDA; under cudaMallocAsync only where decode graphs may
-  capture (dit/decode_graphs.py `async_allocator_blocker`). Anything else prefills eagerly, with the reason in
-  `describe()`;
+  (not streaming: the graphs are dropped then), one device (no sequence shard), on CUDA; under cudaMallocAsync only
+  where decode graphs may capture (dit/decode_graphs.py `async_allocator_blocker`). Anything else prefills eagerly,
+  with the reason in `describe()`;
 - a bucket's first prefill runs eagerly; its second captures (a capture costs about two eager prefills), and later
-  ones replay. At most `max_entries` buckets are kept, the least recently used evicted first;
-- a capture needs room: its K/V buffer and the activations of one block at the bucket's length, plus the room the
-  decode steps after it need (the planner's decode headroom), in the free memory the planner sees (memory/planner.py).
-  A kept graph holds its K/V buffer and pool: about 0.12 GiB more allocated at a 64-row bucket, full size (H200
-  sessions, BENCHMARKS "Session"). Without room the prefill runs eagerly and the bucket tries again at its next prompt;
-  a failed capture (out of memory, anything) is remembered for the bucket;
+  ones replay. At most `max_entries` buckets are kept, the least recently used dropped first;
+- a capture needs room: its buffers and one block's activations at the bucket's length, plus the room the decode
+  steps after it need (the planner's decode headroom), in what the planner sees free under the pipeline's budget
+  (memory/planner.py). A kept graph holds its K/V buffer and pool: about 0.12 GiB more allocated at a 64-row bucket,
+  full size (H200 sessions, BENCHMARKS "Session"). Without room the prefill runs eagerly and the bucket tries again
+  at its next prompt; a failed capture (out of memory, anything) is not retried;
 - weights that moved and LoRA side paths that changed drop every graph (the signature decode graphs use).
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ...kernels.launch_configs import m_bucket
 from ..memory.planner import DECODE_HEADROOM_BYTES, HEADROOM_BYTES, device_free_bytes
-from ..quant.linear import QuantLinear
+from ..quant.linear import INT_MM_MIN_ROWS, QuantLinear
 from .attention import prefix_masks
 from .decode_graphs import async_allocator_blocker, cuda_allocator_backend, warmup_stream, weights_signature
 from .sequence import Segment
@@ -50,13 +55,15 @@ from .transformer import Branch, QwenImage21Transformer
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 512  # a longer prompt prefills eagerly (its K/V buffer alone would be over 256 MiB at full size)
-MIN_BUCKET = 16  # the smallest tensor-core row tile
+ROW_EXACT_GEMMS = ("scaled_mm", "triton_int8", "int_mm")  # quant/linear.py backends that compute a row from itself
+ATTENTION_BACKENDS = ("auto", "flash")  # the prefill's attention choices the identity was measured with
 WARMUP_RUNS = 1  # lazy library set-up and first launches happen here, outside the capture
 FIRST_SIGHT_REASON = "the first prompt of its length bucket (captured when the bucket comes again)"
 
 
 def bucket_for(tokens: int) -> int:
-    return max(MIN_BUCKET, m_bucket(tokens))
+    """The padded length a prompt of `tokens` tokens prefills at: its kernels' M bucket."""
+    return m_bucket(tokens)
 
 
 class _PaddedCache:
@@ -72,43 +79,27 @@ class _PaddedCache:
         pass  # the graph's buffer is the storage; the branch's cache gets its rows after the replay
 
 
-@dataclass
 class _PaddedPrefix:
-    """What Block.prefill reads of a branch, for a text-only prefix of `bucket` rows (one causal segment)."""
+    """What Block.prefill reads of a branch (cache, rotary tables, segments, masks), for a text-only prefix of the
+    bucket's rows: one causal text run."""
 
-    cache: _PaddedCache
-    prefix_cos: torch.Tensor
-    prefix_sin: torch.Tensor
-    attention_backend: str
-    layout: object = None
-    prefix_masks: list = field(default_factory=list)
-    shard: None = None
+    shard = None
 
-    def __post_init__(self):
-        rows = self.prefix_cos.shape[0]
-        self.layout = _Segments((Segment(0, rows, True),))
-        self.prefix_masks = prefix_masks(self.layout.segments, None, self.prefix_cos.device)
-
-
-@dataclass(frozen=True)
-class _Segments:
-    segments: tuple
+    def __init__(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_backend: str):
+        self.cache = _PaddedCache(kv)
+        self.prefix_cos, self.prefix_sin = cos, sin
+        self.attention_backend = attention_backend
+        self.layout = types.SimpleNamespace(segments=(Segment(0, cos.shape[0], True),))
+        self.prefix_masks = prefix_masks(self.layout.segments, None, cos.device)
 
 
 @dataclass
 class _Entry:
-    bucket: int
     graph: object
-    text: torch.Tensor  # [bucket, context_dim]: the prompt's rows first
+    x: torch.Tensor  # [1, bucket, D]: the prompt's rows after txt_in first
     cos: torch.Tensor  # [bucket, ...]: the prompt's rotary tables first
     sin: torch.Tensor
     kv: torch.Tensor  # [layers, 2, 1, bucket, H, D]
-    replays: int = 0
-
-
-@dataclass
-class _Failed:
-    reason: str
 
 
 class PrefillGraphs:
@@ -116,12 +107,14 @@ class PrefillGraphs:
         self.transformer = transformer
         self.max_entries = max_entries
         self.capture = capture or cuda_graph_capture  # swapped in tests
-        self.entries: OrderedDict = OrderedDict()  # key -> _Entry or _Failed
+        self.budget: int | None = None  # the pipeline's device budget (bytes; None: what the device has)
+        self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.failed: dict[tuple, str] = {}  # keys whose capture failed -> why (not retried)
         self.seen: set = set()  # keys prefilled eagerly once
         self.replays = 0  # this generation's replays (describe() reports it)
         self.reasons: list[str] = []
         self._weights: tuple | None = None
-        self._blocker: str | None = None  # why these weights prefill eagerly (see _check_weights), or None
+        self._gemm_blockers: dict[bool, str | None] = {}  # by "at least INT_MM rows": why the GEMMs are not row-exact
         self._logged: set[str] = set()
 
     # ---- bookkeeping ------------------------------------------------------------------------------
@@ -143,12 +136,8 @@ class PrefillGraphs:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.failed.clear()
         self.seen.clear()
-
-    def idle_bytes(self) -> int:
-        """Device bytes the kept graphs' K/V buffers hold (their private pools come on top: small, one block's
-        activations at the bucket's length)."""
-        return sum(e.kv.numel() * e.kv.element_size() for e in self.entries.values() if isinstance(e, _Entry))
 
     # ---- prefill ----------------------------------------------------------------------------------
 
@@ -157,23 +146,31 @@ class PrefillGraphs:
         tr, layout = self.transformer, branch.layout
         if self.capture is cuda_graph_capture and tr.device.type != "cuda":
             return "the model is not on CUDA"
-        self._check_weights()
-        if self._blocker is not None:
-            return self._blocker
-        if layout.image_rows.numel() or condition_latents is not None or len(layout.segments) != 1:
+        if tr.streaming_signature():
+            if self.entries:
+                self.clear()  # their memory is better spent on resident blocks
+            return "blocks stream from host RAM"
+        if layout.image_rows.numel() or condition_latents is not None:
             return "the prefix has condition images"
-        if layout.key_valid is not None:
-            return "the prefix has padded keys"
+        if len(layout.segments) != 1 or not layout.segments[0].is_text or layout.key_valid is not None:
+            return "the prefix is not one unpadded text run"
         if layout.prefix_len > MAX_TOKENS:
             return f"the prompt is longer than {MAX_TOKENS} tokens"
         if branch.shard is not None:
             return "sequence parallel"
-        if tr.streaming_signature():
-            return "blocks stream from host RAM"
+        if branch.attention_backend not in ATTENTION_BACKENDS:
+            return f"attention backend {branch.attention_backend!r} (graphs are checked with {ATTENTION_BACKENDS})"
         if torch.compiler.is_compiling():
             return "inside torch.compile tracing"
         if self.capture is cuda_graph_capture and cuda_allocator_backend() == "cudaMallocAsync":
-            return async_allocator_blocker(False, False)
+            blocker = async_allocator_blocker(False, False)
+            if blocker is not None:
+                return blocker
+        self._check_weights()
+        for rows in (layout.prefix_len, bucket_for(layout.prefix_len)):
+            blocker = self._gemm_blocker(rows)
+            if blocker is not None:
+                return blocker
         return None
 
     def __call__(self, branch: Branch, prompt_embeds: torch.Tensor, condition_latents=None) -> None:
@@ -184,6 +181,9 @@ class PrefillGraphs:
             self._note(reason)
             return tr.prefill(branch, prompt_embeds, condition_latents)
         key = (bucket_for(branch.layout.prefix_len), tr.dtype, str(tr.device), branch.attention_backend)
+        if key in self.failed:
+            self._note(self.failed[key])
+            return tr.prefill(branch, prompt_embeds, condition_latents)
         entry = self.entries.get(key)
         if entry is None and key not in self.seen:
             self.seen.add(key)  # a capture costs about two prefills: only for a bucket that comes back
@@ -191,9 +191,9 @@ class PrefillGraphs:
             return tr.prefill(branch, prompt_embeds, condition_latents)
         if entry is None:
             entry = self._capture_new(key, branch)
-        if isinstance(entry, _Failed):
-            self._note(entry.reason)
-            return tr.prefill(branch, prompt_embeds, condition_latents)
+            if isinstance(entry, str):
+                self._note(entry)
+                return tr.prefill(branch, prompt_embeds, condition_latents)
         self.entries.move_to_end(key)
         self._replay(entry, branch, prompt_embeds)
 
@@ -201,21 +201,38 @@ class PrefillGraphs:
         signature = weights_signature(self.transformer)
         if signature == self._weights:
             return
-        if self._weights is not None and self.entries:
+        if self._weights is not None and (self.entries or self.failed):
             self._note("weights moved since capture: prefill graphs rebuilt")
             self.clear()
         self._weights = signature
-        self._blocker = None
-        layers = [layer for block in self.transformer.transformer_blocks for layer in block.linears().values()]
-        if not all(isinstance(layer, QuantLinear) for layer in layers):
-            self._blocker = "bf16 block Linears (the exact path: a padded prefill may round differently there)"
-        elif any(layer.side_path is not None for layer in layers):
-            self._blocker = "LoRA side paths (bf16 GEMMs: a padded prefill may round differently there)"
+        self._gemm_blockers.clear()
+
+    def _gemm_blocker(self, rows: int) -> str | None:
+        """Why a block Linear would not run a row-exact W8A8 GEMM at `rows` rows, or None (cached per weights and the
+        one row threshold backends have, quant/linear.py INT_MM_MIN_ROWS)."""
+        many = rows >= INT_MM_MIN_ROWS
+        if many not in self._gemm_blockers:
+            self._gemm_blockers[many] = None
+            for block in self.transformer.transformer_blocks:
+                for layer in block.linears().values():
+                    if not isinstance(layer, QuantLinear) or not layer.quantize_activations:
+                        reason = "bf16 GEMMs in the blocks (a padded prefill may round differently there)"
+                    elif layer.side_path is not None:
+                        reason = "LoRA side paths (bf16 GEMMs: a padded prefill may round differently there)"
+                    elif (backend := layer.backend(rows)) not in ROW_EXACT_GEMMS:
+                        reason = f"the {backend} path in the blocks (a padded prefill may round differently there)"
+                    else:
+                        continue
+                    self._gemm_blockers[many] = reason
+                    return reason
+        return self._gemm_blockers[many]
 
     def _inputs(self, entry: _Entry, branch: Branch, prompt_embeds: torch.Tensor) -> None:
+        """The prompt's rows into the graph's inputs: txt_in eagerly on them (bf16 GEMMs at their own row count)."""
         layout, rows = branch.layout, branch.layout.prefix_len
         tr = self.transformer
-        entry.text[:rows].copy_(prompt_embeds.to(tr.device, tr.dtype)[layout.text_source.to(tr.device)])
+        text = prompt_embeds.to(tr.device, tr.dtype)[layout.text_source.to(tr.device)]
+        entry.x[:, :rows].copy_(tr.embed_text_prefix(text))
         entry.cos[:rows].copy_(branch.prefix_cos)
         entry.sin[:rows].copy_(branch.prefix_sin)
 
@@ -224,7 +241,6 @@ class PrefillGraphs:
         entry.graph.replay()
         branch.cache.store_padded_prefix(entry.kv)
         branch.cache.filled = True
-        entry.replays += 1
         self.replays += 1
 
     def _room(self, bucket: int) -> int:
@@ -232,40 +248,38 @@ class PrefillGraphs:
         cfg, tr = self.transformer.config, self.transformer
         itemsize = torch.empty((), dtype=tr.dtype).element_size()
         kv = cfg.num_layers * 2 * bucket * cfg.inner_dim * itemsize
-        activations = bucket * (4 * cfg.inner_dim + 3 * cfg.mlp_dim + cfg.context_in_dim) * 4  # generous: fp32
+        activations = bucket * (5 * cfg.inner_dim + 3 * cfg.mlp_dim) * 4  # generous: fp32
         return kv + activations
 
-    def _evict(self, keep: int) -> None:
-        while len(self.entries) > keep:
-            self.entries.popitem(last=False)
-
-    def _capture_new(self, key: tuple, branch: Branch):
+    def _capture_new(self, key: tuple, branch: Branch) -> _Entry | str:
+        """A captured entry for `key`, or why there is none (a failure is remembered; no room is not)."""
         bucket = key[0]
-        self._evict(self.max_entries - 1)
-        tr = self.transformer
+        while len(self.entries) >= self.max_entries:
+            self.entries.popitem(last=False)
+        tr, cfg = self.transformer, self.transformer.config
         need = self._room(bucket)
-        if device_free_bytes(tr.device) < need + DECODE_HEADROOM_BYTES + HEADROOM_BYTES:  # (a CPU has room)
-            return _Failed(f"no room for a {bucket}-row graph ({need / 2**20:.0f} MiB)")  # not kept: room may come
-        cfg = tr.config
+        if device_free_bytes(tr.device, self.budget) < need + DECODE_HEADROOM_BYTES + HEADROOM_BYTES:  # CPU: room
+            return f"no room for a {bucket}-row graph ({need / 2**20:.0f} MiB)"
         try:
             with torch.inference_mode(False), torch.no_grad():
-                text = torch.zeros(bucket, cfg.context_in_dim, device=tr.device, dtype=tr.dtype)
+                x = torch.zeros(1, bucket, cfg.inner_dim, device=tr.device, dtype=tr.dtype)
                 cos = torch.zeros(bucket, *branch.prefix_cos.shape[1:], device=tr.device, dtype=branch.prefix_cos.dtype)
                 sin = torch.zeros_like(cos)
                 kv = torch.zeros(cfg.num_layers, 2, 1, bucket, cfg.num_attention_heads, cfg.attention_head_dim,
                                  device=tr.device, dtype=tr.dtype)  # fmt: skip
-                padded = _PaddedPrefix(_PaddedCache(kv), cos, sin, branch.attention_backend)
-                entry = _Entry(bucket, None, text, cos, sin, kv)
-                entry.graph = self.capture(lambda: tr.prefill_blocks(padded, tr.embed_text_prefix(text)))
+                padded = _PaddedPrefix(kv, cos, sin, branch.attention_backend)
+                graph = self.capture(lambda: tr.prefill_blocks(padded, x))
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
             kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
-            failed = _Failed(f"capture failed ({kind}: {str(error).splitlines()[0][:120] if str(error) else ''})")
-            self.entries[key] = failed
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            return failed
-        self.entries[key] = entry
-        return entry
+            self.failed[key] = f"capture failed ({kind}: {str(error).splitlines()[0][:120] if str(error) else ''})"
+        else:
+            self.entries[key] = _Entry(graph, x, cos, sin, kv)
+            return self.entries[key]
+        # after the except block: its traceback (and the buffers the frames hold) is gone, so the memory comes back
+        x = cos = sin = kv = padded = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return self.failed[key]
 
 
 def cuda_graph_capture(run) -> torch.cuda.CUDAGraph:
