@@ -3,7 +3,7 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
-#   tests-kernels-gpu session session-turbo session-comfyui tests-gpu-all copy-rates attention-lengths
+#   tests-kernels-gpu tests-graphs session session-turbo session-comfyui tests-gpu-all copy-rates attention-lengths
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +87,9 @@ for part in "$@"; do
     tests-kernels-gpu)  # the launch-configuration, warm-up and quantised-kernel tests on CUDA
       run tests_kernels_gpu "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
         tests/test_launch_configs.py tests/test_kernel_warmup.py tests/test_kernel_quantize.py tests/test_quant.py ;;
+    tests-graphs)  # the prefill- and decode-graph GPU tests (replay against eager, bit for bit; cudaMallocAsync)
+      run tests_graphs "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefill_graphs.py \
+        tests/test_decode_graphs.py ;;
     session) run bench_session "${SESSION_LIMIT:-560}" python3 benchmarks/bench_session.py --log-dir "$OUT" \
       --child-timeout "${SESSION_LIMIT:-560}" ${SESSION_ARGS:-} ;;
     session-turbo) run bench_session_turbo "${TURBO_LIMIT:-200}" python3 benchmarks/bench_session.py --turbo ;;
