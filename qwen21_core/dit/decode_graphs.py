@@ -152,7 +152,7 @@ def weights_signature(transformer: QwenImage21Transformer) -> tuple:
     return tuple(p.data_ptr() for p in transformer.parameters()), side_paths
 
 
-def warmup_stream() -> torch.cuda.Stream:
+def _warmup_stream() -> torch.cuda.Stream:
     """One side stream per device for the warm-up runs before a capture. A stream that runs a GEMM gets a cuBLAS
     workspace that lives as long as the process, so a new stream per capture leaves memory behind at every capture."""
     device = torch.cuda.current_device()
@@ -161,24 +161,36 @@ def warmup_stream() -> torch.cuda.Stream:
     return _WARMUP_STREAMS[device]
 
 
-def cuda_graph_capture(decode, static_x, static_t):
-    """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
-    stream = warmup_stream()
+def warm_up_on_side_stream(run):
+    """`run()` WARMUP_RUNS times on the side stream, outside any capture (lazy set-up, first launches); returns its last
+    result, once the current stream has waited for it."""
+    stream = _warmup_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
-            out = decode(static_x, static_t)
+            result = run()
     torch.cuda.current_stream().wait_stream(stream)
+    return result
+
+
+def capture_graph(run) -> torch.cuda.CUDAGraph:
+    """`run()` captured into a new CUDA graph. Thread-local: other threads' CUDA work (the kernel warm-up,
+    qwen21_core/warmup.py; ComfyUI's previews; with several GPUs, the NCCL watchdog's event queries) may go on during
+    the capture; only this thread's calls are checked against it."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        run()
+    return graph
+
+
+def cuda_graph_capture(decode, static_x, static_t):
+    """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
+    out = warm_up_on_side_stream(lambda: decode(static_x, static_t))
     # The output lives in memory allocated before the capture: under cudaMallocAsync a tensor allocated inside one
     # and freed after it draws a warning from PyTorch at every graph's release
     static_out = torch.empty_like(out)
     del out
-    graph = torch.cuda.CUDAGraph()
-    # thread-local: other threads' CUDA work (the kernel warm-up, qwen21_core/warmup.py; ComfyUI's previews; with
-    # several GPUs, the NCCL watchdog's event queries) may go on during the capture; only this thread's calls are
-    # checked against it
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        static_out.copy_(decode(static_x, static_t))
+    graph = capture_graph(lambda: static_out.copy_(decode(static_x, static_t)))
     return graph, static_out
 
 

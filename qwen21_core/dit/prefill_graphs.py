@@ -48,7 +48,13 @@ from ...kernels.launch_configs import m_bucket
 from ..memory.planner import DECODE_HEADROOM_BYTES, HEADROOM_BYTES, device_free_bytes
 from ..quant.linear import INT_MM_MIN_ROWS, QuantLinear
 from .attention import prefix_masks
-from .decode_graphs import async_allocator_blocker, cuda_allocator_backend, warmup_stream, weights_signature
+from .decode_graphs import (
+    async_allocator_blocker,
+    capture_graph,
+    cuda_allocator_backend,
+    warm_up_on_side_stream,
+    weights_signature,
+)
 from .sequence import Segment
 from .transformer import Branch, QwenImage21Transformer
 
@@ -57,7 +63,6 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 512  # a longer prompt prefills eagerly (its K/V buffer alone would be over 256 MiB at full size)
 ROW_EXACT_GEMMS = ("scaled_mm", "triton_int8", "int_mm")  # quant/linear.py backends that compute a row from itself
 ATTENTION_BACKENDS = ("auto", "flash")  # the prefill's attention choices the identity was measured with
-WARMUP_RUNS = 1  # lazy library set-up and first launches happen here, outside the capture
 FIRST_SIGHT_REASON = "the first prompt of its length bucket (captured when the bucket comes again)"
 
 
@@ -232,7 +237,7 @@ class PrefillGraphs:
         layout, rows = branch.layout, branch.layout.prefix_len
         tr = self.transformer
         text = prompt_embeds.to(tr.device, tr.dtype)[layout.text_source.to(tr.device)]
-        entry.x[:, :rows].copy_(tr.embed_text_prefix(text))
+        entry.x[0, :rows].copy_(tr.txt_in(text))
         entry.cos[:rows].copy_(branch.prefix_cos)
         entry.sin[:rows].copy_(branch.prefix_sin)
 
@@ -283,16 +288,7 @@ class PrefillGraphs:
 
 
 def cuda_graph_capture(run) -> torch.cuda.CUDAGraph:
-    """Capture `run()` (it writes only into tensors that outlive it) into a CUDA graph, after a warm-up run on a side
-    stream."""
-    stream = warmup_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP_RUNS):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # thread-local: the background kernel warm-up's threads may launch meanwhile (see dit/decode_graphs.py)
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        run()
-    return graph
+    """Capture `run()` (it writes only into tensors that outlive it) into a CUDA graph, after its warm-up runs on the
+    side stream (dit/decode_graphs.py)."""
+    warm_up_on_side_stream(run)
+    return capture_graph(run)

@@ -576,11 +576,6 @@ class QwenImage21Transformer(nn.Module):
         self.prefill_blocks(branch, x)
         branch.cache.filled = True
 
-    def embed_text_prefix(self, text: torch.Tensor) -> torch.Tensor:
-        """A text-only prefix's rows [1, P, D] from its prompt rows [P, context_dim] in order (what `prefill` builds
-        when the layout has no image rows): for the prefill graphs (dit/prefill_graphs.py)."""
-        return self.txt_in(text)[None]
-
     def prefill_blocks(self, branch, x: torch.Tensor) -> None:
         """The blocks over the prefix rows x [1, P, D], each layer's K/V into `branch.cache` (see Block.prefill;
         `branch` may be a padded stand-in with the same attributes, dit/prefill_graphs.py)."""
