@@ -33,3 +33,10 @@ for _module_name, _classes in _NODES.items():
     for _class_name, _display_name in _classes.items():
         NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)
         NODE_DISPLAY_NAME_MAPPINGS[_class_name] = _display_name
+
+try:  # Triton's one-time cache key, hashed in the background from ComfyUI's start (kernels/_triton.py says why)
+    from ..kernels._triton import prime_compile_key
+
+    prime_compile_key()
+except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
+    log.debug("Triton's cache key was not primed", exc_info=True)

@@ -178,16 +178,18 @@ class Qwen21Pipeline:
         (qwen21_core/warmup.py), so the first encode and image do not wait for them. Nothing on a CPU, without Triton
         or with QWEN21_KERNEL_WARMUP=0.
 
-        Parts, queued in this order:
+        Parts, queued in this order, the DiT's and the text encoder's at once, the image encode and the VAE's once
+        those are done (a first image may need the former before it samples; the latter run during its sampling):
         - "text": the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; none when that kernel
           is turned off, kernels/dequantize_weight.py), first because the encode comes first. The DiT's weight-only
           layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too. Nobody waits for
           it: the layers use torch's expression until the kernel is ready;
         - "dit": what a first image needs (the sampler waits for it);
+        - each later M bucket, a part of its own, waited for by the launches that need it (dit/kernel_warmup.py): a
+          prompt of under 64 tokens prefills in one of them;
         - "image_encode": an image prompt's encode on a tiny model, whose kernels a fresh machine's first edit waited
           for (text/kernel_warmup.py). A part of its own, so that its failure skips no other job; nobody waits;
-        - "vae", then each later M bucket, a part of its own, waited for by the launches that need it
-          (dit/kernel_warmup.py)."""
+        - "vae": the first decode does not wait for it (`_vae_kernels`)."""
         from ..kernels._triton import TRITON_AVAILABLE
         from ..kernels.launch_configs import compiles_pending
         from .quant.kernel_warmup import dequantize_warmup_jobs
@@ -202,11 +204,11 @@ class Qwen21Pipeline:
                      (self.transformer, device)]  # fmt: skip
         dit = dit_warmup_parts(self.transformer, device)
         image = image_encode_warmup_jobs(encoder, indexed_device(encoder.device)) if encoder is not None else []
-        # the image encode after the DiT's first part (a one-thread pool would make the first image wait for it), the
-        # VAE's before the DiT's later buckets: the first image decodes before another size or edit comes
-        parts = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), "image_encode": image,
-                 "vae": vae_warmup_jobs(self.vae, device), **dit}  # fmt: skip
-        self.kernel_warmup = KernelWarmup(parts, device).start()
+        # Two stages (qwen21_core/warmup.py): what the first encode and sampling may use (the prompt's length picks
+        # the prefill's M bucket), then the image encode and the VAE's, which run during the first sampling
+        first = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), **dit}
+        parts = {**first, "image_encode": image, "vae": vae_warmup_jobs(self.vae, device)}
+        self.kernel_warmup = KernelWarmup(parts, device, first=tuple(first)).start()
         # while it runs, decode graphs read a step's host share from the thread's CPU time (dit/decode_graphs.py)
         self.decode_graphs.background_busy = self.kernel_warmup.busy
         for bucket in later_buckets():
@@ -268,7 +270,10 @@ class Qwen21Pipeline:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
         vae_kernels = self._vae_kernels("exact") if images is not None and len(images) else contextlib.nullcontext()
-        with self._text_encoder_placed(), vae_kernels:  # condition images go through the VAE encoder
+        warmup = self.kernel_warmup
+        # the warm-up's jobs wait while an encode runs (qwen21_core/warmup.py `paused`): nothing here waits for them
+        foreground = warmup.paused() if warmup is not None and warmup.busy() else contextlib.nullcontext()
+        with foreground, self._text_encoder_placed(), vae_kernels:  # condition images go through the VAE encoder
             return encode_conditioning(
                 self.text_encoder,
                 self.vae,

@@ -70,37 +70,87 @@ def shared_copy(module: torch.nn.Module, device: torch.device) -> Callable[[], t
 
 
 class KernelWarmup:
-    """Runs named parts, each a list of independent jobs, on one thread pool: every job is queued at start, in order
-    (the first part's first), and a part is done when all its jobs are. Jobs are small (a few compiles each), so the
-    compiles of one part spread over the threads instead of queueing behind each other."""
+    """Runs named parts, each a list of independent jobs, on one thread pool, in two stages: the `first` parts' jobs
+    are queued at start, the others' once every first part is done; within a stage in order, and a part is done when
+    all its jobs are. Jobs are small (a few compiles each), so the compiles of one part spread over the threads instead
+    of queueing behind each other.
 
-    def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None):
+    Why stages: the jobs are mostly Python on a restart (their kernels load from disk), and every thread shares the
+    interpreter's lock with the main thread. With all parts queued at once, the parts a first image does not need
+    before its sampling (the VAE's, an image prompt's) took the lock from the first encode and from the parts the
+    sampler waits for. Those parts are needed seconds later, if at all (a first decode does not wait for the VAE's,
+    pipeline.py `_vae_kernels`), so they run during the sampling."""
+
+    def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
+                 first: tuple[str, ...] = ()):  # fmt: skip
         self.device = device
         self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
         self.seconds: dict[str, float] = {}
         self.failures: dict[str, str] = {}
+        self.first = tuple(name for name in parts if name in first)
         self._parts = parts
         self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
         self._left = dict(self.jobs)
         self._lock = threading.Lock()
         self._started_at = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        # jobs start only while this is set: cleared while the main thread holds `paused()` and nobody `wait()`s
+        self._may_start = threading.Event()
+        self._may_start.set()
+        self._pauses = 0
+        self._waiters = 0
 
     def start(self) -> KernelWarmup:
         if self._started_at:
             return self
         self._started_at = time.perf_counter()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qwen21-warmup")
-        for name, jobs in self._parts.items():
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qwen21-warmup")
+        self._queue(self._pool, self.first)
+        if all(self._done[name].is_set() for name in self.first):
+            self._queue_the_rest()
+        return self
+
+    def _queue(self, pool: ThreadPoolExecutor, names) -> None:
+        for name in names:
+            jobs = self._parts.pop(name)  # the jobs (and the model copies they hold) go once they ran
             if not jobs:
                 self._finish(name)
             for job in jobs:
                 pool.submit(self._job, name, job)
-        pool.shutdown(wait=False)  # the threads end when the queue is empty
-        self._parts = {}  # the jobs (and the model copies they hold) go once they ran
-        return self
+
+    def _queue_the_rest(self) -> None:
+        """The second stage: every part not queued yet. Runs once (from the first stage's last part, or start)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            self._queue(pool, list(self._parts))
+            pool.shutdown(wait=False)  # the threads end when the queue is empty
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No job starts meanwhile (those running finish): for the first encode, whose Python shares the interpreter's
+        lock with every job's. A restart's first encode took 0.92-1.06 s beside the jobs against 0.07-0.11 s for
+        later ones (BENCHMARKS "Session"); run alone, it is soon done, and the jobs the sampler waits for run after
+        it. A `wait()` meanwhile lets the jobs run again, so waiting on a paused warm-up cannot hang."""
+        with self._lock:
+            self._pauses += 1
+            self._update_gate()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pauses -= 1
+                self._update_gate()
+
+    def _update_gate(self) -> None:  # under self._lock
+        if self._pauses and not self._waiters:
+            self._may_start.clear()
+        else:
+            self._may_start.set()
 
     def _job(self, name: str, job: Callable[[], None]) -> None:
+        self._may_start.wait()
         try:
             if name not in self.failures:  # after a failure the part's kernels compile on first use instead
                 stream = _side_stream(self.device)
@@ -121,6 +171,8 @@ class KernelWarmup:
     def _finish(self, name: str) -> None:
         self.seconds[name] = round(time.perf_counter() - self._started_at, 3)
         self._done[name].set()
+        if name in self.first and all(self._done[first].is_set() for first in self.first):
+            self._queue_the_rest()
         failed = f", failed: {self.failures[name]}" if name in self.failures else ""
         log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
                  self.seconds[name], failed)  # fmt: skip
@@ -130,10 +182,18 @@ class KernelWarmup:
         if not self._started_at:
             return 0.0
         started = time.perf_counter()
-        for name in names or tuple(self.jobs):
-            event = self._done.get(name)
-            if event is not None:
-                event.wait()
+        with self._lock:
+            self._waiters += 1
+            self._update_gate()
+        try:
+            for name in names or tuple(self.jobs):
+                event = self._done.get(name)
+                if event is not None:
+                    event.wait()
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                self._update_gate()
         waited = time.perf_counter() - started
         if waited > 0.05:
             log.info("waited %.2f s for the kernel warm-up (%s)", waited, ", ".join(names or self.jobs))

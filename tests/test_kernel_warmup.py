@@ -40,6 +40,57 @@ def test_parts_run_side_by_side_and_wait_blocks_until_done():
     assert set(warmup.seconds) == {"a", "b"}
 
 
+def test_the_second_stage_is_queued_only_once_every_first_part_is_done():
+    """The parts a first image waits for run alone first: the others would take the interpreter from them and from
+    the first encode (a restart's first image, BENCHMARKS "Session")."""
+    gate = threading.Event()
+    ran = []
+
+    def first_job():
+        gate.wait(5)
+        ran.append("dit")
+
+    warmup = KernelWarmup({"text": [], "dit": [first_job], "vae": [lambda: ran.append("vae")],
+                           "dit:16": [lambda: ran.append("dit:16")]}, torch.device("cpu"), threads=4,
+                          first=("text", "dit"))  # fmt: skip
+    warmup.start()
+    time.sleep(0.2)
+    assert ran == [] and warmup.done("text") and not warmup.done("vae")  # four threads, yet the rest waits
+    gate.set()
+    warmup.wait()
+    assert ran[0] == "dit" and sorted(ran[1:]) == ["dit:16", "vae"]
+    assert warmup.seconds["vae"] >= warmup.seconds["dit"]
+
+
+def test_no_job_starts_while_paused_unless_someone_waits():
+    """The first encode pauses the warm-up (its Python shares the interpreter's lock with every job's): jobs queued
+    meanwhile start once it is done, or at once when someone waits for a part, so a wait inside a pause cannot hang."""
+    ran = []
+    warmup = KernelWarmup({"dit": [lambda: ran.append("dit")], "vae": [lambda: ran.append("vae")]},
+                          torch.device("cpu"), threads=2)  # fmt: skip
+    with warmup.paused():
+        warmup.start()
+        time.sleep(0.2)
+        assert ran == [] and warmup.busy()
+        assert warmup.wait("dit") >= 0 and "dit" in ran  # waiting lifts the pause
+    warmup.wait()
+    assert sorted(ran) == ["dit", "vae"]
+    with warmup.paused():  # nested use and an idle warm-up: nothing to block
+        with warmup.paused():
+            pass
+    assert warmup._may_start.is_set()
+
+
+def test_without_first_parts_every_part_is_queued_at_start():
+    gate = threading.Event()
+    warmup = KernelWarmup({"a": [lambda: gate.wait(5)], "b": [lambda: None]}, torch.device("cpu"), threads=2,
+                          first=("missing",)).start()  # fmt: skip
+    warmup.wait("b")
+    gate.set()
+    warmup.wait()
+    assert warmup.first == ()
+
+
 def test_a_failing_job_is_logged_and_never_raises(caplog):
     ran = []
 
@@ -427,3 +478,61 @@ def test_on_the_gpu_the_image_encode_job_runs_and_leaves_the_random_state_alone(
     job()
     torch.cuda.synchronize()
     assert torch.equal(cpu_rng, torch.random.get_rng_state()) and torch.equal(gpu_rng, torch.cuda.get_rng_state())
+
+
+def test_tritons_cache_key_is_hashed_once_in_a_background_thread(monkeypatch):
+    """A restart's first compile hashed Triton's installation on the first image's critical path (0.35 s on the
+    H200): the node classes' import starts that hash in a thread of its own, once per process."""
+    from qwen21_nodes.kernels import _triton
+
+    calls = []
+    done = threading.Event()
+
+    def key():
+        calls.append(threading.current_thread().name)
+        done.set()
+
+    monkeypatch.setattr(_triton, "_key_primer", None)
+    monkeypatch.setattr(_triton, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(_triton, "INTERPRETER_ACTIVE", False)
+    monkeypatch.setattr(_triton, "_triton_key_function", lambda: key)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _triton.prime_compile_key()
+    assert _triton._key_primer is None and not calls  # no CUDA: nothing to compile, nothing to hash
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _triton.prime_compile_key()
+    _triton.prime_compile_key()
+    assert done.wait(5)
+    _triton._key_primer.join(5)
+    assert calls == ["qwen21-triton-key"]
+
+
+def test_the_cache_key_function_is_found_where_this_triton_keeps_it():
+    from qwen21_nodes.kernels import _triton
+
+    if not _triton.TRITON_AVAILABLE:
+        pytest.skip("Triton is not installed here")
+    assert callable(_triton._triton_key_function())
+
+
+def test_an_encode_pauses_a_running_warmup(monkeypatch):
+    """The pipeline's encode holds the warm-up's pause: no job starts while the prompt is encoded."""
+    import contextlib
+
+    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+
+    gate = threading.Event()
+    pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what encode touches
+    pipe.kernel_warmup = KernelWarmup({"dit": [lambda: gate.wait(30)]}, torch.device("cpu"), threads=1).start()
+    pipe.text_encoder, pipe.vae, pipe.references = None, None, None
+    pipe._text_encoder_placed = contextlib.nullcontext
+    pipe._prefix_budget = lambda: None
+    seen = []
+    monkeypatch.setattr(pipeline_module, "encode_conditioning",
+                        lambda *args, **kwargs: seen.append(pipe.kernel_warmup._may_start.is_set()))  # fmt: skip
+    pipe.encode("a prompt")
+    assert seen == [False] and pipe.kernel_warmup._may_start.is_set()
+    gate.set()
+    pipe.kernel_warmup.wait()
+    pipe.encode("the warm-up is done: nothing to pause")
+    assert seen == [False, True]
