@@ -158,8 +158,8 @@ class Qwen21Sampler:
                         "(Triton 3.6 to 3.8) and resident blocks; elsewhere the step runs eagerly and the status says "
                         "why (--disable-cuda-malloc lifts the allocator's limits). With fp8 or int8 weights a text "
                         "prompt's prefill replays from a graph too, from the second prompt of its length range (padded "
-                        "to a power of two) on, with the same K/V bit for bit: 128 tokens took 5.14 ms instead of "
-                        "20.78 ms eager (fp8, against bf16's eager 12.65 ms) (BENCHMARKS: Kernel launch "
+                        "to a power of two) on, with the same K/V bit for bit: 128 tokens took 6.06 ms instead of "
+                        "28.34 ms eager (fp8, against bf16's eager 16.26 ms) (BENCHMARKS: Kernel launch "
                         "configurations).",
                     },
                 ),

@@ -294,7 +294,7 @@ class Qwen21TextEncoder:
 
     def device_weight_bytes(self) -> int:
         if self._weight_bytes is None:  # asked several times per encode (the memory manager's room): walking the
-            # parameters three times took 48.2 ms of a traced H200 encode (BENCHMARKS "Session", this release)
+            # parameters three times took 48.2 ms of a traced H200 encode (BENCHMARKS "Session", ninth session)
             self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         total = self._weight_bytes
         if self.streamer is None:
