@@ -14,6 +14,10 @@ kernels/launch_configs.py `compiles_pending`), the VAE for its own before decodi
 encoder's: its layers use torch's expression (the same bits) until the kernel is ready. Decode-graph captures are
 thread-local (dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails
 is logged and the rest of its part skipped: those kernels then compile on first use, as before.
+
+What a first image needs before it samples (the text encoder's and the DiT's parts) is queued first, the rest once
+that is done, and no job starts while an encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run
+Python, and the first encode and the sampler's wait were sharing the interpreter's lock with jobs they did not need.
 """
 
 from __future__ import annotations
