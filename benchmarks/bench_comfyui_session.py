@@ -3,6 +3,7 @@
     COMFYUI_DIR=... COMFYUI_PYTHON=... python benchmarks/bench_comfyui_session.py             # H200, full size, fp8
     ... python benchmarks/bench_comfyui_session.py --extra-args=--disable-cuda-malloc         # compare a flag
     ... python benchmarks/bench_comfyui_session.py --tiny --device cpu --tail 1              # smoke test
+    ... python benchmarks/bench_comfyui_session.py --limit 3 --pack-dir /tmp/old             # a restart's first images
 
 bench_session.py measures the session through our node classes in one process; this one starts ComfyUI (its
 default flags on the GPU, so its default cudaMallocAsync allocator and its memory manager are in the measurement;
@@ -227,14 +228,15 @@ class ComfyUI:
     """A ComfyUI server of our own (private base directory, the pack linked into custom_nodes, the models folder
     through extra_model_paths.yaml, the example images in input/), and one websocket client of it."""
 
-    def __init__(self, comfyui_dir: Path, python: str, models: Path, flags: list[str], log_path: Path):
+    def __init__(self, comfyui_dir: Path, python: str, models: Path, flags: list[str], log_path: Path,
+                 pack: Path = REPO):  # fmt: skip
         import websocket
         from qwen21_nodes.runner.cli import EXAMPLE_INPUTS
 
         self.base = Path(tempfile.mkdtemp(prefix="qwen21_comfyui_session_"))
         for folder in ("custom_nodes", "input", "output", "temp", "user"):
             (self.base / folder).mkdir()
-        (self.base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
+        (self.base / "custom_nodes" / PACK_FOLDER).symlink_to(pack, target_is_directory=True)
         for image in EXAMPLE_INPUTS.glob("*.png"):  # the edits' reference images
             shutil.copyfile(image, self.base / "input" / image.name)
         kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras"))
@@ -378,15 +380,17 @@ def run_session(args, files: dict[str, str], flags: list[str]) -> int:
     log_dir = Path(args.log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    pack = Path(args.pack_dir).resolve() if args.pack_dir else REPO
     server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags,
-                     log_dir / "comfyui_session_server.txt")  # fmt: skip
+                     log_dir / "comfyui_session_server.txt", pack)  # fmt: skip
     try:
         system = server.stats.get("system", {})
         emit(what="session_setup", **kind, start_s=round(time.perf_counter() - started, 1), steps=args.steps,
              comfyui_version=system.get("comfyui_version"), pytorch=system.get("pytorch_version"),
-             device=server.stats["devices"][0].get("name"), log=str(server.log_path), files=files)  # fmt: skip
+             device=server.stats["devices"][0].get("name"), log=str(server.log_path), files=files,
+             pack=str(pack))  # fmt: skip
         rows, seen = [], set()
-        for index, spec in enumerate(plan(args.tail)):
+        for index, spec in enumerate(plan(args.tail)[: args.limit or None]):
             text_index = index if spec["changed"] else index - 1  # the rerun: the previous prompt's text
             prompt = with_files(session_prompt(spec, index, args, files["lora"], text_index), files)
             shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
@@ -432,6 +436,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tail", type=int, default=20, help="the mixed tail's length (bench_session's plan)")
     parser.add_argument("--models-dir", default="", help="model files; full size: written once, reused if present")
+    parser.add_argument("--limit", type=int, default=0, help="only the plan's first N prompts (0: all)")
+    parser.add_argument("--pack-dir", default="", help="the pack ComfyUI loads (default: this tree)")
     parser.add_argument("--extra-args", action="append", default=[],
                         help="ComfyUI flags, e.g. --extra-args=--disable-cuda-malloc (repeatable)")  # fmt: skip
     parser.add_argument("--comfyui-dir", default=os.environ.get("COMFYUI_DIR", ""))

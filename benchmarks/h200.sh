@@ -3,7 +3,8 @@
 # to $OUT. Usage: bash benchmarks/h200.sh PART... where PART is one of
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
-#   tests-kernels-gpu tests-graphs session session-turbo session-comfyui tests-gpu-all copy-rates attention-lengths
+#   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
+#   attention-lengths
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,6 +137,21 @@ for part in "$@"; do
       COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
         PYTHONPATH=/tmp/comfysite:$PYTHONPATH run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
         python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
+    comfyui-restart)  # the first images through ComfyUI, the files' load included: a fresh machine (an empty kernel
+      # cache), then restarts on that cache, alternating the packs of RESTART_PACKS (folders holding a pack, e.g.
+      # another release's git archive; default: this tree), each server a process of its own, 3 prompts each
+      unpack_comfyui
+      packs=(${RESTART_PACKS:-$PWD})
+      for round in fresh 1 2; do
+        for pack in "${packs[@]}"; do
+          [ "$round" = fresh ] && [ "$pack" != "${packs[0]}" ] && continue
+          name="comfyui_restart_${round}_$(basename "$pack")"
+          TRITON_CACHE_DIR=/tmp/tc_comfy CUDA_CACHE_PATH=/tmp/tc_comfy_cuda COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 \
+            COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" PYTHONPATH=/tmp/comfysite:$PYTHONPATH \
+            run "$name" "${RESTART_LIMIT:-150}" python3 benchmarks/bench_comfyui_session.py --limit 3 --pack-dir "$pack" \
+            --log-dir "$OUT/$name"
+        done
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done

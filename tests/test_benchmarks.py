@@ -396,3 +396,30 @@ def test_bench_edit_encode_times_both_paths_and_finds_them_identical():
         # one fill, then a hit per reference per cached prompt
         assert row["cache_misses"] == row["references"] and row["cache_hits"] == 2 * row["references"]
         assert set(row["host_per_reference"]) == {"digest_ms", "prepare_ms", "float_copy_ms"}
+
+
+@pytest.mark.slow
+@pytest.mark.comfyui
+@pytest.mark.skipif(
+    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the session through a ComfyUI server",
+)
+def test_bench_comfyui_session_runs_the_first_prompts_with_the_pack_it_is_given(tmp_path):
+    """--limit and --pack-dir (h200.sh comfyui-restart compares the first images of two releases through ComfyUI):
+    the plan's first prompts only, with ComfyUI loading the pack from the given folder, here a copy of this tree
+    whose node import logs a marker."""
+    import shutil
+
+    pytest.importorskip("websocket", reason="bench_comfyui_session needs websocket-client")
+    repo = BENCH_VAE.parents[1]
+    pack = tmp_path / "other_release"
+    skipped = shutil.ignore_patterns(".git", ".venv", ".probe", ".whl", ".carry", "__pycache__", "artifacts", "tests")
+    shutil.copytree(repo, pack, ignore=skipped)
+    init = pack / "nodes" / "__init__.py"
+    init.write_text(init.read_text() + "\nlog.warning('qwen21 pack marker: the copy')\n")
+    by_what = _bench("bench_comfyui_session.py", "--tiny", "--device", "cpu", "--limit", "2", "--pack-dir", str(pack),
+                     "--log-dir", str(tmp_path / "log"))  # fmt: skip
+    (setup,), prompts = by_what["session_setup"], by_what["session_prompt"]
+    assert setup["pack"] == str(pack.resolve())
+    assert [p["i"] for p in prompts] == [0, 1] and not [p for p in prompts if "error" in p]
+    assert "qwen21 pack marker: the copy" in (tmp_path / "log" / "comfyui_session_server.txt").read_text()
