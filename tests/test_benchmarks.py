@@ -10,6 +10,10 @@ import pytest
 
 BENCH_VAE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vae.py"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+needs_comfyui_server = pytest.mark.skipif(
+    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the session through a ComfyUI server",
+)
 
 
 def _run(*args, interpreter=False):
@@ -303,10 +307,7 @@ def test_bench_comfyui_session_writes_files_our_loaders_read_as_comfy_orgs_fp8_s
 
 @pytest.mark.slow
 @pytest.mark.comfyui
-@pytest.mark.skipif(
-    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
-    reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the session through a ComfyUI server",
-)
+@needs_comfyui_server
 def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(tmp_path):
     """bench_comfyui_session --tiny on the CPU: bench_session's prompts queued over ComfyUI's HTTP API, every one
     ending in success, with ComfyUI's own output cache at work (the loader runs once, the seed-only rerun reuses
@@ -400,10 +401,7 @@ def test_bench_edit_encode_times_both_paths_and_finds_them_identical():
 
 @pytest.mark.slow
 @pytest.mark.comfyui
-@pytest.mark.skipif(
-    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(),
-    reason="set COMFYUI_DIR to a ComfyUI checkout (with main.py) to run the session through a ComfyUI server",
-)
+@needs_comfyui_server
 def test_bench_comfyui_session_runs_the_first_prompts_with_the_pack_it_is_given(tmp_path):
     """--limit and --pack-dir (h200.sh comfyui-restart compares the first images of two releases through ComfyUI):
     the plan's first prompts only, with ComfyUI loading the pack from the given folder, here a copy of this tree
