@@ -41,6 +41,11 @@ unpack_comfyui() {  # ComfyUI from .carry/comfyui (benchmarks/comfyui_carry.sh) 
   done
 }
 
+comfyui_run() {  # run NAME SECONDS COMMAND... with the unpacked ComfyUI where the server tests and benchmarks look
+  COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
+    PYTHONPATH=/tmp/comfysite:$PYTHONPATH run "$@"
+}
+
 for part in "$@"; do
   case $part in
     tests)  # the GPU-marked tests, and the kernel tests on CUDA (their CPU-interpreter rerun is CI's job;
@@ -127,15 +132,13 @@ for part in "$@"; do
       run bench_load_diffusers 150 python3 benchmarks/bench_load.py --cases diffusers:diffusers --caches warm ;;
     server-gpu)  # the server tests that need ComfyUI on a GPU (--lowvram, --novram)
       unpack_comfyui
-      COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
-        PYTHONPATH=/tmp/comfysite:$PYTHONPATH run server_gpu "${SERVER_LIMIT:-240}" python3 -m pytest -v -p no:cacheprovider \
+      comfyui_run server_gpu "${SERVER_LIMIT:-240}" python3 -m pytest -v -p no:cacheprovider \
         tests/test_comfyui_server.py -k lowvram ;;
     session-comfyui)  # bench_session's session once through a real ComfyUI (its default flags), full size, fp8.
       # The random files are 17.6 GB (from the shapes); bench_load wrote 14.2 GB in 15.1 s, so expect 20-30 s of
       # writing; a tail of 8 (22 prompts, as the in-process H200 sessions) keeps the rest inside the call
       unpack_comfyui
-      COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" \
-        PYTHONPATH=/tmp/comfysite:$PYTHONPATH run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
+      comfyui_run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
         python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
     comfyui-restart)  # the first images through ComfyUI, the files' load included: a fresh machine (an empty kernel
       # cache), then restarts on that cache, alternating the packs of RESTART_PACKS (folders holding a pack, e.g.
@@ -146,10 +149,8 @@ for part in "$@"; do
         for pack in "${packs[@]}"; do
           [ "$round" = fresh ] && [ "$pack" != "${packs[0]}" ] && continue
           name="comfyui_restart_${round}_$(basename "$pack")"
-          TRITON_CACHE_DIR=/tmp/tc_comfy CUDA_CACHE_PATH=/tmp/tc_comfy_cuda COMFYUI_DIR=/tmp/comfyui COMFYUI_PYTHON=python3 \
-            COMFYUI_EXTRA_ARGS="--front-end-root /tmp/frontend" PYTHONPATH=/tmp/comfysite:$PYTHONPATH \
-            run "$name" "${RESTART_LIMIT:-150}" python3 benchmarks/bench_comfyui_session.py --limit 3 --pack-dir "$pack" \
-            --log-dir "$OUT/$name"
+          TRITON_CACHE_DIR=/tmp/tc_comfy CUDA_CACHE_PATH=/tmp/tc_comfy_cuda comfyui_run "$name" "${RESTART_LIMIT:-150}" \
+            python3 benchmarks/bench_comfyui_session.py --limit 3 --pack-dir "$pack" --log-dir "$OUT/$name"
         done
       done ;;
     *) echo "unknown part $part" ;;
