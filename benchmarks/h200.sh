@@ -140,17 +140,18 @@ for part in "$@"; do
       unpack_comfyui
       comfyui_run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
         python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
-    comfyui-restart)  # the first images through ComfyUI, the files' load included: a fresh machine (an empty kernel
-      # cache), then restarts on that cache, alternating the packs of RESTART_PACKS (folders holding a pack, e.g.
-      # another release's git archive; default: this tree), each server a process of its own, 3 prompts each
+    comfyui-restart)  # the first images through ComfyUI, the files' load included: for each pack of RESTART_PACKS
+      # (folders holding a pack, e.g. another release's git archive; default: this tree) a fresh machine (an empty
+      # kernel cache of its own), then RESTART_ROUNDS (default 2) rounds of restarts on those caches, alternating the
+      # packs; each server a process of its own, 3 prompts each
       unpack_comfyui
       packs=(${RESTART_PACKS:-$PWD})
-      for round in fresh 1 2; do
-        for pack in "${packs[@]}"; do
-          [ "$round" = fresh ] && [ "$pack" != "${packs[0]}" ] && continue
-          name="comfyui_restart_${round}_$(basename "$pack")"
-          TRITON_CACHE_DIR=/tmp/tc_comfy CUDA_CACHE_PATH=/tmp/tc_comfy_cuda comfyui_run "$name" "${RESTART_LIMIT:-150}" \
-            python3 benchmarks/bench_comfyui_session.py --limit 3 --pack-dir "$pack" --log-dir "$OUT/$name"
+      for round in fresh $(seq "${RESTART_ROUNDS:-2}"); do
+        for i in "${!packs[@]}"; do
+          name="comfyui_restart_${round}_${i}_$(basename "${packs[$i]}")"
+          TRITON_CACHE_DIR=/tmp/tc_comfy_$i CUDA_CACHE_PATH=/tmp/tc_comfy_cuda_$i \
+            comfyui_run "$name" "${RESTART_LIMIT:-150}" \
+            python3 benchmarks/bench_comfyui_session.py --limit 3 --pack-dir "${packs[$i]}" --log-dir "$OUT/$name"
         done
       done ;;
     *) echo "unknown part $part" ;;
