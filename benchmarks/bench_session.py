@@ -539,6 +539,10 @@ def main():
     if args.tiny:
         args.steps = min(args.steps, 2)
         args.tail = min(args.tail, 2)
+    if (args.child or args.turbo or args.small) and torch.device(args.device).type == "cuda":
+        # a session's process starts as ComfyUI does, CUDA first and then the custom nodes, whose import primes
+        # torch's kernels (qwen21_core/cuda_priming.py); `plan` below imports them
+        torch.cuda.init()
     if args.turbo or args.small:  # one session in this process, on whatever kernel cache it finds
         args.steps = min(args.steps, 8) if args.turbo else args.steps
         args.child = args.child or "fp8:none:warm"

@@ -40,3 +40,10 @@ try:  # Triton's one-time cache key, hashed in the background from ComfyUI's sta
     prime_compile_key()
 except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
     log.debug("Triton's cache key was not primed", exc_info=True)
+
+try:  # torch's own CUDA kernels a first prompt launches, loaded while ComfyUI starts (qwen21_core/cuda_priming.py)
+    from ..qwen21_core.cuda_priming import prime_cuda_kernels
+
+    prime_cuda_kernels()
+except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
+    log.debug("CUDA kernels were not primed", exc_info=True)

@@ -12,10 +12,25 @@ paid once per size and its kernel was up to 2x faster there: dit/attention.py ke
 
 from __future__ import annotations
 
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PRIMING_HEAD_DIM = 128  # the text encoder's and the DiT's head size
 
 
 def planless_kernels():
     """A context in which SDPA picks from flash, memory-efficient and math only (not cuDNN). The flags it sets only
     matter on CUDA; on the CPU torch's own kernels run either way."""
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@torch.no_grad()
+def prime_flash_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Launch the flash kernel variants the encoder (causal) and the prefill (not causal) pick, at a length that fills
+    its tiles and one that does not (the kernel is specialised on both), so that CUDA has loaded them before a
+    prompt (qwen21_core/cuda_priming.py). The aten op is called directly: `planless_kernels` sets SDPA's backend
+    flags for the whole process, and another thread's attention must not change kernel meanwhile."""
+    for length in (77, 128):
+        q = torch.zeros(1, 2, length, PRIMING_HEAD_DIM, device=device, dtype=dtype)
+        for causal in (True, False):
+            torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, causal)

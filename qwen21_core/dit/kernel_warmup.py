@@ -23,8 +23,9 @@ from ...kernels.launch_configs import all_buckets, forced_bucket
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..warmup import shared_copy
 from .attention import shared_prefix_decode_attention
-from .transformer import EAGER, Modulation, QwenImage21Transformer
+from .transformer import EAGER, Modulation, QwenImage21Transformer, TextProjection, TimestepEmbedding
 
+PRIMING_WIDTH = 64  # the tiny entry modules of `prime_entry_ops`: any width loads the same torch kernels
 WARMUP_ROWS = 16  # the smallest tensor-core row tile
 # The buckets of a 1024^2 image (4096 target rows) and of a typical prompt (up to a couple of hundred tokens with the
 # template): the first image needs them, the others only sizes, prompts and reference counts met later.
@@ -102,3 +103,18 @@ def warm_up_kv_formats(config, device: torch.device, dtype: torch.dtype) -> None
     for fmt in ("fp8", "int8"):
         values, scale = quantize_kv(x, fmt)
         dequantize_kv(values, scale, torch.empty_like(x))
+
+
+@torch.no_grad()
+def prime_entry_ops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The torch kernels a prefill and a step launch outside the blocks, on tiny modules of the same classes and
+    without any model (qwen21_core/cuda_priming.py): the timestep sinusoid and its MLP, the text projection (fp32
+    RMSNorm, GELU-tanh) and the scatter of its rows into the prefix. Values are meaningless (uninitialised weights)."""
+    with torch.device("meta"):
+        embed = TimestepEmbedding(PRIMING_WIDTH)
+        project = TextProjection(PRIMING_WIDTH, PRIMING_WIDTH, eps=1e-6)
+    embed = embed.to(dtype).to_empty(device=device)
+    project = project.to(dtype).to_empty(device=device)
+    embed(torch.zeros(1, device=device, dtype=dtype))
+    prefix = torch.empty(1, 8, PRIMING_WIDTH, device=device, dtype=dtype)
+    prefix[0, torch.arange(0, 8, 2, device=device)] = project(torch.zeros(4, PRIMING_WIDTH, device=device, dtype=dtype))

@@ -54,8 +54,20 @@ def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.de
     return [lambda: run_tiny_image_encode(config, inputs, device, dtype)]
 
 
+def prime_text_prompt(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A text-only prompt through a tiny Qwen3-VL on `device` (qwen21_core/cuda_priming.py): the language model's
+    torch kernels load before any encoder exists. Its own tiny processor, so no tokenizer is shared."""
+    from .tiny import build_tiny_processor, tiny_text_encoder_config
+
+    processor = build_tiny_processor()
+    inputs = processor(text=[build_prompt_text("a warm-up", 0)], return_tensors="pt")
+    inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
+    run_tiny_image_encode(tiny_text_encoder_config(processor.tokenizer), inputs, device, dtype)
+
+
 def run_tiny_image_encode(config, inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """A Qwen3-VL of `config` (no weights set: meta, then uninitialised memory on `device`) runs `inputs` once."""
+    """A Qwen3-VL of `config` (no weights set: meta, then uninitialised memory on `device`) runs `inputs` (a prompt,
+    with or without images) once."""
     from transformers import Qwen3VLModel
 
     # no dtype= here: transformers would set the process's default dtype for it, from this background thread
