@@ -61,17 +61,23 @@ def prime_cuda_kernels(device: torch.device | None = None) -> threading.Thread |
 
 
 def _prime(device: torch.device) -> None:
-    started = time.perf_counter()
-    failed = []
     # the thread's own stream: nothing here waits for, or holds up, work another thread queued on the default stream
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-        for name, step in priming_steps():
-            try:
-                step(device, torch.bfloat16)
-            except Exception as error:  # noqa: BLE001 - priming never fails anything; the first prompt loads them
-                failed.append(f"{name} ({type(error).__name__}: {error})")
+        run_steps(device, priming_steps())
         torch.cuda.current_stream(device).synchronize()
+
+
+def run_steps(device: torch.device, steps, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Run each (name, step) on `device`; a step that fails is logged and the others still run. -> the failures."""
+    started = time.perf_counter()
+    failed = []
+    for name, step in steps:
+        try:
+            step(device, dtype)
+        except Exception as error:  # noqa: BLE001 - priming never fails anything; the first prompt loads them
+            failed.append(f"{name} ({type(error).__name__}: {error})")
     if failed:
         log.warning("CUDA kernel priming on %s: %s failed; the first prompt loads those kernels itself", device,
                     "; ".join(failed))  # fmt: skip
     log.info("CUDA kernels primed on %s in %.2f s", device, time.perf_counter() - started)
+    return failed
