@@ -7,7 +7,7 @@ first time, the process loading their kernels (torch.profiler over the first two
 Which model runs them does not matter, only which kernels launch, so tiny modules of the same classes launch them
 here, in a background thread, from ComfyUI's start (nodes/__init__.py), while ComfyUI starts and the loader reads the
 files:
-- a text-only prompt through a tiny Qwen3-VL (text/kernel_warmup.py `prime_text_prompt`);
+- a text-only prompt through a tiny Qwen3-VL (text/kernel_warmup.py `text_prompt_priming`);
 - the flash attention variants the encoder and the prefill pick (sdpa.py `prime_flash_kernels`);
 - the DiT's timestep embedding, text projection and prefix scatter (dit/kernel_warmup.py `prime_entry_ops`).
 Our Triton kernels are not here: the pipeline's warm-up loads them for the model's own shapes (qwen21_core/warmup.py).
@@ -37,12 +37,13 @@ _lock = threading.Lock()
 
 
 def priming_steps():
-    """(name, function of (device, dtype)) in the order they run: the encoder's first, as a prompt needs them."""
+    """(name, function of (device, dtype)) in the order they run, the encoder's first, as a prompt needs them. Made on
+    the caller's thread, with every import they need (text/kernel_warmup.py says why)."""
     from .dit.kernel_warmup import prime_entry_ops
     from .sdpa import prime_flash_kernels
-    from .text.kernel_warmup import prime_text_prompt
+    from .text.kernel_warmup import text_prompt_priming
 
-    return [("text prompt", prime_text_prompt), ("flash attention", prime_flash_kernels),
+    return [("text prompt", text_prompt_priming()), ("flash attention", prime_flash_kernels),
             ("DiT entry", prime_entry_ops)]  # fmt: skip
 
 
@@ -55,17 +56,18 @@ def prime_cuda_kernels(device: torch.device | None = None) -> threading.Thread |
     with _lock:
         if index in _started:
             return _started[index]
-        thread = threading.Thread(target=_prime, args=(torch.device("cuda", index),), name="qwen21-cuda-priming",
-                                  daemon=True)  # fmt: skip
+        steps = priming_steps()
+        thread = threading.Thread(target=_prime, args=(torch.device("cuda", index), steps),
+                                  name="qwen21-cuda-priming", daemon=True)  # fmt: skip
         _started[index] = thread
     thread.start()
     return thread
 
 
-def _prime(device: torch.device) -> None:
+def _prime(device: torch.device, steps) -> None:
     # the thread's own stream: nothing here waits for, or holds up, work another thread queued on the default stream
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-        run_steps(device, priming_steps())
+        run_steps(device, steps)
         torch.cuda.current_stream(device).synchronize()
 
 

@@ -25,7 +25,7 @@ def cuda_as_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_priming, "_started", {})
-    monkeypatch.setattr(cuda_priming, "_prime", primed.append)
+    monkeypatch.setattr(cuda_priming, "_prime", lambda device, steps: primed.append(device))
     monkeypatch.delenv(WARMUP_ENV, raising=False)
     return primed
 
@@ -81,24 +81,46 @@ def test_the_steps_run_tiny_models_and_leave_the_random_state_and_default_dtype_
     assert torch.get_default_dtype() == torch.float32
 
 
+def _run_python(lines: list[str]) -> str:
+    """The last line a fresh interpreter prints running `lines` (the warm-up switch unset)."""
+    env = {name: value for name, value in os.environ.items() if name != WARMUP_ENV}
+    done = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_steps_import_nothing_in_the_priming_thread():
+    """Every import happens when the steps are made (the caller's thread): an import in the priming thread racing one
+    of ComfyUI's main thread could deadlock Python's import locks. A fresh interpreter, so nothing was imported by an
+    earlier test."""
+    imported = _run_python([
+        "import sys, torch",
+        "import qwen21_nodes.nodes",
+        "from qwen21_nodes.qwen21_core import cuda_priming",
+        "steps = [s for s in cuda_priming.priming_steps() if s[0] != 'flash attention']",
+        "before = set(sys.modules)",
+        "assert cuda_priming.run_steps(torch.device('cpu'), steps) == []",
+        "print(sorted(set(sys.modules) - before))",
+    ])  # fmt: skip
+    assert imported == "[]"
+
+
 def test_importing_the_nodes_starts_priming_where_cuda_is_initialised():
     """A fresh interpreter, CUDA faked as ComfyUI leaves it: importing the node classes starts the priming thread."""
-    script = "\n".join([
+    primed = _run_python([
         "import torch",
         "torch.cuda.is_available = lambda: True",
         "torch.cuda.is_initialized = lambda: True",
         "torch.cuda.current_device = lambda: 0",
         "from qwen21_nodes.qwen21_core import cuda_priming",
         "primed = []",
-        "cuda_priming._prime = primed.append",
+        "cuda_priming._prime = lambda device, steps: primed.append(device)",
         "import qwen21_nodes.nodes",
         "cuda_priming._started[0].join(5)",
         "print(primed)",
     ])  # fmt: skip
-    env = {name: value for name, value in os.environ.items() if name != WARMUP_ENV}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[device(type='cuda', index=0)]"
+    assert primed == "[device(type='cuda', index=0)]"
 
 
 @pytest.mark.gpu

@@ -54,15 +54,20 @@ def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.de
     return [lambda: run_tiny_image_encode(config, inputs, device, dtype)]
 
 
-def prime_text_prompt(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
-    """A text-only prompt through a tiny Qwen3-VL on `device` (qwen21_core/cuda_priming.py): the language model's
-    torch kernels load before any encoder exists. Its own tiny processor, so no tokenizer is shared."""
+def text_prompt_priming() -> Callable[[torch.device, torch.dtype], None]:
+    """The step of qwen21_core/cuda_priming.py that runs a text-only prompt through a tiny Qwen3-VL, so the language
+    model's torch kernels load before any encoder exists. Its tiny processor, inputs and config are made now, on the
+    caller's thread: every import happens there and not in the priming thread, where an import racing one of the main
+    thread's could deadlock Python's import locks."""
+    from transformers import Qwen3VLModel  # noqa: F401 - the one run_tiny_image_encode imports, imported here first
+
     from .tiny import build_tiny_processor, tiny_text_encoder_config
 
     processor = build_tiny_processor()
     inputs = processor(text=[build_prompt_text("a warm-up", 0)], return_tensors="pt")
     inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
-    run_tiny_image_encode(tiny_text_encoder_config(processor.tokenizer), inputs, device, dtype)
+    config = tiny_text_encoder_config(processor.tokenizer)
+    return lambda device, dtype: run_tiny_image_encode(config, inputs, device, dtype)
 
 
 def run_tiny_image_encode(config, inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
