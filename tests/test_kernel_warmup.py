@@ -427,8 +427,8 @@ def test_the_image_encode_job_runs_a_tiny_model_and_leaves_shared_state_alone():
         patch.setattr(torch.nn.Module, "__call__", recording)
         patch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                       lambda *args, **kwargs: sdpa_calls.append(1) or sdpa(*args, **kwargs))  # fmt: skip
-        text_warmup.run_tiny_image_encode(tiny_text_encoder_config(processor.tokenizer), inputs,
-                                          torch.device("cpu"), torch.bfloat16)  # fmt: skip
+        text_warmup.run_tiny_encode(tiny_text_encoder_config(processor.tokenizer), inputs, torch.device("cpu"),
+                                    torch.bfloat16)  # fmt: skip
     assert "Qwen3VLVisionModel" in ran and "Qwen3VLTextModel" in ran  # the vision tower and the language model ran
     assert not sdpa_calls  # eager attention: no SDPA kernel chosen (and none planned) for the tiny model
     assert torch.equal(rng, torch.random.get_rng_state())

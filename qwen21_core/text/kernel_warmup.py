@@ -39,19 +39,15 @@ def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.de
     thread."""
     if encoder is None or device.type != "cuda":
         return []
-    from .tiny import tiny_text_encoder_config
-
     try:
-        processor = encoder.processor
         image = Image.new("RGB", (WARMUP_IMAGE_SIZE, WARMUP_IMAGE_SIZE), (128, 128, 128))
-        inputs = processor(text=[build_prompt_text("a warm-up", 1)], images=[image], return_tensors="pt")
-        inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
-        config, dtype = tiny_text_encoder_config(processor.tokenizer), encoder.dtype
+        config, inputs = tiny_encode_inputs(encoder.processor, [image])
+        dtype = encoder.dtype
     except Exception as error:  # noqa: BLE001 - a warm-up never fails a load
         log.warning("no image-encode warm-up (%s: %s); the first edit loads its kernels itself",
                     type(error).__name__, error)  # fmt: skip
         return []
-    return [lambda: run_tiny_image_encode(config, inputs, device, dtype)]
+    return [lambda: run_tiny_encode(config, inputs, device, dtype)]
 
 
 def text_prompt_priming() -> Callable[[torch.device, torch.dtype], None]:
@@ -59,18 +55,25 @@ def text_prompt_priming() -> Callable[[torch.device, torch.dtype], None]:
     model's torch kernels load before any encoder exists. Its tiny processor, inputs and config are made now, on the
     caller's thread: every import happens there and not in the priming thread, where an import racing one of the main
     thread's could deadlock Python's import locks."""
-    from transformers import Qwen3VLModel  # noqa: F401 - the one run_tiny_image_encode imports, imported here first
+    from transformers import Qwen3VLModel  # noqa: F401 - the one run_tiny_encode imports, imported here first
 
-    from .tiny import build_tiny_processor, tiny_text_encoder_config
+    from .tiny import build_tiny_processor
 
-    processor = build_tiny_processor()
-    inputs = processor(text=[build_prompt_text("a warm-up", 0)], return_tensors="pt")
+    config, inputs = tiny_encode_inputs(build_tiny_processor(), [])
+    return lambda device, dtype: run_tiny_encode(config, inputs, device, dtype)
+
+
+def tiny_encode_inputs(processor, images: list) -> tuple[object, dict]:
+    """(a 2-layer Qwen3-VL config for `processor`'s tokenizer, the model inputs of a warm-up prompt with `images`).
+    Both read the tokenizer: make them on the thread that owns it."""
+    from .tiny import tiny_text_encoder_config
+
+    inputs = processor(text=[build_prompt_text("a warm-up", len(images))], images=images or None, return_tensors="pt")
     inputs = {name: inputs[name] for name in ENCODE_INPUTS if name in inputs}
-    config = tiny_text_encoder_config(processor.tokenizer)
-    return lambda device, dtype: run_tiny_image_encode(config, inputs, device, dtype)
+    return tiny_text_encoder_config(processor.tokenizer), inputs
 
 
-def run_tiny_image_encode(config, inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
+def run_tiny_encode(config, inputs: dict, device: torch.device, dtype: torch.dtype) -> None:
     """A Qwen3-VL of `config` (no weights set: meta, then uninitialised memory on `device`) runs `inputs` (a prompt,
     with or without images) once."""
     from transformers import Qwen3VLModel
