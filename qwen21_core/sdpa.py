@@ -30,6 +30,8 @@ def prime_flash_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat1
     its tiles and one that does not (the kernel is specialised on both), so that CUDA has loaded them before a
     prompt (qwen21_core/cuda_priming.py). The aten op is called directly: `planless_kernels` sets SDPA's backend
     flags for the whole process, and another thread's attention must not change kernel meanwhile."""
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return  # no flash kernel before Ampere: SDPA picks the memory-efficient or the math kernel there
     for length in (77, 128):
         q = torch.zeros(1, 2, length, PRIMING_HEAD_DIM, device=device, dtype=dtype)
         for causal in (True, False):
