@@ -34,16 +34,9 @@ for _module_name, _classes in _NODES.items():
         NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)
         NODE_DISPLAY_NAME_MAPPINGS[_class_name] = _display_name
 
-try:  # Triton's one-time cache key, hashed in the background from ComfyUI's start (kernels/_triton.py says why)
-    from ..kernels._triton import prime_compile_key
+try:  # Triton's cache key and torch's CUDA kernels, loaded while ComfyUI starts (qwen21_core/cuda_priming.py)
+    from ..qwen21_core.cuda_priming import prime_before_first_prompt
 
-    prime_compile_key()
+    prime_before_first_prompt()
 except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
-    log.debug("Triton's cache key was not primed", exc_info=True)
-
-try:  # torch's own CUDA kernels a first prompt launches, loaded while ComfyUI starts (qwen21_core/cuda_priming.py)
-    from ..qwen21_core.cuda_priming import prime_cuda_kernels
-
-    prime_cuda_kernels()
-except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
-    log.debug("CUDA kernels were not primed", exc_info=True)
+    log.debug("nothing was primed", exc_info=True)

@@ -36,6 +36,19 @@ _started: dict[int, threading.Thread] = {}
 _lock = threading.Lock()
 
 
+def prime_before_first_prompt() -> None:
+    """What the pack starts when its node classes are imported (ComfyUI's start), each in a background thread and
+    each on its own conditions: Triton's cache key (kernels/_triton.py `prime_compile_key`) and torch's CUDA kernels
+    (`prime_cuda_kernels`). A failure of either is logged and leaves the other running."""
+    from ..kernels._triton import prime_compile_key
+
+    for name, start in (("Triton's cache key", prime_compile_key), ("CUDA kernels", prime_cuda_kernels)):
+        try:
+            start()
+        except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
+            log.debug("%s not primed", name, exc_info=True)
+
+
 def priming_steps():
     """(name, function of (device, dtype)) in the order they run, the encoder's first, as a prompt needs them. Made on
     the caller's thread, with every import they need (text/kernel_warmup.py says why)."""
