@@ -6,7 +6,7 @@
 
 The GPU is idle wherever no kernel or copy runs. Each idle gap is put on the innermost labelled ranges the host was
 in while it lasted: a gap under "qwen21 prefill" is the prefill's launches not keeping the GPU fed, one under
-"node SaveImage" is time the GPU had nothing to do because the host was writing a PNG.
+"node Qwen21SaveImage" is time the GPU had nothing to do because the host was writing a PNG.
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ over POST /prompt, the loader pointed at model files on disk as a user has them:
   beside it, the VAE in bf16 (ComfyUI layout) and a rank-64 LoRA on every block Linear (bench_lora's).
 ComfyUI caches node outputs between prompts, so the loader runs once and the seed-only rerun reuses the encoder's
 output. Each prompt is timed from the POST to the websocket's execution_success (or error); a phase (encode_s,
-sample_s, decode_s, loader_s, lora_s) is the time from its node's `executing` message to the next node's, so it
+sample_s, decode_s, save_s, loader_s, lora_s) is the time from its node's `executing` message to the next node's, so it
 includes what ComfyUI does around the node (its memory manager loading or unloading models), and other_s sums the
-rest (LoadImage, SaveImage); `sample_inner_s` is the sampler's own time from its `ui` stats. `cached` lists the
-nodes ComfyUI took from its cache. Memory after a prompt comes from /system_stats: `allocated_after_gib` is torch's
-active bytes, `reserved_after_gib` what its allocator holds. `memory_log` has the server log's model-placement lines
-of that prompt.
+rest (LoadImage); save_s is Qwen21 Save Image's, or Save Image's for a pack without it (`--save-node`);
+`sample_inner_s` is the sampler's own time from its `ui` stats. `cached` lists the nodes ComfyUI took from its
+cache. Memory after a prompt comes from /system_stats: `allocated_after_gib` is torch's active bytes,
+`reserved_after_gib` what its allocator holds. `memory_log` has the server log's model-placement lines of that
+prompt.
 
 Output, one JSON line each, streamed: `session_models` (files written or reused, seconds: setup, not the session),
 `session_setup`, `session_prompt` per prompt and one `session_summary` (bench_session's `summary`), each with
@@ -68,7 +69,8 @@ FULL_SIZE_FILES = {
 LORA_RANK = 64
 FULL_SIZE_DIR = "/tmp/qwen21_session_models"
 PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s"}  # fmt: skip
+          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "Qwen21SaveImage": "save_s",
+          "SaveImage": "save_s"}  # fmt: skip
 # server log lines that say where ComfyUI's memory manager and our loader put the models
 MEMORY_LINE = re.compile(r"Requested to load|loaded completely|loaded partially|[Uu]nload|qwen21: ")
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.uint8: "U8"}
@@ -385,10 +387,12 @@ def run_session(args, files: dict[str, str], flags: list[str]) -> int:
                      log_dir / "comfyui_session_server.txt", pack)  # fmt: skip
     try:
         system = server.stats.get("system", {})
+        if not args.save_node:  # the pack's own saver where the pack has it (an older release's has not)
+            args.save_node = "Qwen21SaveImage" if server.get("/object_info/Qwen21SaveImage") else "SaveImage"
         emit(what="session_setup", **kind, start_s=round(time.perf_counter() - started, 1), steps=args.steps,
              comfyui_version=system.get("comfyui_version"), pytorch=system.get("pytorch_version"),
              device=server.stats["devices"][0].get("name"), log=str(server.log_path), files=files,
-             pack=str(pack))  # fmt: skip
+             pack=str(pack), save_node=args.save_node)  # fmt: skip
         rows, seen = [], set()
         for index, spec in enumerate(plan(args.tail)[: args.limit or None]):
             text_index = index if spec["changed"] else index - 1  # the rerun: the previous prompt's text
@@ -438,6 +442,9 @@ def main() -> int:
     parser.add_argument("--models-dir", default="", help="model files; full size: written once, reused if present")
     parser.add_argument("--limit", type=int, default=0, help="only the plan's first N prompts (0: all)")
     parser.add_argument("--pack-dir", default="", help="the pack ComfyUI loads (default: this tree)")
+    parser.add_argument("--save-node", default="", choices=["", "Qwen21SaveImage", "SaveImage"],
+                        help="the node that saves each image (default: the pack's Qwen21SaveImage where it has one, "
+                        "else ComfyUI's SaveImage)")  # fmt: skip
     parser.add_argument("--extra-args", action="append", default=[],
                         help="ComfyUI flags, e.g. --extra-args=--disable-cuda-malloc (repeatable)")  # fmt: skip
     parser.add_argument("--comfyui-dir", default=os.environ.get("COMFYUI_DIR", ""))

@@ -54,6 +54,7 @@ from _common import emit, sync  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
+SAVE_NODES = ("Qwen21SaveImage", "SaveImage")  # the pack's PNG writer, ComfyUI's (the runner's stand-in)
 BASE_PROMPT = "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep"
 DETAILS = ["on a knitted blanket", "beside a steaming teapot", "under a paper lantern", "next to a globe",
            "among potted ferns", "in soft morning fog", "with snow outside", "with a chess board", "by candlelight",
@@ -115,6 +116,8 @@ def session_prompt(spec: dict, index: int, args, lora_name: str | None, text_ind
             inputs["output_resolution"] = max(width, height)
         if node["class_type"] == "Qwen21Sampler":
             inputs.update(seed=1000 + index, steps=args.steps, width=width, height=height)
+        if node["class_type"] in SAVE_NODES and args.save_node:
+            node["class_type"] = args.save_node
     if spec["lora"] is not None:
         model_users = [n for n in prompt.values() if n["inputs"].get("model") == ["1", 0]]
         prompt["90"] = {"class_type": "Qwen21LoraLoader",
@@ -183,7 +186,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             continue
         row["total_s"] = round(time.perf_counter() - started, 3)
         phases = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "SaveImage": "save_s"}  # fmt: skip
+                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "SaveImage": "save_s",
+                  "Qwen21SaveImage": "save_s"}  # fmt: skip
         for node_id, seconds in result.seconds.items():
             name = phases.get(prompt[node_id]["class_type"])
             if name:
@@ -450,6 +454,7 @@ def orchestrate(args) -> int:
         command += ["--trace", args.trace, "--log-dir", args.log_dir] if args.trace else []
         command += ["--trace-stack"] if args.trace_stack else []
         command += ["--tiny"] if args.tiny else []
+        command += ["--save-node", args.save_node] if args.save_node else []
         returncode = stream_child(
             command,
             # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
@@ -513,6 +518,9 @@ def main():
                         help="fp8, N changed 512^2 prompts in this process: does the first replay?")  # fmt: skip
     parser.add_argument("--limit", type=int, default=0,
                         help="run only the first N prompts of a session (its first image, the next ones)")  # fmt: skip
+    parser.add_argument("--save-node", choices=SAVE_NODES, default="",
+                        help="save every image with this node instead of the workflow's: SaveImage is ComfyUI's "
+                        "(the runner's stand-in: PIL, one core), Qwen21SaveImage the pack's")  # fmt: skip
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=int, default=560)
     parser.add_argument("--log-dir", default="")

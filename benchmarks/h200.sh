@@ -4,7 +4,7 @@
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
-#   attention-lengths
+#   attention-lengths save-png
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,6 +124,7 @@ for part in "$@"; do
     qk) run bench_qk 300 python3 benchmarks/bench_qk_norm_rope.py --sweep ;;
     te) run bench_te 200 python3 benchmarks/bench_text_encoder.py ;;
     copy-rates) run bench_copy_rates 60 python3 benchmarks/bench_copy_rates.py ;;
+    save-png) run bench_save_png 120 python3 benchmarks/bench_save_png.py ;;  # ComfyUI's Save Image against ours
     attention-lengths)  # each attention kernel's first call at a new prompt length, and cuDNN against flash at repeats
       run bench_attention_lengths 90 python3 benchmarks/bench_attention_lengths.py ;;
     lora) run bench_lora "${LORA_LIMIT:-580}" python3 benchmarks/bench_lora.py ${LORA_ARGS:-} ;;  # LORA_ARGS: --formats ...

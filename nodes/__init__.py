@@ -19,6 +19,7 @@ _NODES = {
     "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
     "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
     "vae": {"Qwen21VAEDecode": "Qwen21 VAE Decode (RGBA)", "Qwen21VAEEncode": "Qwen21 VAE Encode"},
+    "save": {"Qwen21SaveImage": "Qwen21 Save Image (fast PNG)"},
 }
 
 NODE_CLASS_MAPPINGS: dict = {}

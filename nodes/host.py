@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -135,6 +136,55 @@ def file_identity(path: str) -> str:
 def comfyui_root() -> str | None:
     """ComfyUI's own folder (where its bundled tokenizers live); None outside ComfyUI."""
     return os.path.dirname(os.path.abspath(comfy_folder_paths.__file__)) if IN_COMFYUI else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Output images
+
+
+_output_dir = os.path.abspath("output")
+
+
+def set_output_dir(path: str | os.PathLike) -> None:
+    """Outside ComfyUI: where saved images go (the runner's --output-dir)."""
+    global _output_dir
+    _output_dir = os.path.abspath(os.fspath(path))
+
+
+def output_directory() -> str:
+    return comfy_folder_paths.get_output_directory() if IN_COMFYUI else _output_dir
+
+
+def metadata_disabled() -> bool:
+    """ComfyUI's --disable-metadata: saved images carry no prompt or workflow."""
+    if not IN_COMFYUI:
+        return False
+    from comfy.cli_args import args  # noqa: PLC0415 - ComfyUI's own module, only inside ComfyUI
+
+    return bool(args.disable_metadata)
+
+
+def image_save_path(
+    filename_prefix: str, width: int, height: int, folder: str | None = None
+) -> tuple[str, str, int, str]:
+    """(folder, file name stem, first counter, subfolder) for images saved as <stem>_<counter:05>_.png.
+
+    Inside ComfyUI its own `get_save_image_path` (its %width%/%date% variables and its counter); outside, the
+    same rules for a plain prefix: a subfolder inside the output folder, the counter after the highest one there."""
+    folder = os.path.abspath(folder or output_directory())
+    if IN_COMFYUI:
+        target, stem, counter, subfolder, _prefix = comfy_folder_paths.get_save_image_path(
+            filename_prefix, folder, width, height
+        )
+        return target, stem, counter, subfolder
+    subfolder, stem = os.path.split(os.path.normpath(filename_prefix))
+    target = os.path.abspath(os.path.join(folder, subfolder))
+    if os.path.commonpath([target, folder]) != folder:
+        raise ValueError(f"filename_prefix {filename_prefix!r} points outside the output folder {folder}")
+    os.makedirs(target, exist_ok=True)
+    numbered = re.compile(re.escape(stem) + r"_(\d{5})_")
+    counter = max((int(m.group(1)) for f in os.listdir(target) if (m := numbered.match(f))), default=0) + 1
+    return target, stem, counter, subfolder
 
 
 # --------------------------------------------------------------------------------------------------

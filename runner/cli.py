@@ -34,6 +34,7 @@ LOADER_FILES = (("diffusion_models", "diffusion_model"), ("text_encoders", "text
 def node_classes(input_dir: str, output_dir: str) -> dict[str, type]:
     if not NODE_CLASS_MAPPINGS:
         raise RuntimeError("the Qwen21 node classes failed to import; the log above says why")
+    host.set_output_dir(output_dir)  # where the pack's own save node writes, beside the stand-ins' SaveImage
     return {**make_core_nodes(input_dir, output_dir, os.path.join(output_dir, "temp")), **NODE_CLASS_MAPPINGS}
 
 

@@ -9,12 +9,13 @@ the folders the runner is given instead of ComfyUI's input/ and output/.
 from __future__ import annotations
 
 import os
-import re
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
+
+from ..nodes import host
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -33,18 +34,13 @@ def load_image_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_image_batch(images: torch.Tensor, folder: str, filename_prefix: str) -> list[dict]:
-    """Write each [H,W,3|4] image as an RGB or RGBA PNG named <prefix>_00001_.png, ComfyUI style."""
-    subfolder, prefix = os.path.split(filename_prefix)
-    target = os.path.join(folder, subfolder)
-    if os.path.commonpath([os.path.abspath(target), os.path.abspath(folder)]) != os.path.abspath(folder):
-        raise ValueError(f"filename_prefix {filename_prefix!r} points outside the output folder {folder}")
-    os.makedirs(target, exist_ok=True)
-    pattern = re.compile(re.escape(prefix) + r"_(\d{5})_\.png$")
-    counter = max((int(m.group(1)) for f in os.listdir(target) if (m := pattern.match(f))), default=0) + 1
+    """Write each [H,W,3|4] image as an RGB or RGBA PNG named <prefix>_00001_.png, as ComfyUI's SaveImage does
+    (PIL, compression level 4, one core)."""
+    target, stem, counter, subfolder = host.image_save_path(filename_prefix, images.shape[2], images.shape[1], folder)
     saved = []
     for image in images:
         pixels = np.clip(255.0 * image.detach().cpu().float().numpy(), 0, 255).astype(np.uint8)
-        name = f"{prefix}_{counter:05}_.png"
+        name = f"{stem}_{counter:05}_.png"
         Image.fromarray(pixels).save(os.path.join(target, name), compress_level=4)
         saved.append({"filename": name, "subfolder": subfolder, "type": "output"})
         counter += 1

@@ -170,6 +170,16 @@ def _bench(script: str, *args: str, timeout: int = 900) -> dict[str, list[dict]]
     return _json_lines(done.stdout)
 
 
+def test_bench_save_png_times_both_savers_on_the_same_pixels():
+    lines = _bench("bench_save_png.py", "--sizes", "64", "--rounds", "1")["save_png"]
+    cases = {(line["image"], line["channels"]) for line in lines}
+    assert cases == {(kind, channels) for kind in ("noise", "textured") for channels in (3, 4)}
+    for line in lines:
+        assert line["same_pixels"] and line["comfyui_s"] > 0 and line["ours_s"] > 0 and line["ours_kib"] > 0
+        ours, comfyui, rounding = line["ours_s"], line["comfyui_s"], 5e-5  # seconds are printed to 4 decimals
+        assert (ours - rounding) / (comfyui + rounding) <= line["ratio"] <= (ours + rounding) / (comfyui - rounding)
+
+
 @pytest.mark.slow
 def test_bench_session_smoke_runs_a_whole_session_through_the_nodes(tmp_path):
     """bench_session --tiny on the CPU: two sessions in one child process, every prompt of the plan through the
@@ -220,7 +230,7 @@ def test_bench_session_small_runs_changed_512_prompts_and_reports_the_decode_gra
 
 def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
     """--trace: torch.profiler over prompts 2 and 3 (numbered from 0), one session_trace line each, every prompt's
-    SaveImage time in its line, and the first traced prompt's Chrome trace with the node and sampler ranges in it (on
+    save time in its line, and the first traced prompt's Chrome trace with the node and sampler ranges in it (on
     the CPU there is no GPU work to split into busy and idle, and the line says so)."""
     by_what = _bench("bench_session.py", "--tiny", "--device", "cpu", "--turbo", "--tail", "0", "--trace",
                      "--log-dir", str(tmp_path))  # fmt: skip
@@ -231,7 +241,7 @@ def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
     assert all(p["save_s"] > 0 and p["total_s"] >= p["sample_s"] + p["decode_s"] + p["save_s"] for p in prompts)
     names = {event.get("name") for event in json.loads((tmp_path / "session_trace_fp8_2.json").read_text())[
         "traceEvents"]}  # fmt: skip
-    assert {"node Qwen21Encode", "node Qwen21Sampler", "node Qwen21VAEDecode", "node SaveImage", "qwen21 prefill",
+    assert {"node Qwen21Encode", "node Qwen21Sampler", "node Qwen21VAEDecode", "node Qwen21SaveImage", "qwen21 prefill",
             "qwen21 step"} <= names  # fmt: skip
 
 

@@ -77,8 +77,9 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def queue(self, prompt: dict, client_id: str = "qwen21-tests") -> str:
-        reply = self.post("/prompt", json={"prompt": prompt, "client_id": client_id})
+    def queue(self, prompt: dict, client_id: str = "qwen21-tests", extra_data: dict | None = None) -> str:
+        body = {"prompt": prompt, "client_id": client_id, **({"extra_data": extra_data} if extra_data else {})}
+        reply = self.post("/prompt", json=body)
         assert reply.status_code == 200, reply.text
         return reply.json()["prompt_id"]
 
@@ -284,11 +285,13 @@ def test_ui_workflows_match_the_servers_node_definitions(server):
 def test_api_workflow_runs_and_images_come_back(server, path):
     prompt = tiny_prompt(path, server.models)
     prefix = f"test_{path.stem}_{uuid.uuid4().hex[:6]}"
-    saver = find_node(prompt, "SaveImage")
+    saver = find_node(prompt, "Qwen21SaveImage")
     prompt[saver]["inputs"]["filename_prefix"] = prefix
-    entry = server.wait(server.queue(prompt))
+    workflow = {"nodes": [{"id": int(saver), "type": "Qwen21SaveImage"}], "links": [], "note": path.stem}
+    entry = server.wait(server.queue(prompt, extra_data={"extra_pnginfo": {"workflow": workflow}}))
     assert entry["status"]["status_str"] == "success", failure_report(entry, server)
     images = entry["outputs"][saver]["images"]
+    assert [image["filename"] for image in images] == [f"{prefix}_{n:05}_.png" for n in range(1, len(images) + 1)]
     sampler = prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]
     assert len(images) == sampler["batch_size"]
     expected_mode = "RGBA" if any(n["class_type"] == "JoinImageWithAlpha" for n in prompt.values()) else "RGB"
@@ -297,6 +300,13 @@ def test_api_workflow_runs_and_images_come_back(server, path):
         with fetch_png(server, image) as picture:
             assert picture.mode == expected_mode
             sizes.add(picture.size)
+            # Qwen21 Save Image writes what ComfyUI's Save Image would: the prompt and the UI's workflow
+            # (ComfyUI adds each node's is_changed to the prompt it passes)
+            saved_prompt = json.loads(picture.text["prompt"])
+            assert {k: (v["class_type"], v["inputs"]) for k, v in saved_prompt.items()} == {
+                k: (v["class_type"], v["inputs"]) for k, v in prompt.items()
+            }
+            assert json.loads(picture.text["workflow"]) == workflow
     assert len(sizes) == 1 and all(side % 32 == 0 for side in sizes.pop())
     executed = [event for event, _data in entry["status"]["messages"]]
     assert "execution_success" in executed
@@ -310,7 +320,7 @@ def test_workflows_run_under_lowvram(lowvram_server, name):
     server = lowvram_server
     run_start = len(server.log())  # the start-up may hold other packs' import tracebacks; the run may not
     prompt = tiny_prompt(WORKFLOWS_DIR / "api" / f"{name}.json", server.models)
-    saver = find_node(prompt, "SaveImage")
+    saver = find_node(prompt, "Qwen21SaveImage")
     entry = server.wait(server.queue(prompt))
     assert entry["status"]["status_str"] == "success", failure_report(entry, server)
     assert len(entry["outputs"][saver]["images"]) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
@@ -337,7 +347,7 @@ def test_lora_workflow_runs_on_fp8_weights_merged_beside_and_as_saved_before_the
             prompt[find_node(prompt, lora)]["inputs"]["mode"] = case
         entry = server.wait(server.queue(prompt))
         assert entry["status"]["status_str"] == "success", f"{case}: " + failure_report(entry, server)
-        assert len(entry["outputs"][find_node(prompt, "SaveImage")]["images"]) == 1
+        assert len(entry["outputs"][find_node(prompt, "Qwen21SaveImage")]["images"]) == 1
         applied = [line for line in server.log()[run_start:].splitlines() if "LoRA stack" in line and "applied" in line]
         assert applied, f"{case}: no LoRA was applied:\n" + server.log()[run_start:][-3000:]
         kind = "'side_paths': 0" if case != "side_path" else "'weights_merged': 0"  # the other kind, none of it

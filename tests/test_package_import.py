@@ -17,6 +17,7 @@ EXPECTED_NODES = {
     "Qwen21VAEDecode",
     "Qwen21VAEEncode",
     "Qwen21LoraLoader",
+    "Qwen21SaveImage",
 }
 
 # What ComfyUI's load_custom_node does (nodes.py): spec_from_file_location(<folder name>, <folder>/__init__.py).

@@ -78,7 +78,7 @@ def test_api_workflow_runs_on_the_tiny_checkpoint(path, tiny_models, tmp_path):
     result = run_workflow(
         path, models_dir=tiny_models, output_dir=tmp_path, overrides=tiny_overrides(prompt, tiny_models)
     )
-    saver = find_node(prompt, "SaveImage")
+    saver = find_node(prompt, "Qwen21SaveImage")
     images = result.ui[saver]["images"]
     assert len(images) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
     _conditioning, width, height = result.outputs[find_node(prompt, "Qwen21Encode")]

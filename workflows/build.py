@@ -102,7 +102,7 @@ def _decode(**inputs) -> dict:
 
 
 def _save(prefix: str, images=("4", 0)) -> dict:
-    return {"class_type": "SaveImage", "inputs": {"images": list(images), "filename_prefix": f"qwen21/{prefix}"}}
+    return {"class_type": "Qwen21SaveImage", "inputs": {"images": list(images), "filename_prefix": f"qwen21/{prefix}"}}
 
 
 def _load_image(name: str) -> dict:
@@ -423,7 +423,7 @@ def _summary(prompt: dict) -> str:
 
 def _label(node: dict) -> str:
     short = {"Qwen21ModelLoader": "Load", "Qwen21DiffusersLoader": "Load", "Qwen21Sampler": "Sample"}
-    short.update(Qwen21VAEDecode="Decode", SaveImage="Save", JoinImageWithAlpha="Join")
+    short.update(Qwen21VAEDecode="Decode", Qwen21SaveImage="Save", JoinImageWithAlpha="Join")
     return short.get(node["type"], node["type"].removeprefix("Qwen21").removesuffix("Loader") or "Load")
 
 
