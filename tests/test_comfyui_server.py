@@ -312,6 +312,28 @@ def test_api_workflow_runs_and_images_come_back(server, path):
     assert "execution_success" in executed
 
 
+@pytest.mark.parametrize("workflow", ["text_to_image", "rgba_in_out"])
+def test_comfyuis_save_image_and_ours_save_the_same_pixels(server, workflow):
+    """The example workflows save with Qwen21 Save Image; ComfyUI's Save Image in its place (ComfyUI caches everything
+    before it) must save the same image, RGB and RGBA."""
+    import numpy as np
+
+    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / f"{workflow}.json", server.models)
+    saver = find_node(prompt, "Qwen21SaveImage")
+    pixels = {}
+    for class_type in ("Qwen21SaveImage", "SaveImage"):
+        prompt[saver]["class_type"] = class_type
+        prompt[saver]["inputs"]["filename_prefix"] = f"test_savers_{uuid.uuid4().hex[:6]}"
+        entry = server.wait(server.queue(prompt))
+        assert entry["status"]["status_str"] == "success", failure_report(entry, server)
+        (image,) = entry["outputs"][saver]["images"]
+        with fetch_png(server, image) as picture:
+            pixels[class_type] = (picture.mode, np.asarray(picture))
+    (ours_mode, ours), (comfy_mode, comfy) = pixels["Qwen21SaveImage"], pixels["SaveImage"]
+    assert ours_mode == comfy_mode == ("RGBA" if workflow == "rgba_in_out" else "RGB")
+    assert np.array_equal(ours, comfy)
+
+
 @pytest.mark.parametrize("name", ["text_to_image", "edit_4_references"])
 def test_workflows_run_under_lowvram(lowvram_server, name):
     """ComfyUI's --lowvram / --novram: our DiT and text encoder are registered for partial loads (tests/test_memory.py
