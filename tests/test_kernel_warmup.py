@@ -276,6 +276,37 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     assert compiled == []
 
 
+@pytest.mark.gpu
+def test_after_the_vae_warmup_decodes_and_encodes_of_real_sizes_compile_nothing():
+    """The VAE's warm-up decodes small latents; a real image's decode and a reference's encode must then find every
+    kernel variant compiled (Triton specialises integer arguments on divisibility by 16: the first 1024x1024 decode
+    after a warm-up of 2x2 and 4x4 latents compiled the norm kernel's tail again, 0.4-0.5 s on a fresh machine)."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook to count compiles with")
+    from qwen21_nodes.qwen21_core.config import VAEConfig
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with torch.device(device):
+        vae = QwenImage21VAE(VAEConfig()).to(torch.bfloat16).eval()
+    for job in vae_warmup_jobs(vae, device):
+        job()
+    torch.cuda.synchronize()
+    compiled = []
+    runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(getattr(kwargs.get("fn"), "__name__", "?"))
+    try:
+        with torch.inference_mode():
+            for height, width in ((64, 64), (48, 84), (84, 48), (96, 96), (66, 66)):
+                vae.decode(torch.randn(1, vae.config.z_dim, height, width, device=device, dtype=torch.bfloat16))
+            vae.encode(torch.rand(1, 1024, 1024, 4, device=device))
+        torch.cuda.synchronize()
+    finally:
+        runtime.jit_post_compile_hook = None
+    assert compiled == []
+
+
 def test_torch_ops_only_counts_every_self_test_unproven_in_this_thread_only():
     from qwen21_nodes.kernels._triton import SelfTests, torch_ops_only
 

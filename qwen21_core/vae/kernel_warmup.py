@@ -1,10 +1,12 @@
 """Compile the Triton kernels a VAE decode and encode launch, before the first image needs them.
 
 The exact decode's kernels are used only after self-tests proved them bit-identical to torch on the device
-(kernels/rmsnorm_silu.py, kernels/bias_residual.py); those run here first. Then a decode of 2x2 and of 4x4 latents
-and an encode of a 32x32 image: the pixel counts of the first decoder stages are multiples of 16 for some image
-sizes and not for others (the only integer classes these kernels specialise on), and the two latent sizes cover
-both, so every real size finds its variants compiled.
+(kernels/rmsnorm_silu.py, kernels/bias_residual.py); those run here first. Then decodes of 2x2, 4x4 and 16x16 latents
+and an encode of a 32x32 image: Triton specialises integer arguments (pixel counts, strides) on whether they are
+multiples of 16, which at the first decoder stages they are for some image sizes and not for others. 2x2 and 4x4
+latents give the first stages sizes that are not; 16x16 latents give every stage sizes that are, as a 1024x1024
+image's: without them its first decode compiled the norm kernel's tail again, 0.4-0.5 s of a fresh machine's third
+image (the first that decodes with the kernels; BENCHMARKS: Session).
 
 Like the DiT's, it runs on a copy (the VAE is small), so the model itself stays free to be used or moved, and as
 small jobs on the warm-up's thread pool (qwen21_core/warmup.py): the self-tests apart from the decodes.
@@ -20,7 +22,7 @@ from ...kernels import bias_residual, rmsnorm_silu
 from ..warmup import shared_copy
 from .model import QwenImage21VAE
 
-LATENT_SIDES = (2, 4)
+LATENT_SIDES = (2, 4, 16)
 
 
 def vae_warmup_jobs(vae: QwenImage21VAE, device: torch.device) -> list[Callable[[], None]]:
