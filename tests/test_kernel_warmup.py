@@ -4,6 +4,7 @@ references; on the GPU the same calls compile the Triton kernels, checked by the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -234,15 +235,29 @@ def test_vae_job_decodes_and_encodes_on_a_copy():
     assert all(torch.equal(a, b) for a, b in zip(before, vae.parameters(), strict=True))
 
 
+@contextlib.contextmanager
+def triton_compiles():
+    """The names of the Triton kernels compiled inside the block (the GPU work synchronised at both ends); skips
+    where this Triton has no compile hook."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook to count compiles with")
+    torch.cuda.synchronize()
+    compiled = []
+    runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(getattr(kwargs.get("fn"), "__name__", "?"))
+    try:
+        yield compiled
+        torch.cuda.synchronize()
+    finally:
+        runtime.jit_post_compile_hook = None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "int8_convrot", "bf16"])
 def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     """The point of the warm-up: a prefill and decode of sizes and prompt lengths it never saw (rows and tokens are
     not specialised on; each bucket's configuration was compiled) launch only kernels that are already compiled."""
-    triton = pytest.importorskip("triton")
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
-        pytest.skip("this Triton has no compile hook to count compiles with")
     from qwen21_nodes.qwen21_core.dit.sequence import build_layout
     from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
     from qwen21_nodes.qwen21_core.quant.weights import FORMATS
@@ -255,24 +270,17 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     for jobs in dit_warmup_parts(model, device).values():
         for job in jobs:
             job()
-    torch.cuda.synchronize()
-    compiled = []
-    runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(kwargs.get("fn"))
-    try:
-        config = model.config
-        with torch.inference_mode():
-            for text, side in ((37, 6), (300, 20), (129, 34)):
-                mask = torch.zeros(text, dtype=torch.bool)
-                layout = build_layout(mask, [], (side, side))
-                embeds = torch.randn(text, config.context_in_dim, device=device, dtype=torch.bfloat16)
-                x = torch.randn(1, side * side, config.in_channels, device=device, dtype=torch.bfloat16)
-                branch = model.new_branch(layout, 1)
-                model.prefill(branch, embeds, None)
-                model.decode(branch, x, torch.full((1,), 0.5, device=device, dtype=torch.bfloat16))
-                branch.release()
-        torch.cuda.synchronize()
-    finally:
-        runtime.jit_post_compile_hook = None
+    config = model.config
+    with triton_compiles() as compiled, torch.inference_mode():
+        for text, side in ((37, 6), (300, 20), (129, 34)):
+            mask = torch.zeros(text, dtype=torch.bool)
+            layout = build_layout(mask, [], (side, side))
+            embeds = torch.randn(text, config.context_in_dim, device=device, dtype=torch.bfloat16)
+            x = torch.randn(1, side * side, config.in_channels, device=device, dtype=torch.bfloat16)
+            branch = model.new_branch(layout, 1)
+            model.prefill(branch, embeds, None)
+            model.decode(branch, x, torch.full((1,), 0.5, device=device, dtype=torch.bfloat16))
+            branch.release()
     assert compiled == []
 
 
@@ -281,10 +289,6 @@ def test_after_the_vae_warmup_decodes_and_encodes_of_real_sizes_compile_nothing(
     """The VAE's warm-up decodes small latents; a real image's decode and a reference's encode must then find every
     kernel variant compiled (Triton specialises integer arguments on divisibility by 16: the first 1024x1024 decode
     after a warm-up of 2x2 and 4x4 latents compiled the norm kernel's tail again, 0.4-0.5 s on a fresh machine)."""
-    triton = pytest.importorskip("triton")
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
-        pytest.skip("this Triton has no compile hook to count compiles with")
     from qwen21_nodes.qwen21_core.config import VAEConfig
 
     device = torch.device("cuda")
@@ -293,17 +297,10 @@ def test_after_the_vae_warmup_decodes_and_encodes_of_real_sizes_compile_nothing(
         vae = QwenImage21VAE(VAEConfig()).to(torch.bfloat16).eval()
     for job in vae_warmup_jobs(vae, device):
         job()
-    torch.cuda.synchronize()
-    compiled = []
-    runtime.jit_post_compile_hook = lambda **kwargs: compiled.append(getattr(kwargs.get("fn"), "__name__", "?"))
-    try:
-        with torch.inference_mode():
-            for height, width in ((64, 64), (48, 84), (84, 48), (96, 96), (66, 66)):
-                vae.decode(torch.randn(1, vae.config.z_dim, height, width, device=device, dtype=torch.bfloat16))
-            vae.encode(torch.rand(1, 1024, 1024, 4, device=device))
-        torch.cuda.synchronize()
-    finally:
-        runtime.jit_post_compile_hook = None
+    with triton_compiles() as compiled, torch.inference_mode():
+        for height, width in ((64, 64), (48, 84), (84, 48), (96, 96), (66, 66)):
+            vae.decode(torch.randn(1, vae.config.z_dim, height, width, device=device, dtype=torch.bfloat16))
+        vae.encode(torch.rand(1, 1024, 1024, 4, device=device))
     assert compiled == []
 
 
