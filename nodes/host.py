@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -170,13 +171,20 @@ def image_save_path(
     """(folder, file name stem, first counter, subfolder) for images saved as <stem>_<counter:05>_.png.
 
     Inside ComfyUI its own `get_save_image_path` (its %width%/%date% variables and its counter); outside, the
-    same rules for a plain prefix: a subfolder inside the output folder, the counter after the highest one there."""
+    same rules: %width%, %height% and %year% to %second% filled in, a subfolder inside the output folder, the counter
+    after the highest one there."""
     folder = os.path.abspath(folder or output_directory())
     if IN_COMFYUI:
         target, stem, counter, subfolder, _prefix = comfy_folder_paths.get_save_image_path(
             filename_prefix, folder, width, height
         )
         return target, stem, counter, subfolder
+    now = time.localtime()
+    fields = {"width": width, "height": height, "year": now.tm_year, "month": f"{now.tm_mon:02}",
+              "day": f"{now.tm_mday:02}", "hour": f"{now.tm_hour:02}", "minute": f"{now.tm_min:02}",
+              "second": f"{now.tm_sec:02}"}  # fmt: skip
+    for name, value in fields.items():
+        filename_prefix = filename_prefix.replace(f"%{name}%", str(value))
     subfolder, stem = os.path.split(os.path.normpath(filename_prefix))
     target = os.path.abspath(os.path.join(folder, subfolder))
     if os.path.commonpath([target, folder]) != folder:

@@ -5,6 +5,7 @@ metadata)."""
 import io
 import json
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -168,6 +169,12 @@ def test_save_node_refuses_what_is_not_an_image(images, message, output_dir):
     with pytest.raises(ValueError, match=message):
         Qwen21SaveImage().save_images(images, "pic")
     assert not list(output_dir.iterdir())
+
+
+def test_save_node_fills_in_the_prefix_variables_as_comfyui_does(output_dir):
+    (entry,) = Qwen21SaveImage().save_images(torch.rand(1, 32, 64, 3), "%year%/pic_%width%x%height%")["ui"]["images"]
+    assert entry["subfolder"] == str(time.localtime().tm_year) and entry["filename"] == "pic_64x32_00001_.png"
+    assert (output_dir / entry["subfolder"] / entry["filename"]).is_file()
 
 
 def test_save_node_refuses_a_prefix_outside_the_output_folder(output_dir):
