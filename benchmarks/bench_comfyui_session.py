@@ -52,7 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from _common import emit  # noqa: E402
-from bench_session import plan, session_prompt, summary  # noqa: E402
+from bench_session import SAVE_NODES, plan, session_prompt, summary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -69,8 +69,8 @@ FULL_SIZE_FILES = {
 LORA_RANK = 64
 FULL_SIZE_DIR = "/tmp/qwen21_session_models"
 PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "Qwen21SaveImage": "save_s",
-          "SaveImage": "save_s"}  # fmt: skip
+          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
+          **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
 # server log lines that say where ComfyUI's memory manager and our loader put the models
 MEMORY_LINE = re.compile(r"Requested to load|loaded completely|loaded partially|[Uu]nload|qwen21: ")
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.uint8: "U8"}
@@ -442,7 +442,7 @@ def main() -> int:
     parser.add_argument("--models-dir", default="", help="model files; full size: written once, reused if present")
     parser.add_argument("--limit", type=int, default=0, help="only the plan's first N prompts (0: all)")
     parser.add_argument("--pack-dir", default="", help="the pack ComfyUI loads (default: this tree)")
-    parser.add_argument("--save-node", default="", choices=["", "Qwen21SaveImage", "SaveImage"],
+    parser.add_argument("--save-node", default="", choices=["", *SAVE_NODES],
                         help="the node that saves each image (default: the pack's Qwen21SaveImage where it has one, "
                         "else ComfyUI's SaveImage)")  # fmt: skip
     parser.add_argument("--extra-args", action="append", default=[],

@@ -186,8 +186,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             continue
         row["total_s"] = round(time.perf_counter() - started, 3)
         phases = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "SaveImage": "save_s",
-                  "Qwen21SaveImage": "save_s"}  # fmt: skip
+                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
+                  **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
         for node_id, seconds in result.seconds.items():
             name = phases.get(prompt[node_id]["class_type"])
             if name:

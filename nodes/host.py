@@ -165,14 +165,23 @@ def metadata_disabled() -> bool:
     return bool(args.disable_metadata)
 
 
-def image_save_path(
-    filename_prefix: str, width: int, height: int, folder: str | None = None
-) -> tuple[str, str, int, str]:
-    """(folder, file name stem, first counter, subfolder) for images saved as <stem>_<counter:05>_.png.
+def image_files(
+    filename_prefix: str, count: int, width: int, height: int, folder: str | None = None
+) -> list[tuple[str, dict]]:
+    """(path, the UI's entry for it) of each of `count` images to save, named as ComfyUI's Save Image names them:
+    <stem>_<counter:05>_.png, %batch_num% in the stem replaced by the image's index in the batch."""
+    target, stem, counter, subfolder = _image_save_path(filename_prefix, width, height, folder)
+    files = []
+    for number in range(count):
+        name = f"{stem.replace('%batch_num%', str(number))}_{counter + number:05}_.png"
+        files.append((os.path.join(target, name), {"filename": name, "subfolder": subfolder, "type": "output"}))
+    return files
 
-    Inside ComfyUI its own `get_save_image_path` (its %width%/%date% variables and its counter); outside, the
-    same rules: %width%, %height% and %year% to %second% filled in, a subfolder inside the output folder, the counter
-    after the highest one there."""
+
+def _image_save_path(filename_prefix: str, width: int, height: int, folder: str | None) -> tuple[str, str, int, str]:
+    """(folder, file name stem, first counter, subfolder). Inside ComfyUI its own `get_save_image_path` (its
+    %width%/%date% variables and its counter); outside, the same rules: %width%, %height% and %year% to %second%
+    filled in, a subfolder inside the output folder, the counter after the highest one there."""
     folder = os.path.abspath(folder or output_directory())
     if IN_COMFYUI:
         target, stem, counter, subfolder, _prefix = comfy_folder_paths.get_save_image_path(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
@@ -59,11 +58,7 @@ class Qwen21SaveImage:
                 text["prompt"] = json.dumps(prompt)
             for key, value in (extra_pnginfo or {}).items():
                 text[key] = json.dumps(value)
-        folder, stem, counter, subfolder = host.image_save_path(filename_prefix, images.shape[2], images.shape[1])
-        saved = []
-        for number, image in enumerate(images):
-            name = f"{stem.replace('%batch_num%', str(number))}_{counter:05}_.png"
-            write_png(os.path.join(folder, name), image_bytes(image).cpu().numpy(), text, COMPRESS_LEVEL)
-            saved.append({"filename": name, "subfolder": subfolder, "type": "output"})
-            counter += 1
-        return {"ui": {"images": saved}}
+        files = host.image_files(filename_prefix, len(images), images.shape[2], images.shape[1])
+        for image, (path, _entry) in zip(images, files, strict=True):
+            write_png(path, image_bytes(image).cpu().numpy(), text, COMPRESS_LEVEL)
+        return {"ui": {"images": [entry for _path, entry in files]}}

@@ -41,11 +41,15 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_workers() -> int:
+    return min(MAX_WORKERS, usable_cores())
+
+
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(MAX_WORKERS, usable_cores()), thread_name_prefix="qwen21-png")
+            _pool = ThreadPoolExecutor(max_workers=default_workers(), thread_name_prefix="qwen21-png")
         return _pool
 
 
@@ -127,7 +131,7 @@ def encode_png(
     if not 0 <= level <= 9:
         raise ValueError(f"PNG compression level must be 0 to 9, got {level}")
     pixels = np.ascontiguousarray(pixels)
-    workers = workers or min(MAX_WORKERS, usable_cores())
+    workers = workers or default_workers()
     bands = max(1, min(workers, height, pixels.nbytes // MIN_BAND_BYTES))
     rows = -(-height // bands)
     starts = range(0, height, rows)

@@ -36,15 +36,11 @@ def load_image_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 def save_image_batch(images: torch.Tensor, folder: str, filename_prefix: str) -> list[dict]:
     """Write each [H,W,3|4] image as an RGB or RGBA PNG named <prefix>_00001_.png, as ComfyUI's SaveImage does
     (PIL, compression level 4, one core)."""
-    target, stem, counter, subfolder = host.image_save_path(filename_prefix, images.shape[2], images.shape[1], folder)
-    saved = []
-    for image in images:
+    files = host.image_files(filename_prefix, len(images), images.shape[2], images.shape[1], folder)
+    for image, (path, _entry) in zip(images, files, strict=True):
         pixels = np.clip(255.0 * image.detach().cpu().float().numpy(), 0, 255).astype(np.uint8)
-        name = f"{stem}_{counter:05}_.png"
-        Image.fromarray(pixels).save(os.path.join(target, name), compress_level=4)
-        saved.append({"filename": name, "subfolder": subfolder, "type": "output"})
-        counter += 1
-    return saved
+        Image.fromarray(pixels).save(path, compress_level=4)
+    return [entry for _path, entry in files]
 
 
 def make_core_nodes(input_dir: str, output_dir: str, temp_dir: str) -> dict[str, type]:
