@@ -248,14 +248,15 @@ def test_bench_session_trace_labels_every_node_and_the_sampler_parts(tmp_path):
 def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in(monkeypatch):
     """benchmarks/_trace.py on a made-up trace: busy is the union of GPU work (overlaps counted once), a gap goes to
     the innermost labelled ranges the host was in while it lasted, short gaps are only summed, and the GPU side of a
-    user annotation is not work."""
+    user annotation is not work; what each host thread ran during the long gaps is its innermost event then ("python in
+    <range>" where only our range was open), the node ranges' thread counted as the main one."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from types import SimpleNamespace
 
     from _trace import gpu_timeline
 
-    def event(name, device, start, end):
-        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device),
+    def event(name, device, start, end, thread=1, shapes=None):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), thread=thread, input_shapes=shapes,
                                time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
 
     trace = [
@@ -266,6 +267,11 @@ def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in(monkeypat
         event("gemm", "CUDA", 1_000, 2_000),
         event("gemm", "CUDA", 1_500, 2_500),  # overlaps the first: 1.5 ms busy together
         event("norm", "CUDA", 2_600, 9_000),  # 0.1 ms gap before it: short
+        event("aten::to", "CPU", 9_200, 9_800, shapes=[[4096, 64], []]),  # the host in an op while the GPU idles
+        event("aten::_copy", "CPU", 9_300, 9_500),  # nested: the innermost counts
+        event("aten::empty", "CPU", 9_900, 9_900),  # an instant: nothing
+        event("compile", "CPU", 0, 12_000, thread=7),  # a warm-up thread
+        event("load", "CPU", 500, 600, thread=7),
     ]
     timeline = gpu_timeline(SimpleNamespace(events=lambda: trace))
     assert timeline["wall_ms"] == 14.0 and timeline["gpu_busy_ms"] == 7.9
@@ -275,6 +281,17 @@ def test_gpu_timeline_puts_each_idle_gap_on_the_host_range_it_began_in(monkeypat
                                                  "node Qwen21Sampler": 1.0}  # fmt: skip
     assert timeline["longest_gaps"][0] == {"ms": 5.0, "at_ms": 9.0, "host": "node Qwen21Sampler"}
     assert timeline["top_gpu_work"][0] == {"name": "norm", "calls": 1, "ms": 6.4}
+    assert timeline["idle_main_thread_ms"] == {"python in node SaveImage": 4.0,
+                                               "python in qwen21 prefill": 1.0, "python in node Qwen21Sampler": 0.4,
+                                               "aten::to in node Qwen21Sampler": 0.4,
+                                               "aten::_copy in node Qwen21Sampler": 0.2}  # fmt: skip
+    # the nested op has no shapes of its own: it is named with the op around it that has
+    assert timeline["idle_longest_events"] == [{"ms": 0.4, "event": "aten::to", "shapes": "[[4096, 64]]"},
+                                               {"ms": 0.2, "event": "aten::to > aten::_copy",
+                                                "shapes": "[[4096, 64]]"}]  # fmt: skip
+    # the warm-up thread: "compile" over both long gaps (to 12 ms) less the 0.1 ms of "load" inside the first; the
+    # rest of SaveImage's gap is past its last event
+    assert timeline["idle_other_threads_ms"] == {"compile": 3.9, "load": 0.1}
 
 
 @pytest.mark.slow
