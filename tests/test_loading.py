@@ -294,3 +294,18 @@ def test_quantised_text_encoder_multiplies_with_dequantised_weights(tiny, monkey
     for layer in layers:
         layer.quantize_activations = True
     assert 0 < weight_only < error(encoder)
+
+
+def test_text_encoder_load_restores_torch_init_and_reports_a_broken_tokenizer(tiny, tmp_path):
+    """The text encoder is built with transformers' weight initialisation skipped (its weights come from the file
+    next) and its processor is read in a thread while the weights stream: torch's init functions are torch's again
+    afterwards, and a tokenizer that cannot be read fails the load with the tokenizer's error."""
+    names = ("normal_", "zeros_", "ones_", "uniform_", "kaiming_uniform_", "trunc_normal_")
+    before = {name: getattr(torch.nn.init, name) for name in names}
+    loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32)
+    assert {name: getattr(torch.nn.init, name) for name in names} == before
+    broken = tmp_path / "tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{ this is not a tokenizer")
+    with pytest.raises(ValueError, match="Expecting property name"):  # its JSON, read in the processor's thread
+        loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, tokenizer=broken)

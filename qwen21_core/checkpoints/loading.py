@@ -14,11 +14,13 @@ then streamed one tensor at a time into a module that was built without allocati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -441,8 +443,10 @@ def load_qwen3vl(
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
     path = Path(path)
     ckpt, layout, quant = _open(path, "text_encoder")
-    with ckpt:
+    with ckpt, ThreadPoolExecutor(1, thread_name_prefix="qwen21-processor") as side:
         processor_dir = find_tokenizer(path, tokenizer)  # before the weights: a missing tokenizer fails fast
+        # the processor (0.22 s, mostly the tokenizer's vocabulary) is read while the weights stream in
+        processor = side.submit(load_processor, processor_dir, _processor_classes())
         config, config_from = _text_encoder_config(ckpt, path, config_path)
         config.dtype = dtype
         convert = key_maps.converter(layout, ckpt.keys())
@@ -450,7 +454,8 @@ def load_qwen3vl(
         choice = (weight_formats or WeightFormats()).text_encoder
 
         def build():
-            model = Qwen3VLModel(config)
+            with _no_weight_init():
+                model = Qwen3VLModel(config)
             # Our canonical names are the transformers Qwen3VLForConditionalGeneration ones ("model." + path).
             stored_layers = {name[len("model.") : -len(".weight")]: fmt for name, fmt in stored.items()}
             linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -471,9 +476,20 @@ def load_qwen3vl(
         load_into(slots, ckpt, convert, what="Qwen3-VL text encoder", quant=quant)
         info = _info(ckpt, layout, quant, dtype, device, config_from)
         info["weights"] = _describe_linears(model)
-    info["tokenizer"] = str(processor_dir)
-    log.info("text encoder: %s", info)
-    return Qwen21TextEncoder(model, load_processor(processor_dir)), info
+        info["tokenizer"] = str(processor_dir)
+        log.info("text encoder: %s", info)
+        return Qwen21TextEncoder(model, processor.result()), info
+
+
+def _no_weight_init():
+    """transformers' own weight initialisation skipped (every weight is read from the file next): on the meta
+    parameters build_empty gives, initialising Qwen3-VL-8B's modules was 0.3 s of Python in a 3 s load (H200
+    profile, BENCHMARKS "Loading"). Buffers computed in __init__ (the rotary frequencies) are kept."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # a transformers without it: the initialisation runs, as before
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _describe_linears(model: nn.Module) -> str:
@@ -541,13 +557,23 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()
 
 
-def load_processor(folder: str | os.PathLike) -> Qwen3VLProcessor:
-    """The Qwen3VLProcessor in `folder`; for a bare tokenizer folder (ComfyUI's), one built from Qwen3-VL facts."""
+def _processor_classes() -> tuple:
+    """The classes a bare tokenizer folder's processor is built from, imported on the caller's thread: the processor
+    may be loaded in another thread, and imports racing between threads can deadlock Python's import locks."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+    from transformers.models.qwen2 import tokenization_qwen2  # noqa: F401 - what AutoTokenizer picks for Qwen3-VL
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    return AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+
+def load_processor(folder: str | os.PathLike, classes: tuple | None = None) -> Qwen3VLProcessor:
+    """The Qwen3VLProcessor in `folder`; for a bare tokenizer folder (ComfyUI's), one built from Qwen3-VL facts.
+    classes: `_processor_classes()`, when the caller imported them already."""
     folder = Path(folder)
     if (folder / "processor_config.json").is_file() or (folder / "preprocessor_config.json").is_file():
         return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLVideoProcessor = classes or _processor_classes()  # noqa: N806
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     geometry = {k: v for k, v in QWEN3_VL_IMAGE_PROCESSOR.items() if k != "size"}
