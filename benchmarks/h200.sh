@@ -4,7 +4,7 @@
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
-#   attention-lengths save-png
+#   attention-lengths save-png loader-node
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,6 +141,11 @@ for part in "$@"; do
       unpack_comfyui
       comfyui_run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
         python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
+    loader-node)  # the loader node's load on the full-size ComfyUI files, fresh processes (ComfyUI's tokenizer from
+      # .carry/comfyui); LOADER_NODE_ARGS="--pack-dirs . /path/old" alternates two packages
+      unpack_comfyui
+      run bench_loader_node "${LOADER_NODE_LIMIT:-300}" python3 benchmarks/bench_loader_node.py \
+        --comfyui-dir /tmp/comfyui ${LOADER_NODE_ARGS:-} ;;
     comfyui-restart)  # the first images through ComfyUI, the files' load included: for each pack of RESTART_PACKS
       # (folders holding a pack, e.g. another release's git archive; default: this tree) a fresh machine (an empty
       # kernel cache of its own), then RESTART_ROUNDS (default 2) rounds of restarts on those caches, alternating the

@@ -448,3 +448,18 @@ def test_bench_comfyui_session_runs_the_first_prompts_with_the_pack_it_is_given(
     assert setup["pack"] == str(pack.resolve())
     assert [p["i"] for p in prompts] == [0, 1] and not [p for p in prompts if "error" in p]
     assert "qwen21 pack marker: the copy" in (tmp_path / "log" / "comfyui_session_server.txt").read_text()
+
+
+def test_bench_loader_node_loads_in_fresh_processes_with_each_package(tmp_path):
+    """bench_loader_node.py on the tiny files: one fresh process per (round, package), each importing the package it
+    was given (here this checkout twice), with the load's phases, each component's read and the top functions."""
+    repo = str(Path(__file__).resolve().parents[1])
+    lines = _bench("bench_loader_node.py", "--tiny", "--device", "cpu", "--rounds", "1", "--models-dir",
+                   str(tmp_path), "--pack-dirs", repo, repo)["loader_node"]  # fmt: skip
+    assert [line["pack"] for line in lines] == [repo, repo]
+    for line in lines:
+        assert line["load_s"] > 0 and line["read_threads"] >= 4
+        assert {"load_transformer", "load_vae", "load_qwen3vl", "load_processor"} <= set(line["phases"])
+        assert [read["what"] for read in line["reads"]] == ["Qwen-Image-2.1 transformer", "Qwen-Image-2.1 VAE",
+                                                            "Qwen3-VL text encoder"]  # fmt: skip
+        assert line["top_cumulative"][0]["function"].startswith("loader.py")
