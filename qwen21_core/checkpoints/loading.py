@@ -15,6 +15,7 @@ then streamed one tensor at a time into a module that was built without allocati
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -446,7 +447,8 @@ def load_qwen3vl(
     with ckpt, ThreadPoolExecutor(1, thread_name_prefix="qwen21-processor") as side:
         processor_dir = find_tokenizer(path, tokenizer)  # before the weights: a missing tokenizer fails fast
         # the processor (0.22 s, mostly the tokenizer's vocabulary) is read while the weights stream in
-        processor = side.submit(load_processor, processor_dir, _processor_classes())
+        _import_processor_modules()
+        processor = side.submit(load_processor, processor_dir)
         config, config_from = _text_encoder_config(ckpt, path, config_path)
         config.dtype = dtype
         convert = key_maps.converter(layout, ckpt.keys())
@@ -484,7 +486,8 @@ def load_qwen3vl(
 def _no_weight_init():
     """transformers' own weight initialisation skipped (every weight is read from the file next): on the meta
     parameters build_empty gives, initialising Qwen3-VL-8B's modules was 0.3 s of Python in a 3 s load (H200
-    profile, BENCHMARKS "Loading"). Buffers computed in __init__ (the rotary frequencies) are kept."""
+    profile, BENCHMARKS "Loading"). Buffers computed in __init__ (the rotary frequencies) are kept. transformers swaps
+    torch's init functions for no-ops process-wide meanwhile; the build is the only thing making modules then."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # a transformers without it: the initialisation runs, as before
@@ -557,23 +560,31 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (folder / "vocab.json").is_file()
 
 
-def _processor_classes() -> tuple:
-    """The classes a bare tokenizer folder's processor is built from, imported on the caller's thread: the processor
-    may be loaded in another thread, and imports racing between threads can deadlock Python's import locks."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor
-    from transformers.models.qwen2 import tokenization_qwen2  # noqa: F401 - what AutoTokenizer picks for Qwen3-VL
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+# What a Qwen3-VL processor is built from (transformers imports them on first use)
+_PROCESSOR_MODULES = (
+    "transformers.models.qwen2.tokenization_qwen2",
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl",
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl_fast",
+    "transformers.models.qwen3_vl.video_processing_qwen3_vl",
+    "transformers.models.qwen3_vl.processing_qwen3_vl",
+)
 
-    return AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+def _import_processor_modules() -> None:
+    """Import what `load_processor` uses on the caller's thread: the processor is then read in another thread, and
+    imports racing between threads can deadlock Python's import locks. A module this transformers lacks is skipped."""
+    for name in _PROCESSOR_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
-def load_processor(folder: str | os.PathLike, classes: tuple | None = None) -> Qwen3VLProcessor:
-    """The Qwen3VLProcessor in `folder`; for a bare tokenizer folder (ComfyUI's), one built from Qwen3-VL facts.
-    classes: `_processor_classes()`, when the caller imported them already."""
+def load_processor(folder: str | os.PathLike) -> Qwen3VLProcessor:
+    """The Qwen3VLProcessor in `folder`; for a bare tokenizer folder (ComfyUI's), one built from Qwen3-VL facts."""
     folder = Path(folder)
     if (folder / "processor_config.json").is_file() or (folder / "preprocessor_config.json").is_file():
         return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
-    AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLVideoProcessor = classes or _processor_classes()  # noqa: N806
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     geometry = {k: v for k, v in QWEN3_VL_IMAGE_PROCESSOR.items() if k != "size"}
