@@ -106,7 +106,9 @@ def idle_host_ops(events, gaps: list[tuple[float, float]], top: int = 12) -> dic
     """What each host thread ran while the GPU idled in `gaps` (sorted, disjoint): at every moment the innermost
     event open on that thread, named with the innermost labelled range around it ("python in <range>" where only a
     labelled range was open: our own Python between ops). The main thread is the one the node ranges ran on; the
-    others are the warm-up's and torch's threads, listed to show what competed with it. Also the single events that
+    others are the warm-up's and torch's threads, listed to show what competed with it (empty in the H200 traces with
+    torch 2.11 although the warm-up's jobs ran meanwhile: its profiler seems to record the tracing thread's ops only).
+    Also the single events that
     held the GPU idle longest, with their input shapes where the trace recorded them: what a first call waited for."""
     by_thread: dict[int, list[tuple[float, float, str, str]]] = {}
     label_threads: dict[int, int] = {}

@@ -64,7 +64,7 @@ def load_once(args) -> None:
     import qwen21_nodes.nodes  # noqa: F401 - the pack's import, as at ComfyUI's start
     from qwen21_nodes.nodes import loader as loader_node
     from qwen21_nodes.qwen21_core import cuda_priming
-    from qwen21_nodes.qwen21_core.checkpoints import loading
+    from qwen21_nodes.qwen21_core.checkpoints import files, loading
 
     priming = cuda_priming.prime_cuda_kernels()
     if priming is not None:
@@ -101,7 +101,7 @@ def load_once(args) -> None:
     top = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:15]  # (file, line, name) -> (.., cumtime)
     pack = Path(loading.__file__).resolve().parents[2]
     emit(what="loader_node", pack=str(pack), load_s=round(seconds, 3), phases=phases,
-         reads=reads.rows, read_threads=__import__(f"{loading.__package__}.files", fromlist=["_"])._READ_THREADS,
+         reads=reads.rows, read_threads=files._READ_THREADS,
          allocated_gib=round(torch.cuda.memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
          top_cumulative=[dict(function=f"{Path(file).name}:{line}({name})", cumulative_s=round(data[3], 3))
                          for (file, line, name), data in top])  # fmt: skip
