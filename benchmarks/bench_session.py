@@ -4,6 +4,7 @@
     python benchmarks/bench_session.py --only fp8:none:empty,fp8:none:warm
     python benchmarks/bench_session.py --turbo                  # fp8 + a LoRA, 8 steps, changed prompts
     python benchmarks/bench_session.py --small 3                # fp8, changed 512^2 prompts (launch-bound steps)
+    python benchmarks/bench_session.py --child fp8:none:warm --limit 3 --settle   # a restart, the warm-up done first
     python benchmarks/bench_session.py --tiny --device cpu      # smoke test of the script itself
 
 A session is one process (a child of this script) with full-size random weights built in memory as bench_e2e.py
@@ -140,6 +141,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     load_started = time.perf_counter()
     handle = place_as_loaded(handle, cap, device)
     load_s = round(time.perf_counter() - load_started, 2)
+    settled_s = settle(handle) if args.settle and fresh else None
     classes = classes_with(handle, output_dir, device)
     if args.trace:
         classes = labelled_nodes(classes)
@@ -209,6 +211,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             emit(**traced(tracer, kind, row, args, first=index == min(traced_at)))
     warmup = handle.pipe.kernel_warmup
     out = summary(rows, kind, load_s, warmup)
+    if settled_s is not None:
+        out["settled_s"] = settled_s
     references = handle.pipe.references
     out["reference_cache"] = {"hits": references.hits, "misses": references.misses}
     # host-placed K/V caches served from a kept pinned buffer (this process so far) and what is kept now
@@ -221,6 +225,21 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     if profiles:
         emit(**profile_summary(profiles, kind, args))
     host.LOCAL.loaded.clear()
+
+
+def settle(handle) -> float:
+    """--settle: wait, before the first prompt, for the kernel warm-up and the import's CUDA priming to finish, as if
+    the prompt came long after the model was loaded; -> the seconds waited. Against a run without it, what the warm-up
+    running beside a first prompt costs that prompt."""
+    from qwen21_nodes.qwen21_core.cuda_priming import prime_cuda_kernels
+
+    started = time.perf_counter()
+    priming = prime_cuda_kernels()
+    if priming is not None:
+        priming.join()
+    if handle.pipe.kernel_warmup is not None:
+        handle.pipe.kernel_warmup.wait()
+    return round(time.perf_counter() - started, 3)
 
 
 def summary(rows: list[dict], kind: dict, load_s: float, warmup) -> dict:
@@ -455,6 +474,7 @@ def orchestrate(args) -> int:
         command += ["--trace-stack"] if args.trace_stack else []
         command += ["--tiny"] if args.tiny else []
         command += ["--save-node", args.save_node] if args.save_node else []
+        command += ["--settle"] if args.settle else []
         returncode = stream_child(
             command,
             # the driver's cache of kernels compiled from PTX too: both are empty on a fresh machine
@@ -521,6 +541,9 @@ def main():
     parser.add_argument("--save-node", choices=SAVE_NODES, default="",
                         help="save every image with this node instead of the workflow's: SaveImage is ComfyUI's "
                         "(the runner's stand-in: PIL, one core), Qwen21SaveImage the pack's")  # fmt: skip
+    parser.add_argument("--settle", action="store_true",
+                        help="wait for the kernel warm-up and the CUDA priming before the first prompt (settled_s in "
+                        "the summary): what they cost a first prompt beside it, against a run without")  # fmt: skip
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=int, default=560)
     parser.add_argument("--log-dir", default="")

@@ -463,3 +463,26 @@ def test_bench_loader_node_loads_in_fresh_processes_with_each_package(tmp_path):
         assert [read["what"] for read in line["reads"]] == ["Qwen-Image-2.1 transformer", "Qwen-Image-2.1 VAE",
                                                             "Qwen3-VL text encoder"]  # fmt: skip
         assert line["top_cumulative"][0]["function"].startswith("loader.py")
+
+
+def test_bench_session_settle_waits_for_the_warmup_before_the_first_prompt(monkeypatch):
+    """--settle: the session waits for the kernel warm-up (all its parts) before its first prompt and reports the
+    seconds; without a warm-up (CPU) it waits for nothing."""
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    import time
+    from types import SimpleNamespace
+
+    import bench_session
+
+    class Warmup:
+        waited_for = None
+
+        def wait(self, *names):
+            time.sleep(0.05)
+            Warmup.waited_for = names
+
+    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=Warmup()))) >= 0.05
+    assert Warmup.waited_for == ()  # every part
+    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=None))) < 0.05
+    summary = _bench("bench_session.py", "--tiny", "--device", "cpu", "--small", "1", "--settle")["session_summary"][0]
+    assert summary["settled_s"] >= 0 and summary["errors"] == 0
