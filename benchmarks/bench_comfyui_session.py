@@ -52,7 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from _common import emit  # noqa: E402
-from bench_session import SAVE_NODES, plan, session_prompt, summary  # noqa: E402
+from bench_session import NODE_PHASES, SAVE_NODES, plan, session_prompt, summary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -68,9 +68,6 @@ FULL_SIZE_FILES = {
 }
 LORA_RANK = 64
 FULL_SIZE_DIR = "/tmp/qwen21_session_models"
-PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-          "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
-          **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
 # server log lines that say where ComfyUI's memory manager and our loader put the models
 MEMORY_LINE = re.compile(r"Requested to load|loaded completely|loaded partially|[Uu]nload|qwen21: ")
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.uint8: "U8"}
@@ -354,7 +351,7 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
     row["total_s"] = round(end - started, 3)
     # a node's time: from its `executing` message to the next node's (the last one's: to the end)
     for (node, at), (_next, until) in zip(starts, starts[1:] + [(None, end)], strict=True):
-        name = PHASES.get(prompt[node]["class_type"], "other_s")
+        name = NODE_PHASES.get(prompt[node]["class_type"], "other_s")
         row[name] = round(row.get(name, 0) + until - at, 3)
     row["cached"] = sorted(prompt[node]["class_type"] for node in cached)
     for node, output in outputs.items():

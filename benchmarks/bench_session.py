@@ -56,6 +56,10 @@ from _common import emit, sync  # noqa: E402
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
 SAVE_NODES = ("Qwen21SaveImage", "SaveImage")  # the pack's PNG writer, ComfyUI's (the runner's stand-in)
+# the field of a session_prompt line each node's seconds go to (bench_comfyui_session.py's lines too)
+NODE_PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
+               "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
+               **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
 BASE_PROMPT = "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep"
 DETAILS = ["on a knitted blanket", "beside a steaming teapot", "under a paper lantern", "next to a globe",
            "among potted ferns", "in soft morning fog", "with snow outside", "with a chess board", "by candlelight",
@@ -187,11 +191,8 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
             seen[shape] = True
             continue
         row["total_s"] = round(time.perf_counter() - started, 3)
-        phases = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-                  "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
-                  **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
         for node_id, seconds in result.seconds.items():
-            name = phases.get(prompt[node_id]["class_type"])
+            name = NODE_PHASES.get(prompt[node_id]["class_type"])
             if name:
                 row[name] = round(row.get(name, 0) + seconds, 3)
         row["cached"] = sorted(prompt[node_id]["class_type"] for node_id in result.cached)
