@@ -208,16 +208,23 @@ def model_files(args) -> dict[str, str]:
         return {role: paths[name].name for role, name in
                 (("diffusion_model", "transformer"), ("text_encoder", "text_encoder"), ("vae", "vae"),
                  ("lora", "lora"))}  # fmt: skip
+    full_size_files(models, args.device, args.comfyui_dir)
+    return {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+
+
+def full_size_files(models: Path, device: str, comfyui_dir: str) -> dict[str, Path]:
+    """FULL_SIZE_FILES in `models` (role -> path), written first unless its written.json says they are there, with
+    ComfyUI's Qwen tokenizer (from `comfyui_dir`) beside the text encoder. bench_loader_node.py reads them too."""
     marker = models / "written.json"
     if marker.is_file() and json.loads(marker.read_text()) == FULL_SIZE_FILES:
         sizes = {role: round((models / name).stat().st_size / 1e9, 2) for role, name in FULL_SIZE_FILES.items()}
         emit(what="session_models", written=False, gb=sizes, seconds=0)
     else:
-        # a child process: the writer's GPU memory and CUDA context are gone before ComfyUI starts
+        # a child process: the writer's GPU memory and CUDA context are gone before ComfyUI (or a load) starts
         command = [sys.executable, str(Path(__file__).resolve()), "--write-models", "--models-dir", str(models),
-                   "--device", args.device]  # fmt: skip
+                   "--device", device, "--comfyui-dir", comfyui_dir]  # fmt: skip
         subprocess.run(command, check=True)
-    return {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+    return {role: models / name for role, name in FULL_SIZE_FILES.items()}
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
@@ -453,14 +460,18 @@ def main() -> int:
     if args.tiny:
         args.steps = min(args.steps, 2)
         args.tail = min(args.tail, 2)
+    if args.write_models:  # only ComfyUI's Qwen tokenizer is needed (copied beside the text encoder)
+        from qwen21_nodes.qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR
+
+        if not (Path(args.comfyui_dir) / COMFYUI_TOKENIZER_DIR).is_dir():
+            parser.error(f"writing the files needs ComfyUI's {COMFYUI_TOKENIZER_DIR} under --comfyui-dir")
+        write_full_size(Path(args.models_dir or FULL_SIZE_DIR), torch.device(args.device), Path(args.comfyui_dir))
+        return 0
     if not args.comfyui_dir or not (Path(args.comfyui_dir) / "main.py").is_file():
         parser.error("give a ComfyUI checkout (with main.py) as COMFYUI_DIR or --comfyui-dir")
     if not args.tiny and args.device == "cpu":
         parser.error("the full-size session needs --device cuda (on a CPU: --tiny)")
     args.comfyui_python = args.comfyui_python or _default_python(args.comfyui_dir)
-    if args.write_models:
-        write_full_size(Path(args.models_dir or FULL_SIZE_DIR), torch.device(args.device), Path(args.comfyui_dir))
-        return 0
     # stopped at a time limit (SIGTERM): leave through the `finally` that stops the server
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     temporary = args.tiny and not args.models_dir  # tiny files made for this run only

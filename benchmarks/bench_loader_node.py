@@ -118,23 +118,10 @@ def model_source(args) -> dict[str, str]:
         return {"transformer": str(paths["transformer"]), "text_encoder": str(paths["text_encoder"]),
                 "vae": str(paths["vae"]), "tokenizer": str(paths["tokenizer"])}  # fmt: skip
     import bench_comfyui_session as session
-    from qwen21_nodes.qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR
 
-    files = {role: models / name for role, name in session.FULL_SIZE_FILES.items()}
-    if not (models / "written.json").is_file():
-        if not args.comfyui_dir:
-            raise SystemExit(
-                "writing the full-size files needs --comfyui-dir (ComfyUI's Qwen tokenizer goes beside them)"
-            )
-        # a child process, so this one holds no GPU memory from the writing
-        command = [sys.executable, str(HERE / "bench_loader_node.py"), "--write-models", "--models-dir", str(models),
-                   "--device", args.device, "--comfyui-dir", args.comfyui_dir]  # fmt: skip
-        subprocess.run(command, check=True)
-    tokenizer = files["text_encoder"].with_suffix("")
-    if not tokenizer.is_dir() and args.comfyui_dir:
-        tokenizer = Path(args.comfyui_dir) / COMFYUI_TOKENIZER_DIR
+    files = session.full_size_files(models, args.device, args.comfyui_dir)
     return {"transformer": str(files["diffusion_model"]), "text_encoder": str(files["text_encoder"]),
-            "vae": str(files["vae"]), "tokenizer": str(tokenizer)}  # fmt: skip
+            "vae": str(files["vae"]), "tokenizer": str(files["text_encoder"].with_suffix(""))}  # fmt: skip
 
 
 def package_path(pack_dir: str, scratch: Path) -> str:
@@ -156,16 +143,11 @@ def main() -> int:
     parser.add_argument("--pack-dirs", nargs="+", default=[str(HERE.parent)], help="package folders, alternating")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         load_once(args)
         return 0
     import bench_comfyui_session as session
-
-    if args.write_models:
-        session.write_full_size(Path(args.models_dir), torch.device(args.device), Path(args.comfyui_dir))
-        return 0
 
     args.models_dir = args.models_dir or (
         tempfile.mkdtemp(prefix="qwen21_loader_") if args.tiny else session.FULL_SIZE_DIR
