@@ -39,11 +39,11 @@ from _common import emit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PHASES = ("load_transformer", "load_vae", "load_qwen3vl", "load_processor", "build_empty", "load_into")
-READ_LINE = re.compile(r"(.+): (\d+) tensors, ([\d.]+) GB from .* in ([\d.]+) s")
+READ_LINE = re.compile(r"(.+): ([\d.]+) GB read to .* in ([\d.]+) s \(.*, (\d+) tensors\)")
 
 
 class _Reads(logging.Handler):
-    """The loader's "<what>: N tensors, X GB from <file> to <device> in S s" lines, one per component."""
+    """The loader's "<what>: X GB read to <device> in S s (<file>, N tensors)" lines, one per component."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -52,7 +52,7 @@ class _Reads(logging.Handler):
     def emit(self, record):
         found = READ_LINE.match(record.getMessage())
         if found:
-            what, count, gb, seconds = found.groups()
+            what, gb, seconds, count = found.groups()
             self.rows.append(dict(what=what, tensors=int(count), gb=float(gb), seconds=float(seconds)))
 
 
@@ -157,8 +157,9 @@ def main() -> int:
     failures = 0
     for _round in range(args.rounds):
         for pack_dir in args.pack_dirs:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [package_path(pack_dir, scratch), str(HERE), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+            # No empty entry: one would make the current folder (the clone, whose kernels/ shadows PyPI's) a root.
+            roots = [package_path(pack_dir, scratch), str(HERE), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(root for root in roots if root))
             command = [sys.executable, str(HERE / "bench_loader_node.py"), "--device", args.device,
                        "--child", json.dumps(source)]  # fmt: skip
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

@@ -24,12 +24,15 @@ _NODES = {
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+UNAVAILABLE: dict[str, str] = {}  # class name -> why its module failed to import (the runner names the cause)
 
 for _module_name, _classes in _NODES.items():
     try:
         _module = importlib.import_module(f".{_module_name}", __name__)
-    except Exception:  # noqa: BLE001 - one broken node module must not take the pack down
+    except Exception as _error:  # noqa: BLE001 - one broken node module must not take the pack down
         log.exception("qwen21-nodes: failed to import nodes.%s; its nodes are unavailable", _module_name)
+        UNAVAILABLE.update(dict.fromkeys(_classes, f"nodes.{_module_name} failed to import: "
+                                                   f"{type(_error).__name__}: {_error}"))  # fmt: skip
         continue
     for _class_name, _display_name in _classes.items():
         NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)

@@ -220,8 +220,10 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
                                               sizes[1] if sizes else 0)  # fmt: skip
     te_load = _text_encoder_load_device(target, te_device, sizes)
     extra = worker_devices(target, gpus, cuda_count)
-    log.info("loading Qwen-Image-2.1 from %s (%s on %s, text encoder on %s, VAE on %s, weights %s)", source, dtype,
-             target, te_device, vae_target, formats)  # fmt: skip
+    names = [os.path.basename(str(part)) for key, part in source.items() if key != "tokenizer"] if isinstance(
+        source, dict) else [os.path.basename(str(source))]  # fmt: skip
+    log.info("loading Qwen-Image-2.1 from %s: %s on %s (weights %s), text encoder on %s, VAE on %s", ", ".join(names),
+             str(dtype).removeprefix("torch."), target, formats.dit, te_device, vae_target)  # fmt: skip
     pipe = Qwen21Pipeline.from_pretrained(
         source,
         device=target,

@@ -282,7 +282,7 @@ class Sampler:
             for role in ("positive", "negative")[: 2 if use_cfg else 1]
         ]
         run = (_LocalRun if mode is None else _ParallelRun)(self, cond, target_shape, batch, use_cfg, prefix_ids, mode)
-        self.stats.kv_cache = f"{self.kv.fmt} on {self.kv.placement}"
+        self.stats.kv_cache = self.kv.describe(dtype, device)
         total = len(timesteps)
         try:
             for i in range(total):

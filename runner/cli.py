@@ -1,4 +1,4 @@
-"""`python -m qwen21_nodes {run, demo, make-tiny}`.
+"""`qwen21-nodes {run, demo, make-tiny}` (also `python -m qwen21_nodes ...`).
 
 run:        run an API-format (or UI-format) workflow in-process with the same node classes ComfyUI
             loads, plus stand-ins for LoadImage / SaveImage / PreviewImage / Join- and SplitImageWithAlpha.
@@ -148,7 +148,7 @@ def _tiny_diffusers_folder(root: Path, turbo: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qwen21_nodes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="qwen21-nodes", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run a workflow JSON (API or UI format) in-process")

@@ -237,14 +237,22 @@ def _id_order(node_id: str):
     return (0, int(node_id), "") if node_id.isdigit() else (1, 0, node_id)
 
 
+def unknown_node_type(class_type: str, node_classes: dict) -> str:
+    """Why `class_type` cannot run: the import error of a pack node's module, or a near name."""
+    from ..nodes import UNAVAILABLE
+
+    if class_type in UNAVAILABLE:
+        return f"node type {class_type!r} is unavailable: {UNAVAILABLE[class_type]}"
+    close = [name for name in node_classes if name.lower() == class_type.lower()]
+    return f"unknown node type {class_type!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def validate(prompt: dict, node_classes: dict) -> list[str]:
     """Check the whole graph; return the execution order or raise WorkflowError with every problem."""
     problems = []
     for node_id, node in sorted(prompt.items(), key=lambda item: _id_order(item[0])):
         if node["class_type"] not in node_classes:
-            close = [name for name in node_classes if name.lower() == node["class_type"].lower()]
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"node {node_id}: unknown node type {node['class_type']!r}{hint}")
+            problems.append(f"node {node_id}: {unknown_node_type(node['class_type'], node_classes)}")
     if problems:
         raise WorkflowError(problems)
     for node_id, node in sorted(prompt.items(), key=lambda item: _id_order(item[0])):

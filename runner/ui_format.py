@@ -10,7 +10,7 @@ saved before a node gained an optional widget has fewer values; the missing trai
 
 from __future__ import annotations
 
-from .graph import WIDGET_TYPES, WorkflowError, input_specs, types_match
+from .graph import WIDGET_TYPES, WorkflowError, input_specs, types_match, unknown_node_type
 
 # Frontend-only nodes: they never reach the server.
 VIRTUAL_NODES = ("MarkdownNote", "Note", "Reroute", "PrimitiveNode")
@@ -56,7 +56,7 @@ def check_ui_workflow(ui: dict, node_classes: dict) -> list[str]:
             continue
         node_class = node_classes.get(node["type"])
         if node_class is None:
-            problems.append(f"{where}: unknown node type")
+            problems.append(f"{where}: {unknown_node_type(node['type'], node_classes)}")
             continue
         specs = input_specs(node_class)
         for socket in node.get("inputs", []):

@@ -1,8 +1,16 @@
 """Shared pytest setup: GPU tests skip on machines without CUDA, saying why; stand-ins for torch.cuda's memory
 queries."""
 
-import pytest
-import torch
+import sys
+from pathlib import Path
+
+# `python -m pytest` from the clone puts the clone first on sys.path, where our kernels/ would shadow the `kernels`
+# package that transformers imports (the README's `pytest` does not): the clone is never an import root.
+_CLONE = Path(__file__).resolve().parents[1]
+sys.path[:] = [root for root in sys.path if Path(root).resolve() != _CLONE]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

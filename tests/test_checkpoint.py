@@ -461,7 +461,7 @@ def test_peak_memory_stays_near_one_tensor_above_the_model(tmp_path):
     model_mib, tensor_mib = layers * dim * dim * 4 / 2**20, dim * dim * 4 / 2**20
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [str(tmp_path / "big.safetensors"), str(layers), str(dim)]
-    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-P", "-c", _MEMORY_SCRIPT, *args], capture_output=True, text=True, env=env,
                          check=True)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
     growth = result["peak_mib"] - result["before_mib"]

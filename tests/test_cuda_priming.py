@@ -84,7 +84,7 @@ def test_the_steps_run_tiny_models_and_leave_the_random_state_and_default_dtype_
 def _run_python(lines: list[str]) -> str:
     """The last line a fresh interpreter prints running `lines` (the warm-up switch unset)."""
     env = {name: value for name, value in os.environ.items() if name != WARMUP_ENV}
-    done = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-P", "-c", "\n".join(lines)], capture_output=True, text=True, env=env,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]

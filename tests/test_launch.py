@@ -245,7 +245,7 @@ def test_a_direct_launch_runs_inside_a_capture_under_cudamallocasync(direct):
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync",
            launch_module.FAST_LAUNCH_ENV: "1" if direct else "0"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", CAPTURE_CHILD, here], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-P", "-c", CAPTURE_CHILD, here], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     output = done.stdout + done.stderr
     if direct:

@@ -63,7 +63,7 @@ def run_under_interpreter(test_file: str, *pytest_args: str) -> subprocess.Compl
         pytest.skip("Triton is not installed; the torch references serve every device")
     path = Path(test_file).resolve()
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, str(path)],
+        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, str(path)],
         cwd=path.parents[1],
         env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
         capture_output=True,

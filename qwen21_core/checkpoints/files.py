@@ -619,8 +619,8 @@ def load_into(
     stager.finish()
     seconds = time.perf_counter() - start
     gigabytes = sum(ckpt.tensors[k].nbytes for k in keys) / 1e9
-    log.log(logging.DEBUG if quiet else logging.INFO, "%s: %d tensors, %.2f GB from %s to %s in %.2f s", what,
-            len(keys), gigabytes, ckpt.path, device, seconds)  # fmt: skip
+    log.log(logging.DEBUG if quiet else logging.INFO, "%s: %.2f GB read to %s in %.2f s (%s, %d tensors)", what,
+            gigabytes, device, seconds, Path(ckpt.path).name, len(keys))  # fmt: skip
 
 
 def _copy_one(key, slots, stager, convert, quant) -> None:

@@ -268,7 +268,7 @@ def _load_model(path, device, dtype, config_path, component, config_cls, config_
         model = build_empty(lambda: build(config, stored), device, dtype)
         load_into(module_slots(model), ckpt, convert, what=what, quant=quant)
         info = _info(ckpt, layout, quant, dtype, device, config_from)
-    log.info("%s: %s", component, info)
+    log.debug("%s: %s", component, info)
     return model, info
 
 
@@ -479,7 +479,7 @@ def load_qwen3vl(
         info = _info(ckpt, layout, quant, dtype, device, config_from)
         info["weights"] = _describe_linears(model)
         info["tokenizer"] = str(processor_dir)
-        log.info("text encoder: %s", info)
+        log.debug("text encoder: %s", info)
         return Qwen21TextEncoder(model, processor.result()), info
 
 

@@ -86,6 +86,13 @@ class KVCacheSpec:
     placement: str = "gpu"
     layout: str = "split"
 
+    def describe(self, dtype: torch.dtype, device: torch.device) -> str:
+        """What the run stats say: the storage as it is ("bf16" is the compute dtype) and where it lives ("gpu" is
+        the model's device)."""
+        stored = str(dtype).removeprefix("torch.") if self.fmt == "bf16" else self.fmt
+        where = "pinned CPU RAM" if self.placement == "cpu" else torch.device(device).type
+        return f"{stored} on {where}"
+
 
 def needs_work_buffer(fmt: str, placement: str) -> bool:
     """A bf16 prefix on the GPU is written and read in place; every other storage goes through one layer buffer."""

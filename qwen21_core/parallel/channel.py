@@ -94,4 +94,5 @@ def failure_kind(error: BaseException) -> str:
 
 
 def python_command(package_name: str, package_folder: str) -> list[str]:
-    return [sys.executable, "-c", BOOTSTRAP, package_name, package_folder]
+    # -P: the worker's current folder is not an import root (a queue.py there would run inside the worker).
+    return [sys.executable, "-P", "-c", BOOTSTRAP, package_name, package_folder]

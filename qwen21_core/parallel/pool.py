@@ -115,6 +115,13 @@ def _exit_code(process: subprocess.Popen | None) -> int | None:
         return None
 
 
+def worker_python_path() -> str:
+    """Rank 0's import roots for a worker, without the current folder ('') and without the pack's own folder: the
+    bootstrap registers the pack by its folder, and as a root that folder's kernels/ would shadow PyPI's `kernels`."""
+    own = Path(PACKAGE_FOLDER)
+    return os.pathsep.join(path for path in sys.path if path and Path(path).resolve() != own)
+
+
 class WorkerPool:
     """Workers on `devices` (ranks 1..N) beside rank 0 on `device`, each with the DiT `recipe` builds."""
 
@@ -189,7 +196,7 @@ class WorkerPool:
                 AUTHKEY_ENV: self._authkey.hex(),
                 RANK_ENV: str(worker.rank),
                 TRUSTED_MODULES_ENV: trusted_modules(self.recipe),  # a FunctionRecipe's builder, for its messages
-                "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),  # rank 0's imports
+                "PYTHONPATH": worker_python_path(),
             })  # fmt: skip
             worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
                                               start_new_session=True)  # fmt: skip

@@ -37,7 +37,8 @@ FAULT_KINDS = ("error", "oom", "exit")
 
 def main() -> None:
     rank = int(os.environ[RANK_ENV])
-    logging.basicConfig(level=logging.INFO, format=f"[qwen21 worker rank {rank}] %(levelname)s %(name)s: %(message)s")
+    # The module's part of the logger name only: inside ComfyUI the package's name is its folder's path.
+    logging.basicConfig(level=logging.INFO, format=f"[qwen21 worker rank {rank}] %(levelname)s %(module)s: %(message)s")
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     torch.set_grad_enabled(False)
