@@ -10,6 +10,8 @@ Conditioning keeps what encoding it takes (`PendingPrompt`); the pipeline fills 
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -118,3 +120,66 @@ class Conditioning:
     @property
     def num_images(self) -> int:
         return len(self.condition_latents)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The other layout: text embeddings without the image-slot rows, each image's slots cut out at one index
+# ---------------------------------------------------------------------------------------------------------
+# Native ComfyUI's Qwen-Image-2.1 conditioning keeps the prompt's hidden states without the rows of the image pads and
+# says where each image's run of pads was (`image_slots`, indices into the shortened sequence). Our DiT ignores the
+# values of the pad rows (their positions take the image's latent tokens), so both layouts carry the same prompt.
+
+TOKENS_PER_SLOT = 4  # latent tokens (2x2) per image-pad row
+
+
+def context_without_slots(prompt: PromptEmbedding) -> tuple[torch.Tensor, list[int]]:
+    """(the prompt's rows without the image pads [L - pads, C], the index in them where each image's pads were: each
+    run of pad rows is one image's, as the encoder writes them between an image's vision start and end tokens)."""
+    mask = prompt.image_pad_mask.detach().cpu()
+    kept = prompt.embeds[~mask.to(prompt.embeds.device)]
+    slots, before, previous = [], 0, False
+    for is_pad in mask.tolist():
+        if is_pad and not previous:
+            slots.append(before)
+        before += not is_pad
+        previous = is_pad
+    return kept, slots
+
+
+def prompt_with_slots(context: torch.Tensor, image_slots: Sequence[int],
+                      slot_counts: Sequence[int]) -> PromptEmbedding:  # fmt: skip
+    """Our layout from the other: `context` [L, C] (or [1, L, C]), `image_slots` one index into it per image (where
+    its pads go; missing ones go at the end), `slot_counts` each image's number of pad rows (latent tokens / 4).
+    The pad rows are zeros: the DiT does not read them."""
+    if context.dim() == 3 and context.shape[0] == 1:
+        context = context[0]
+    if context.dim() != 2:
+        raise ValueError(f"prompt embeddings must be [L, C] or [1, L, C], got {list(context.shape)}")
+    length = context.shape[0]
+    slots = [int(s) for s in image_slots][: len(slot_counts)]
+    slots += [length] * (len(slot_counts) - len(slots))
+    if any(not 0 <= s <= length for s in slots) or slots != sorted(slots):
+        raise ValueError(f"image slots must be increasing indices into the {length} prompt rows, "
+                         f"got {list(image_slots)}")  # fmt: skip
+    pieces, masks, start = [], [], 0
+    for slot, count in zip(slots, slot_counts, strict=True):
+        pieces += [context[start:slot], context.new_zeros(count, context.shape[1])]
+        masks += [torch.zeros(slot - start, dtype=torch.bool), torch.ones(count, dtype=torch.bool)]
+        start = slot
+    pieces.append(context[start:])
+    masks.append(torch.zeros(length - start, dtype=torch.bool))
+    return PromptEmbedding(torch.cat(pieces), torch.cat(masks))
+
+
+def content_digest(*parts) -> str:
+    """A digest of tensors (their dtype, shape and bytes) and plain values: the identity of a conditioning built
+    from tensors, under which its prefix K/V may be reused."""
+    digest = hashlib.sha256(b"qwen21-conditioning-v1")
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            tensor = part.detach().to("cpu").contiguous()
+            digest.update(f"{tensor.dtype}{list(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(part).encode())
+    return digest.hexdigest()

@@ -27,7 +27,6 @@ from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
-from .dit.kv_cache import CacheShape
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
@@ -43,10 +42,12 @@ from .memory.planner import (
     indexed_device,
     plan_sampling,
 )
+from .memory.sizing import job_bytes
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
 from .sampler import Sampler, SampleStats, parallel_mode
+from .velocity import VelocityRun
 from .warmup import KernelWarmup, warmup_enabled
 
 if TYPE_CHECKING:
@@ -59,9 +60,6 @@ log = logging.getLogger(__name__)
 READ_LORAS_KEPT = 2
 
 SCHEDULES = ("default", "turbo")
-# Peak activations of a step beyond weights and K/V cache, in units of (tokens x inner_dim x element size):
-# 512 MiB for 4096 target tokens x 4096 channels in bf16 on the H200 (bench_dit `ours_decode_peak_extra_mib`).
-ACTIVATION_FACTOR = 16
 
 
 def default_device() -> torch.device:
@@ -322,29 +320,17 @@ class Qwen21Pipeline:
         return caches[placement] + activations
 
     def _job_bytes(self, cond, height, width, batch_size, true_cfg_scale, options) -> tuple[dict[str, int], int]:
-        """(K/V cache device bytes by placement, activation bytes) of one sample call."""
-        cfg = self.transformer.config
-        element = torch.empty(0, dtype=self.dtype).element_size()
-        target = (height // 16) * (width // 16)
+        """(K/V cache device bytes by placement, activation bytes) of one sample call (memory/sizing.py)."""
         slots = sum(h * w for h, w in cond.image_shapes) // 4
         use_cfg = true_cfg_scale > 1 and cond.has_negative
         lengths = [cond.positive.length] + ([cond.negative_length] if use_cfg else [])
         mode = self._parallel_mode(use_cfg, options)
-        ranks = self.workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
         if mode == "cfg":
             lengths = lengths[:1]  # the negative branch lives on rank 1
-        heads = -(-cfg.num_attention_heads // ranks)
-        caches, activations = {"gpu": 0, "cpu": 0}, 0
-        for length in lengths:  # branches run one after another: caches add up, activations do not
-            prefix = length + 3 * slots  # every image slot becomes 4 latent tokens
-            shape = CacheShape(cfg.num_layers, batch_size, prefix, target, heads, cfg.attention_head_dim,
-                               self.dtype)  # fmt: skip
-            for placement in caches:
-                layout = options.kv_layout if placement == "gpu" else "split"
-                caches[placement] += shape.device_bytes(options.kv_cache, placement, layout)
-            tokens = -(-max(prefix, batch_size * target) // ranks)
-            activations = max(activations, ACTIVATION_FACTOR * tokens * cfg.inner_dim * element)
-        return caches, activations
+        ranks = self.workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
+        prefixes = [length + 3 * slots for length in lengths]  # every image slot becomes 4 latent tokens
+        return job_bytes(self.transformer.config, self.dtype, prefixes, (height // 16) * (width // 16), batch_size,
+                         options.kv_cache, options.kv_layout, ranks)  # fmt: skip
 
     def _parallel_mode(self, use_cfg: bool, options: SampleOptions) -> str | None:
         """The mode the sampler will pick (Sampler.parallel_mode), for memory planning; None when unsure."""
@@ -430,27 +416,8 @@ class Qwen21Pipeline:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         base_sigmas = self._base_sigmas(schedule, sigmas)
-        self._wait_for_kernels(PART)  # the VAE's and later buckets' warm-up may go on: captures are thread-local
-        self.transformer.compile_blocks(options.compile_blocks)
-        plan = self.plan_sampling(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options)
-        if self.manage_weights:
-            self.transformer.stream_blocks(plan.resident_blocks)
-        log.info("sampling plan: %s", plan.reason)
-        vae_config = self.vae.config
-        runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
-        self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
-        sampler = Sampler(
-            self.transformer,
-            self.scheduler_config,
-            torch.tensor(vae_config.latents_mean),
-            torch.tensor(vae_config.latents_std),
-            options=options,
-            kv_placement=plan.kv_placement,
-            decode_runner=runner,
-            prefill_runner=self.prefill_graphs if runner is not None else None,
-            workers=self.workers,
-            lora_stack=self.lora_stack,
-        )
+        sampler, plan = self._sampler(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options,
+                                      self.workers)  # fmt: skip
         try:
             latents = sampler.sample(
                 conds,
@@ -467,20 +434,62 @@ class Qwen21Pipeline:
                 callback=callback,
             )
         finally:
-            stats: SampleStats = sampler.stats
-            if stats.parallel.startswith("sequence"):
-                pass  # the sampler said why its steps ran eagerly
-            elif runner is not None:
-                stats.decode_graph = self.decode_graphs.describe()
-                stats.prefill_graph = self.prefill_graphs.describe()
-            elif not options.decode_graphs:
-                stats.decode_graph = "off: disabled"
-            else:
-                stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
-            self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
-            self.decode_graphs.end_generation()
-            self.prefill_graphs.end_generation()
+            self._finish(sampler, plan)
         return latents
+
+    def _sampler(self, cond, height, width, rows, true_cfg_scale, options, workers) -> tuple[Sampler, SamplingPlan]:
+        """A Sampler for one run, after what it needs is ready: the kernels the first step uses, the blocks
+        compiled or not, and the memory plan (where the prefix K/V go, how many blocks stay resident)."""
+        self._wait_for_kernels(PART)  # the VAE's and later buckets' warm-up may go on: captures are thread-local
+        self.transformer.compile_blocks(options.compile_blocks)
+        plan = self.plan_sampling(cond, height, width, rows, true_cfg_scale, options)
+        if self.manage_weights:
+            self.transformer.stream_blocks(plan.resident_blocks)
+        log.info("sampling plan: %s", plan.reason)
+        vae_config = self.vae.config
+        runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
+        self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
+        sampler = Sampler(
+            self.transformer,
+            self.scheduler_config,
+            torch.tensor(vae_config.latents_mean),
+            torch.tensor(vae_config.latents_std),
+            options=options,
+            kv_placement=plan.kv_placement,
+            decode_runner=runner,
+            prefill_runner=self.prefill_graphs if runner is not None else None,
+            workers=workers,
+            lora_stack=self.lora_stack,
+        )
+        return sampler, plan
+
+    def _finish(self, sampler: Sampler, plan: SamplingPlan) -> None:
+        """After a run: its stats (with what the graphs did) kept for the node's status, the graph entries idle."""
+        stats: SampleStats = sampler.stats
+        if stats.parallel.startswith("sequence"):
+            pass  # the sampler said why its steps ran eagerly
+        elif sampler.decode_runner is not None:
+            stats.decode_graph = self.decode_graphs.describe()
+            stats.prefill_graph = self.prefill_graphs.describe()
+        elif not sampler.options.decode_graphs:
+            stats.decode_graph = "off: disabled"
+        else:
+            stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
+        self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
+        self.decode_graphs.end_generation()
+        self.prefill_graphs.end_generation()
+
+    def velocity_run(self, cond: Conditioning, height: int, width: int, rows: int, true_cfg_scale: float = 1.0,
+                     options: SampleOptions | None = None) -> VelocityRun:  # fmt: skip
+        """Velocities for another sampler's loop (ComfyUI's KSampler): see velocity.py. `cond`, the size, the rows
+        of one call and the guidance say how much memory to plan for; several GPUs are not used (parallel off).
+        Close the run when the loop ends (`run.close()`): its stats become `last_sample_stats`."""
+        options = (options or SampleOptions()).replace(parallel="off")
+        sampler, plan = self._sampler(cond, height, width, rows, true_cfg_scale, options, None)
+        sampler.stats.prefix_cache = "on" if sampler.prefix_cache else "off"
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return VelocityRun(sampler, on_close=lambda closed: self._finish(closed, plan))
 
     # ---- LoRA -------------------------------------------------------------------------------------
 

@@ -38,6 +38,19 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
 
 
+def condition_tokens(cond: Conditioning) -> torch.Tensor | None:
+    """Every condition image's latent tokens, packed and concatenated in slot order: [I, C] (None without images)."""
+    if not cond.condition_latents:
+        return None
+    return torch.cat([pack(lat[None].float())[0] for lat in cond.condition_latents])
+
+
+def model_timestep(sigma: torch.Tensor, dtype: torch.dtype, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The DiT's t for `sigma`, rounded as the reference rounds it: the timestep (sigma * 1000, fp32) cast to the
+    compute dtype, then divided by 1000."""
+    return (sigma.to(torch.float32) * num_train_timesteps).to(dtype) / num_train_timesteps
+
+
 def make_noise(seed: int, shape, generator_device="cpu") -> torch.Tensor:
     """ComfyUI's convention: one fp32 randn of the whole latent batch from a CPU generator."""
     generator = torch.Generator(generator_device).manual_seed(int(seed))
@@ -221,18 +234,29 @@ class Sampler:
 
     def _branches(self, cond: Conditioning, target_shape, batch, use_cfg):
         prompts = [cond.positive] + ([cond.negative] if use_cfg else [])
-        cond_tokens = None
-        if cond.condition_latents:
-            cond_tokens = torch.cat([pack(lat[None].float())[0] for lat in cond.condition_latents])
-        branches = []
-        for role, prompt in zip(("positive", "negative"), prompts, strict=False):
-            layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
-            if self.decode_runner is not None:
-                branch = self.decode_runner.new_branch(layout, batch, self.attention_backend, role, self.kv)
-            else:
-                branch = self.transformer.new_branch(layout, batch, self.attention_backend, self.kv)
-            branches.append((branch, prompt))
-        return branches, cond_tokens
+        branches = [(self.new_branch(cond, prompt, role, target_shape, batch), prompt)
+                    for role, prompt in zip(("positive", "negative"), prompts, strict=False)]  # fmt: skip
+        return branches, condition_tokens(cond)
+
+    def new_branch(self, cond: Conditioning, prompt: PromptEmbedding, role: str, target_shape, batch: int) -> Branch:
+        """One CFG branch of `cond` with `prompt`: its layout and K/V cache (a kept decode-graph entry's, if one is
+        idle for the same key, which may still hold this prefix)."""
+        layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
+        if self.decode_runner is not None:
+            return self.decode_runner.new_branch(layout, batch, self.attention_backend, role, self.kv)
+        return self.transformer.new_branch(layout, batch, self.attention_backend, self.kv)
+
+    def prefix_id(self, cond: Conditioning, role: str):
+        """What a branch's prefix K/V depend on: the conditioning's content, the branch, the weights' dtype and the
+        merged LoRAs (None: not reusable, a conditioning without a content hash)."""
+        tr = self.transformer
+        return (cond.content_hash, role, str(tr.dtype), tr.weights_id) if cond.content_hash else None
+
+    def release_branch(self, branch: Branch) -> None:
+        if self.decode_runner is not None:
+            self.decode_runner.release(branch)
+        else:
+            branch.release()
 
     def _prefill(self, branch: Branch, prompt: PromptEmbedding, cond_tokens, prefix_id):
         self.stats.prefix_tokens = max(self.stats.prefix_tokens, branch.layout.prefix_len)
@@ -276,11 +300,7 @@ class Sampler:
             x = sigmas[0] * x + (1 - sigmas[0]) * z0
         x = pack(x).to(dtype)
 
-        # what a prefix depends on: the conditioning's content, the branch, the weights' dtype and merged LoRAs
-        prefix_ids = [
-            (cond.content_hash, role, str(dtype), tr.weights_id) if cond.content_hash else None
-            for role in ("positive", "negative")[: 2 if use_cfg else 1]
-        ]
+        prefix_ids = [self.prefix_id(cond, role) for role in ("positive", "negative")[: 2 if use_cfg else 1]]
         run = (_LocalRun if mode is None else _ParallelRun)(self, cond, target_shape, batch, use_cfg, prefix_ids, mode)
         self.stats.kv_cache = self.kv.describe(dtype, device)
         total = len(timesteps)
@@ -327,10 +347,7 @@ class _LocalRun:
 
     def close(self) -> None:
         for branch, _ in self.branches:
-            if self.sampler.decode_runner is not None:
-                self.sampler.decode_runner.release(branch)
-            else:
-                branch.release()
+            self.sampler.release_branch(branch)
 
 
 class _ParallelRun:

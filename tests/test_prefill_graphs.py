@@ -361,7 +361,8 @@ def test_prefill_graphs_replay_under_cudamallocasync_with_the_direct_launch():
 
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     env.pop("QWEN21_FAST_LAUNCH", None)
-    done = subprocess.run([sys.executable, "-P", "-c", ASYNC_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-P", "-c", ASYNC_CHILD], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     for fmt in ("fp8", "int8_convrot"):
