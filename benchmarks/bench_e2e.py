@@ -8,8 +8,9 @@ cache would.
     python benchmarks/bench_e2e.py --tiny --device cpu   # smoke test of the script itself
 
 A cap is `torch.cuda.set_per_process_memory_fraction` (the stand-in for a smaller card) plus the same budget given
-to the memory manager (`host.set_vram_budget`, as `--vram-budget` does). Each configuration runs its workflow twice:
-a first run with the weights in CPU RAM (as after a load from disk) and a second with a new seed. One JSON line per
+to the memory manager (`memory_adapter.set_vram_budget`, as `--vram-budget` does). Each configuration runs its
+workflow twice: a first run with the weights in CPU RAM (as after a load from disk) and a second with a new seed. One
+JSON line per
 run: the seconds of each phase (load = the loader node, encode, sample, decode, total), peak VRAM, the sampler's
 plan (K/V placement, streamed blocks) and the status lines.
 """
@@ -32,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from _common import emit, random_dit, sync  # noqa: E402
-from qwen21_nodes.nodes import host  # noqa: E402
+from qwen21_nodes.nodes import memory_adapter  # noqa: E402
 from qwen21_nodes.nodes.model import Qwen21Model  # noqa: E402
 from qwen21_nodes.qwen21_core.checkpoints.loading import TEXT_ENCODER_QUANTIZES_ACTIVATIONS  # noqa: E402
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig  # noqa: E402
@@ -134,7 +135,7 @@ def cap_memory(device, cap_gib):
     device = indexed_device(device)
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0 if cap_gib is None else cap_gib * GIB / total, device)
-    host.set_vram_budget(None if cap_gib is None else int(cap_gib * GIB))
+    memory_adapter.set_vram_budget(None if cap_gib is None else int(cap_gib * GIB))
 
 
 def cuda_census(owners: dict, top: int = 6, device_type: str = "cuda") -> dict:
@@ -183,7 +184,7 @@ def model_parts(quantized: dict) -> dict:
 
 def reset(handle, device):
     """Everything back to the CPU, caches and graphs released: the next configuration starts from RAM."""
-    host.LOCAL.loaded.clear()
+    memory_adapter.LOCAL.loaded.clear()
     if handle is not None:
         handle.pipe.release()
         handle.pipe.set_loras(())
@@ -235,7 +236,7 @@ def classes_with(handle, output_dir, device, cached_encode=None):
             return "in memory"  # no files to watch: an OutputCache keeps the model from the first prompt
 
         def load(self, **_inputs):
-            if host.LOCAL.budget is None:  # the loader places the weights it read, as from_pretrained does
+            if memory_adapter.LOCAL.budget is None:  # the loader places the weights it read, as from_pretrained does
                 handle.pipe.transformer.place(device)
                 handle.pipe.vae.to(device)
             return (handle,)

@@ -136,7 +136,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
                 fresh: bool) -> None:  # fmt: skip
     from _trace import tracer as torch_tracer
     from bench_e2e import cap_memory, classes_with, reset
-    from qwen21_nodes.nodes import host
+    from qwen21_nodes.nodes import memory_adapter
     from qwen21_nodes.runner.graph import OutputCache, execute
 
     if not fresh:
@@ -225,7 +225,7 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
     emit(**out)
     if profiles:
         emit(**profile_summary(profiles, kind, args))
-    host.LOCAL.loaded.clear()
+    memory_adapter.LOCAL.loaded.clear()
 
 
 def settle(handle) -> float:

@@ -18,9 +18,13 @@ _NODES = {
     "lora": {"Qwen21LoraLoader": "Qwen21 Load LoRA"},
     "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
     "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
+    "schedule": {"Qwen21Scheduler": "Qwen21 Scheduler (released / turbo SIGMAS)"},
     "vae": {"Qwen21VAEDecode": "Qwen21 VAE Decode (RGBA)", "Qwen21VAEEncode": "Qwen21 VAE Encode"},
     "save": {"Qwen21SaveImage": "Qwen21 Save Image (fast PNG)"},
 }
+
+# Modules that subclass ComfyUI's own classes (the MODEL, its patcher, the VAE): imported only inside ComfyUI.
+COMFYUI_ONLY_MODULES = ("comfy_model", "comfy_patcher", "comfy_vae")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -6,6 +6,8 @@ import torch
 
 from ..qwen21_core.encoding import check_prompt_length
 from ..qwen21_core.images import masks_at_image_size
+from . import host
+from .comfy_conditioning import conditioning_entries, with_negative_prompt
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
 # As many as native ComfyUI's TextEncodeQwenImage21 offers (the model's documentation describes up to 4; more
@@ -71,12 +73,17 @@ class Qwen21Encode:
 
     CATEGORY = "Qwen21"
     DESCRIPTION = __doc__
-    RETURN_TYPES = (CONDITIONING_TYPE, "INT", "INT")
-    RETURN_NAMES = ("conditioning", "width", "height")
+    RETURN_TYPES = (CONDITIONING_TYPE, "INT", "INT", "CONDITIONING", "CONDITIONING", "LATENT")
+    RETURN_NAMES = ("conditioning", "width", "height", "positive", "negative", "latent")
     OUTPUT_TOOLTIPS = (
         "Prompt embeddings and condition latents for the Qwen21 sampler.",
         "Output width derived from the inputs (pixels).",
         "Output height derived from the inputs (pixels).",
+        "The prompt with its condition images as a ComfyUI CONDITIONING (native Qwen-Image-2.1's layout): for "
+        "KSampler with the loader's MODEL; ComfyUI's conditioning nodes work on it.",
+        "The negative prompt as a CONDITIONING. It is encoded only when a sampler's cfg is above 1 (at cfg 1 it "
+        "costs nothing); an empty negative prompt is encoded as one space, as the reference does.",
+        "An empty LATENT of the derived size, for KSampler's latent_image.",
     )
     FUNCTION = "encode"
 
@@ -121,7 +128,11 @@ class Qwen21Encode:
             prompt=prompt,
             images=condition_images,
             masks=masks if any(m is not None for m in masks) else None,
-            negative_prompt=negative_prompt or None,
+            negative_prompt=negative_prompt,  # pending: encoded only if a sampler's guidance uses it
             output_resolution=output_resolution,
         )
-        return (cond, cond.width, cond.height)
+        device = host.intermediate_device()
+        positive, negative = conditioning_entries(model, cond, device)
+        channels = model.pipe.transformer.config.in_channels
+        empty = {"samples": torch.zeros(1, channels, cond.height // 16, cond.width // 16, device=device)}
+        return (with_negative_prompt(cond, negative_prompt), cond.width, cond.height, positive, negative, empty)

@@ -1,11 +1,9 @@
-"""The one place where the nodes meet ComfyUI.
+"""Where the nodes meet ComfyUI's services (memory is nodes/memory_adapter.py's).
 
 Inside ComfyUI each service here is ComfyUI's own: model folders through `folder_paths` (standard
-folders and extra_model_paths.yaml), the progress bar with live previews, the interrupt flag, devices
-and the memory manager (ModelPatcher + load_models_gpu). Outside ComfyUI (the in-process runner,
-tests) each falls back to a plain implementation: model folders under one `--models` directory,
-progress through logging, interrupts through a flag, and no memory manager (the pipeline's own
-offload policy places the weights).
+folders and extra_model_paths.yaml), the progress bar with live previews, the interrupt flag and
+devices. Outside ComfyUI (the in-process runner, tests) each falls back to a plain implementation:
+model folders under one `--models` directory, progress through logging, interrupts through a flag.
 """
 
 from __future__ import annotations
@@ -16,14 +14,10 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from ..qwen21_core.errors import stable_name
-from ..qwen21_core.memory.manager import LocalMemoryManager
-from ..qwen21_core.memory.planner import indexed_device
-from ..qwen21_core.memory.streaming import StreamableStack
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +25,14 @@ log = logging.getLogger(__name__)
 # custom nodes. Being able to import `comfy` is not enough: `python -m qwen21_nodes` run from the ComfyUI folder
 # can, and importing comfy.model_management there would set up ComfyUI's device in a process that is not ComfyUI
 # (on a machine without a GPU it raises "Found no NVIDIA driver" unless ComfyUI was started with --cpu).
-comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
+comfy_mm = comfy_utils = comfy_folder_paths = None
 if "comfy.model_management" in sys.modules:
     try:  # guarded: the same node classes run in ComfyUI, in the runner and in CI without ComfyUI
         import comfy.model_management as comfy_mm
-        import comfy.model_patcher as comfy_patcher
         import comfy.utils as comfy_utils
         import folder_paths as comfy_folder_paths
     except ImportError:
-        comfy_mm = comfy_patcher = comfy_utils = comfy_folder_paths = None
+        comfy_mm = comfy_utils = comfy_folder_paths = None
 
 IN_COMFYUI = comfy_mm is not None
 
@@ -227,18 +220,6 @@ def intermediate_device() -> torch.device:
     return torch.device("cpu")
 
 
-def device_capacity_bytes(device: torch.device) -> int:
-    """All the memory our models may have on `device`: ComfyUI's total VRAM, or the local budget / device size."""
-    device = indexed_device(device)
-    if device.type != "cuda":
-        return 2**62
-    if IN_COMFYUI:
-        return int(comfy_mm.get_total_memory(device))
-    total = torch.cuda.get_device_properties(device).total_memory
-    total = int(total * torch.cuda.get_per_process_memory_fraction(device))
-    return total if LOCAL.budget is None else min(total, LOCAL.budget)
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -301,200 +282,3 @@ def _preview_max_size() -> int:
     from comfy.cli_args import args
 
     return getattr(args, "preview_size", 512)
-
-
-# --------------------------------------------------------------------------------------------------
-# Memory manager
-
-
-class Qwen21Weights(torch.nn.Module):
-    """What ComfyUI's ModelPatcher manages: our modules as children, plus the plain `device`
-    attribute ModelPatcher writes (transformers models have a read-only `device` property)."""
-
-    def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device):
-        super().__init__()
-        for name, module in modules.items():
-            self.add_module(name, module)
-        self.device = device
-
-
-class ManagedModules:
-    """Modules registered with a memory manager: ComfyUI's inside ComfyUI (it counts their VRAM, evicts other
-    models to make room for them, moves them off when others need the room, and `POST /free` unloads them), or
-    outside it the local one below when a VRAM budget is set. `on_unload` runs whenever they are really unloaded
-    (free caches tied to them).
-
-    `streamable` (the DiT, the text encoder) is the object that can run with only part of its layer stack on the
-    device (`place(device, resident_layers)`, `layer_bytes`, `num_layers`, `device_weight_bytes()`): for it a
-    partial load is honoured, the other layers stream from pinned host RAM. Other modules load whole.
-    `evictable` False keeps the local manager from moving them off for another model (the text encoder with
-    offload_text_encoder "never"); ComfyUI's manager has no such setting.
-    """
-
-    def __init__(
-        self,
-        modules: dict[str, torch.nn.Module],
-        load_device: torch.device,
-        on_unload: Callable[[], None] | None = None,
-        streamable: StreamableStack | None = None,
-    ):
-        self.modules = modules
-        self.load_device = torch.device(load_device)
-        self.streamable = streamable
-        self.on_unload = on_unload
-        self.full_bytes = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters())
-        self.name = "+".join(modules)  # for logs: "transformer", "text_encoder", "vae"
-        self.evictable = True
-        self.patcher = None
-        if not IN_COMFYUI:
-            return
-        holder = Qwen21Weights(modules, offload_device())
-        if streamable is None:
-            self.patcher = comfy_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device())
-        else:
-            self.patcher = _streaming_patcher_class()(holder, load_device, offload_device(), streamable)
-        if on_unload is not None:
-            on_detach = getattr(getattr(comfy_patcher, "CallbacksMP", None), "ON_DETACH", None)
-            if on_detach is not None:  # older ComfyUI has no callbacks; caches then live until /free
-                self.patcher.add_callback(on_detach, _on_real_unload(on_unload))
-
-    def load(self, memory_required: int = 0) -> None:
-        """Put the modules on their device (partly, for a streamable stack that does not fit), evicting other
-        models if needed."""
-        if self.patcher is not None:
-            comfy_mm.load_models_gpu([self.patcher], memory_required=int(memory_required),
-                                     force_full_load=self.streamable is None)  # fmt: skip
-        else:
-            LOCAL.load(self, int(memory_required))
-
-    def unload(self) -> None:
-        """Move the modules off their device now (as ComfyUI does when it needs the room)."""
-        if self.patcher is not None:
-            for index, loaded in enumerate(comfy_mm.current_loaded_models):
-                if loaded.model is self.patcher:
-                    comfy_mm.current_loaded_models.pop(index).model_unload()
-                    comfy_mm.soft_empty_cache()
-                    return
-        else:
-            LOCAL.offload(self)
-
-    def released(self) -> None:
-        """The modules left the device (the local manager calls it; ComfyUI's detach callback does the same)."""
-        if self.on_unload is not None:
-            self.on_unload()
-
-    # ---- placement (the local manager and the ComfyUI patcher both come through here) ------------------------
-
-    def device_bytes(self) -> int:
-        if self.streamable is not None:
-            return self.streamable.device_weight_bytes() if self._on(self.load_device) else 0
-        return self.full_bytes if self._on(self.load_device) else 0
-
-    def _on(self, device) -> bool:
-        first = next((p for m in self.modules.values() for p in m.parameters()), None)
-        return (
-            first is not None
-            and first.device == torch.device(device)
-            or (
-                first is not None
-                and first.device.type == device.type == "cuda"
-                and device.index in (None, first.device.index)
-            )
-        )
-
-    def place(self, device, resident_layers: int | None = None) -> None:
-        if self.streamable is not None:
-            self.streamable.place(device, resident_layers)
-        else:
-            for module in self.modules.values():
-                module.to(device)
-
-    def resident_for(self, weight_budget: int) -> int | None:
-        """How many layers of the streamable stack fit `weight_budget` bytes of weights (None: all of them)."""
-        if self.streamable is None or weight_budget >= self.full_bytes:
-            return None
-        s = self.streamable
-        fixed = self.full_bytes - s.num_layers * s.layer_bytes + 2 * s.layer_bytes  # non-layer weights, 2 slots
-        return max(0, min(s.num_layers, (weight_budget - fixed) // s.layer_bytes))
-
-
-LOCAL = LocalMemoryManager()  # outside ComfyUI: places our models (qwen21_core/memory/manager.py)
-
-
-def set_vram_budget(budget_bytes: int | None) -> None:
-    """Outside ComfyUI: cap the device memory our models and caches plan with (None: the whole device)."""
-    LOCAL.budget = None if budget_bytes is None else int(budget_bytes)
-
-
-def _streaming_patcher_class():
-    """ComfyUI's ModelPatcher, with partial loads that stream a layer stack (our modules are plain torch layers,
-    not comfy.ops casting layers, so the stock partial load would leave them half on the CPU)."""
-
-    class StreamingPatcher(comfy_patcher.ModelPatcher):
-        def __init__(self, model, load_device, offload_device, streamable, size=0, weight_inplace_update=False):
-            super().__init__(model, load_device, offload_device, size, weight_inplace_update)
-            self.streamable = streamable
-
-        def clone(self):
-            clone = super().clone()
-            clone.streamable = self.streamable
-            return clone
-
-        def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-            device_to = device_to or self.load_device
-            size = self.model_size()
-            whole = full_load or lowvram_model_memory == 0 or lowvram_model_memory >= size
-            managed = _Budget(self.streamable, size)
-            resident = None if whole else managed.resident_for(int(lowvram_model_memory))
-            self.streamable.place(device_to, resident)
-            loaded = self.streamable.device_weight_bytes()
-            self.model.model_lowvram = resident is not None
-            self.model.lowvram_patch_counter = 0
-            self.model.device = device_to
-            self.model.model_loaded_weight_memory = loaded
-            self.model.current_weight_patches_uuid = self.patches_uuid
-            layers = "whole" if resident is None else f"{resident}/{self.streamable.num_layers} layers resident"
-            log.info("qwen21: %s on %s (%s)", type(self.streamable).__name__, device_to, layers)
-            for callback in self.get_all_callbacks(comfy_patcher.CallbacksMP.ON_LOAD):
-                callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
-
-        def partially_unload(self, device_to, memory_to_free=0):
-            s = self.streamable
-            before = s.device_weight_bytes()
-            keep = max(0, before - int(memory_to_free))
-            s.place(self.load_device, _Budget(s, self.model_size()).resident_for(keep))
-            freed = before - s.device_weight_bytes()
-            self.model.model_lowvram = True
-            self.model.model_loaded_weight_memory = s.device_weight_bytes()
-            return freed
-
-        def unpatch_model(self, device_to=None, unpatch_weights=True):
-            if unpatch_weights and device_to is not None:
-                self.streamable.place(device_to)  # streaming off, everything whole on the offload device
-            super().unpatch_model(device_to, unpatch_weights)
-
-    return StreamingPatcher
-
-
-class _Budget:
-    """ManagedModules.resident_for for a streamable alone (the patcher has no ManagedModules at hand)."""
-
-    def __init__(self, streamable, full_bytes: int):
-        self.streamable, self.full_bytes = streamable, full_bytes
-
-    resident_for = ManagedModules.resident_for
-
-
-def _on_real_unload(on_unload: Callable[[], None]) -> Callable:
-    """A ModelPatcher ON_DETACH callback that calls `on_unload` only when the weights really leave.
-
-    ComfyUI also detaches a loaded model each time it is asked to load it again (load_models_gpu treats
-    a model as a clone of itself), with unpatch_all=False and the weights left in place; freeing our
-    decode graphs then would throw them away at every run.
-    """
-
-    def on_detach(_patcher, unpatch_all=True):
-        if unpatch_all:
-            on_unload()
-
-    return on_detach

@@ -17,7 +17,7 @@ from ..qwen21_core.memory.manager import (
 from ..qwen21_core.memory.planner import device_free_bytes, indexed_device
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from ..qwen21_core.quant.plan import WeightFormats
-from . import host
+from . import host, memory_adapter
 from .model import MODEL_TYPE, Qwen21Model
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def _text_encoder_load_device(dit_device: torch.device, encoder_device: torch.de
     if encoder_device.type != "cuda" or sizes is None:
         return encoder_device
     dit, encoder = sizes
-    free = device_free_bytes(encoder_device, host.LOCAL.budget)
+    free = device_free_bytes(encoder_device, memory_adapter.LOCAL.budget)
     if indexed_device(encoder_device) == indexed_device(dit_device):
         free -= dit
     chosen = text_encoder_load_device(encoder_device, free, encoder)
@@ -253,13 +253,25 @@ def _comfyui_tokenizer(text_encoder_path: str) -> str | None:
     return None
 
 
+def _outputs(handle: Qwen21Model) -> tuple:
+    """The pipeline for our nodes, and the same weights as ComfyUI's MODEL and VAE (None outside ComfyUI)."""
+    return handle, handle.comfy_model, handle.comfy_vae()
+
+
 class _PipelineLoader:
-    """What both loaders declare alike: their category and their one output, the pipeline."""
+    """What both loaders declare alike: their category and outputs: the pipeline for our nodes, and the same
+    weights as ComfyUI's MODEL and VAE (appended after the first output, so older workflows keep their links)."""
 
     CATEGORY = CATEGORY
-    RETURN_TYPES = (MODEL_TYPE,)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",)
+    RETURN_TYPES = (MODEL_TYPE, "MODEL", "VAE")
+    RETURN_NAMES = ("model", "MODEL", "VAE")
+    OUTPUT_TOOLTIPS = (
+        "The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",
+        "The same DiT as a ComfyUI MODEL: KSampler, every sampler and scheduler, SamplerCustomAdvanced, ComfyUI's "
+        "LoRA loaders. Prefix K/V cache, CUDA graphs and quantised weights stay on. Conditioning from Qwen21 Encode "
+        "(or native TextEncodeQwenImage21).",
+        "The same VAE as a ComfyUI VAE: VAE Decode (RGBA, 4 channels), VAE Decode (Tiled), VAE Encode.",
+    )
     FUNCTION = "load"
 
     @classmethod
@@ -315,8 +327,8 @@ class Qwen21ModelLoader(_PipelineLoader):
         tokenizer = _comfyui_tokenizer(source["text_encoder"])
         if tokenizer is not None:
             source["tokenizer"] = tokenizer
-        return (_load(source, weight_dtype, device, offload_text_encoder, text_encoder_dtype, text_encoder_device,
-                      vae_device, gpus),)  # fmt: skip
+        return _outputs(_load(source, weight_dtype, device, offload_text_encoder, text_encoder_dtype,
+                              text_encoder_device, vae_device, gpus))  # fmt: skip
 
 
 class Qwen21DiffusersLoader(_PipelineLoader):
@@ -343,5 +355,5 @@ class Qwen21DiffusersLoader(_PipelineLoader):
 
     def load(self, folder, weight_dtype, device, offload_text_encoder, text_encoder_dtype="same",
              text_encoder_device="auto", vae_device="auto", gpus=1):  # fmt: skip
-        return (_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder,
-                      text_encoder_dtype, text_encoder_device, vae_device, gpus),)  # fmt: skip
+        return _outputs(_load(host.diffusers_folder_path(folder), weight_dtype, device, offload_text_encoder,
+                              text_encoder_dtype, text_encoder_device, vae_device, gpus))  # fmt: skip

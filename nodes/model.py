@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import weakref
 
 import torch
 
 from ..qwen21_core.memory.manager import evictable, offload_after_encode, text_encoder_offload
 from ..qwen21_core.memory.planner import indexed_device
-from . import host
+from . import host, memory_adapter
+from .memory_adapter import ManagedModules
 from .preview import fit_latent_rgb
 
 log = logging.getLogger(__name__)
@@ -39,24 +41,25 @@ class Qwen21Model:
         self.device = device = torch.device(device) if device is not None else pipe.device
         # its unloading frees what reads its weights by address (decode graphs), not the references or host buffers
         unloaded = pipe.release_device_caches
-        self.transformer = host.ManagedModules({"transformer": pipe.transformer}, device, on_unload=unloaded,
-                                               streamable=pipe.transformer)  # fmt: skip
+        self._preview_projection = [None]  # shared by the LoRA handles made from this one
+        # the DiT's patcher wraps the ComfyUI MODEL (nodes/comfy_model.py): KSampler's and our sampler's weights
+        self.transformer = ManagedModules({"transformer": pipe.transformer}, device, on_unload=unloaded,
+                                          streamable=pipe.transformer, comfy_model=self._comfy_model)  # fmt: skip
         # the text encoder and the VAE run where the loader put them (another GPU than the DiT's, perhaps)
-        self.text_encoder = host.ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,
-                                                streamable=pipe.text_encoder)  # fmt: skip
-        self.vae = host.ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
+        self.text_encoder = ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,
+                                           streamable=pipe.text_encoder)  # fmt: skip
+        self.vae = ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
         encoder = pipe.text_encoder_device
         self.text_encoder_own_gpu = encoder.type == "cuda" and indexed_device(encoder) != indexed_device(device)
         self.text_encoder.evictable = evictable(self.offload_text_encoder)
-        # a memory manager places the weights (ComfyUI's, or the local one): not the pipeline's own policy
-        pipe.manage_weights = False
+        # a memory manager places the weights (ComfyUI's, or the local one) and owns the one budget
+        pipe.memory = memory_adapter.pipeline_memory()
         # the encoder's weights may leave the device for the DiT: they count as free in the prefix-memory check
         pipe.text_encoder_offload = evictable(self.offload_text_encoder) and not self.text_encoder_own_gpu
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
-        weakref.finalize(pipe.transformer, log.info, "Qwen21 model freed (%s)", where).atexit = False
-        self._preview_projection = [None]  # shared by the LoRA handles made from this one
+        weakref.finalize(pipe.transformer, log.info, "Qwen21 model freed (%s)", os.path.basename(where)).atexit = False
         self.loras: tuple = ()  # (LoraFile, strength) pairs this handle's DiT runs with
 
     def __repr__(self) -> str:
@@ -71,7 +74,26 @@ class Qwen21Model:
         """
         handle = copy.copy(self)
         handle.loras = (*self.loras, (lora, float(strength)))
+        handle.transformer = self.transformer.with_loras(handle.loras)
         return handle
+
+    def _comfy_model(self):
+        from .comfy_model import Qwen21ComfyModel  # inside ComfyUI only
+
+        return Qwen21ComfyModel(self.pipe, self.preview_projection)
+
+    @property
+    def comfy_model(self):
+        """The ComfyUI MODEL (a ModelPatcher) that KSampler drives; None outside ComfyUI."""
+        return self.transformer.patcher
+
+    def comfy_vae(self):
+        """Our VAE as a ComfyUI VAE (VAE Decode, VAE Encode take it); None outside ComfyUI."""
+        if not host.IN_COMFYUI:
+            return None
+        from .comfy_vae import Qwen21ComfyVAE
+
+        return Qwen21ComfyVAE(self)
 
     @contextlib.contextmanager
     def _text_encoder_loaded(self, activation_bytes: int):
@@ -100,12 +122,16 @@ class Qwen21Model:
 
         return self._retry_out_of_memory(run, f"encoding the prompt with {images} condition images", needed)
 
-    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
-        if true_cfg_scale > 1 and cond.negative_pending is not None:
-            # The negative prompt is encoded only now that guidance needs it, once per conditioning; the
-            # text encoder comes back for it even if it was offloaded after the positive prompt.
+    def encode_negative(self, cond) -> None:
+        """Encode `cond`'s pending negative prompt (once), the text encoder placed for it: it comes back even if it
+        was offloaded after the positive prompt."""
+        if cond.negative_pending is not None:
             with self._text_encoder_loaded(self.pipe.text_encoder.activation_bytes(cond.negative_pending.length)):
                 self.pipe.encode_negative(cond)
+
+    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
+        if true_cfg_scale > 1:
+            self.encode_negative(cond)  # only now that guidance needs it, once per conditioning
         size = (height or cond.height, width or cond.width)
         placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)
         needed = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement=placement)
@@ -131,12 +157,13 @@ class Qwen21Model:
         except torch.OutOfMemoryError:
             log.warning("out of GPU memory while %s; retrying once with a smaller memory budget", what)
         self.pipe.release()
-        saved = (host.LOCAL.budget, self.pipe.vram_budget)
+        local = memory_adapter.LOCAL
+        saved = local.budget
         if host.IN_COMFYUI:
             host.comfy_mm.free_memory(int(needed * 1.2), self.device)
         else:  # the local manager places fewer blocks, and the planner keeps more of the cache in host RAM
-            budget = host.LOCAL.budget if host.LOCAL.budget is not None else host.device_capacity_bytes(self.device)
-            host.LOCAL.budget = self.pipe.vram_budget = int(budget * 0.8)
+            budget = local.budget if local.budget is not None else memory_adapter.device_capacity_bytes(self.device)
+            local.budget = int(budget * 0.8)
         try:
             return run()
         except torch.OutOfMemoryError as error:
@@ -147,7 +174,7 @@ class Qwen21Model:
                 "weight_dtype fp8 or int8; or free GPU memory (close other models)."
             ) from error
         finally:
-            host.LOCAL.budget, self.pipe.vram_budget = saved
+            local.budget = saved
 
     def _kv_estimate(self, cond, size, batch_size, true_cfg_scale, options) -> str:
         """The K/V placement to ask the memory manager's room for: "auto" counts the GPU when the whole DiT and a
@@ -156,7 +183,7 @@ class Qwen21Model:
         if placement != "auto":
             return placement
         gpu = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement="gpu")
-        capacity = host.device_capacity_bytes(self.device)
+        capacity = memory_adapter.device_capacity_bytes(self.device)
         return "gpu" if self.transformer.full_bytes + gpu <= capacity else "cpu"
 
     def decode(self, latents: torch.Tensor, **kwargs):

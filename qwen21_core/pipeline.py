@@ -33,6 +33,7 @@ from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
+from .memory.manager import OwnPlacement
 from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import (
     DECODE_HEADROOM_BYTES,
@@ -96,10 +97,9 @@ class Qwen21Pipeline:
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
         # the pinned K/V buffers kept for the next host cache outlive a DiT's unloading, not the pipeline
         weakref.finalize(self, HOST_KV_BUFFERS.clear).atexit = False
-        # Memory: an explicit device budget (bytes; None = what the device has), and whether this pipeline places
-        # the DiT's blocks itself (streaming some when they do not fit) or a host's memory manager does (ComfyUI).
-        self.vram_budget: int | None = None
-        self.manage_weights = True
+        # Memory: its budget and whether this pipeline places the weights itself (streaming DiT blocks when they do
+        # not fit) or a memory manager does (the nodes': ComfyUI's or the local one, which set `memory`)
+        self.memory = OwnPlacement()
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
         self._read_loras: dict[tuple, LoraFile] = {}  # (path, size, mtime) -> the file as read, latest last
@@ -168,6 +168,15 @@ class Qwen21Pipeline:
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    @property
+    def vram_budget(self) -> int | None:
+        """The one budget every plan of this pipeline uses (bytes of the device; None: what it has)."""
+        return self.memory.budget
+
+    @property
+    def manage_weights(self) -> bool:
+        return self.memory.places_weights
 
     # ---- kernel warm-up -----------------------------------------------------------------------------------
 

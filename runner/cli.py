@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..nodes import NODE_CLASS_MAPPINGS, host
+from ..nodes import NODE_CLASS_MAPPINGS, host, memory_adapter
 from .core_nodes import make_core_nodes
 from .graph import NodeError, RunResult, WorkflowError, apply_overrides, execute, find_node, load_prompt
 from .ui_format import is_ui_workflow, ui_to_api
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.vram_budget is not None:
             if args.vram_budget <= 0:
                 parser.error(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
-            host.set_vram_budget(int(args.vram_budget * 2**30))
+            memory_adapter.set_vram_budget(int(args.vram_budget * 2**30))
         models = args.models or os.environ.get(MODELS_ENV) or "models"
         return _run_and_report(args.workflow, models, args.input_dir, args.output_dir, args.set)
     if args.command == "demo":

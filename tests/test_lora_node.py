@@ -33,7 +33,7 @@ def models_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base(models_dir):
     host.set_models_dir(models_dir)
-    (loaded,) = Qwen21ModelLoader().load(
+    loaded, *_ = Qwen21ModelLoader().load(
         host.list_weight_files("diffusion_models")[0], host.list_weight_files("text_encoders")[0],
         host.list_weight_files("vae")[0], weight_dtype="fp32", device="cpu", offload_text_encoder=True,
     )  # fmt: skip

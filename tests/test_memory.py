@@ -12,11 +12,12 @@ import pytest
 import torch
 from dit_reference import CHANNELS, CONTEXT, TINY_DIT, our_dit, prompt_mask, reference_dit
 from qwen21_nodes.kernels.kv_quant import dequantize_kv, quantize_kv
-from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes import host, memory_adapter
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.kv_cache import CacheShape, KVCacheSpec, PrefixKVCache
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.memory.manager import LocalMemoryManager
 from qwen21_nodes.qwen21_core.memory.planner import DeviceMemoryError, plan_sampling
 from qwen21_nodes.qwen21_core.memory.prefetch import SlotPrefetcher
 from qwen21_nodes.qwen21_core.memory.streaming import LayerStreamer
@@ -314,11 +315,12 @@ def test_local_manager_evicts_the_least_recently_used_then_streams(monkeypatch):
     free = {"bytes": 0}
     monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: free["bytes"])
     monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
-    manager = host.LocalMemoryManager()
+    manager = LocalMemoryManager()
     manager.budget = 16 * GIB
-    monkeypatch.setattr(host, "LOCAL", manager)
+    monkeypatch.setattr(memory_adapter, "LOCAL", manager)
     stacks = [_Stack(), _Stack()]
-    managed = [host.ManagedModules({"m": torch.nn.Linear(1, 1)}, torch.device("cuda"), streamable=s) for s in stacks]
+    managed = [memory_adapter.ManagedModules({"m": torch.nn.Linear(1, 1)}, torch.device("cuda"), streamable=s)
+               for s in stacks]  # fmt: skip
     for m, s in zip(managed, stacks, strict=True):
         m.full_bytes = s.fixed + s.num_layers * s.layer_bytes  # 11 GiB each
         m.device_bytes = lambda s=s: 0 if not s.placed or s.placed[-1][0] == "cpu" else s.device_weight_bytes()
@@ -349,7 +351,7 @@ def test_the_real_dit_and_text_encoder_plan_and_take_partial_placements():
     encoder = Qwen21TextEncoder(Qwen3VLForConditionalGeneration(config).eval(), processor)
     assert encoder.num_layers == 5
     for module, stack in ((dit, dit), (encoder.model, encoder)):
-        managed = host.ManagedModules({"m": module}, torch.device("cpu"), streamable=stack)
+        managed = memory_adapter.ManagedModules({"m": module}, torch.device("cpu"), streamable=stack)
         layer, layers = stack.layer_bytes, stack.num_layers
         fixed = managed.full_bytes - layers * layer
         assert layers >= 2 and layer > 0 and fixed > 0
@@ -366,46 +368,30 @@ def test_the_real_dit_and_text_encoder_plan_and_take_partial_placements():
 
 
 def test_our_nodes_ask_comfyui_for_partial_loads_of_the_dit_and_text_encoder(monkeypatch):
-    """With ComfyUI: the DiT and the text encoder register a patcher that honours partial loads
-    (force_full_load=False, so ComfyUI may give them less than their size); the VAE loads whole."""
+    """Inside ComfyUI a streamable stack (DiT, text encoder) is loaded through ComfyUI's load_models_gpu with
+    force_full_load=False, so ComfyUI may give it less than its size (our patcher streams the rest: the ComfyUI
+    tests check that arithmetic in a real ComfyUI); the VAE loads whole."""
     calls = []
+    made = []
 
-    class Patcher:
-        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
-            self.model, self.load_device, self.offload_device = model, load_device, offload_device
-            self.model.model_loaded_weight_memory = 0
-            self.patches_uuid = "u"
-
-        def add_callback(self, *_):
-            pass
-
-        def model_size(self):
-            return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-        def get_all_callbacks(self, _):
-            return []
+    def new_patcher(make_model, managed, load_device, offload_device):
+        made.append((type(make_model()).__name__, managed.name))
+        return types.SimpleNamespace(name=managed.name)
 
     fake_mm = types.SimpleNamespace(load_models_gpu=lambda models, memory_required, force_full_load: calls.append(
-        (type(models[0]).__name__, memory_required, force_full_load)))  # fmt: skip
-    fake_patcher = types.SimpleNamespace(ModelPatcher=Patcher, CallbacksMP=types.SimpleNamespace(ON_LOAD="l"))
+        (models[0].name, memory_required, force_full_load)))  # fmt: skip
     monkeypatch.setattr(host, "IN_COMFYUI", True)
     monkeypatch.setattr(host, "comfy_mm", fake_mm)
-    monkeypatch.setattr(host, "comfy_patcher", fake_patcher)
     monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(memory_adapter, "_new_patcher", new_patcher)
     stack = _Stack(layers=4, layer_bytes=100, fixed=50)
-    dit = host.ManagedModules({"transformer": torch.nn.Linear(4, 4)}, torch.device("cuda"), streamable=stack)
-    vae = host.ManagedModules({"vae": torch.nn.Linear(4, 4)}, torch.device("cuda"))
+    dit = memory_adapter.ManagedModules({"transformer": torch.nn.Linear(4, 4)}, torch.device("cuda"),
+                                        streamable=stack, comfy_model=lambda: torch.nn.Identity())  # fmt: skip
+    vae = memory_adapter.ManagedModules({"vae": torch.nn.Linear(4, 4)}, torch.device("cuda"))
     dit.load(1234)
     vae.load()
-    assert calls == [("StreamingPatcher", 1234, False), ("Patcher", 0, True)]
-    # A partial load of 360 of its 450 bytes: the fixed weights (50) and two staging slots (200) leave room for
-    # (360 - 250) // 100 = 1 resident layer; the others stream
-    dit.patcher.model_size = lambda: 450
-    dit.patcher.load("cuda", lowvram_model_memory=360)
-    assert stack.placed[-1] == ("cuda", 1) and dit.patcher.model.model_lowvram
-    assert dit.patcher.model.model_loaded_weight_memory == 50 + 100  # what ComfyUI is told is on the GPU
-    dit.patcher.load("cuda", lowvram_model_memory=0, full_load=True)
-    assert stack.placed[-1] == ("cuda", None) and not dit.patcher.model.model_lowvram
+    assert calls == [("transformer", 1234, False), ("vae", 0, True)]
+    assert made == [("Identity", "transformer"), ("Qwen21Weights", "vae")]  # the DiT's patcher wraps the MODEL
 
 
 # ---- GPU: real streams, events and graph replay --------------------------------------------------------------
@@ -525,7 +511,7 @@ def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches
                                          activation_bytes=lambda tokens: tokens * 1000)  # fmt: skip
     handle.pipe = types.SimpleNamespace(encode=encode, release=lambda: calls.append("release"), vram_budget=None,
                                         text_encoder=text_encoder)  # fmt: skip
-    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    monkeypatch.setattr(memory_adapter, "LOCAL", LocalMemoryManager())
     assert handle.encode(prompt="a cat", images=[]) == "conditioning"
     assert calls == ["load", "load", ("encode", "a cat"), "release", "load", "load", ("encode", "a cat")]
 
@@ -536,13 +522,13 @@ def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):
     handle = Qwen21Model.__new__(Qwen21Model)
     handle.device = torch.device("cpu")
     handle.pipe = types.SimpleNamespace(release=lambda: calls.append("release"), vram_budget=None)
-    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
-    host.LOCAL.budget = 10 * GIB
+    monkeypatch.setattr(memory_adapter, "LOCAL", LocalMemoryManager())
+    memory_adapter.LOCAL.budget = 10 * GIB
     calls, budgets = [], []
 
     def flaky(failures):
         def run():
-            budgets.append(host.LOCAL.budget)
+            budgets.append(memory_adapter.LOCAL.budget)
             if len(budgets) <= failures:
                 raise torch.OutOfMemoryError("CUDA out of memory")
             return "latents"
@@ -550,11 +536,11 @@ def test_out_of_memory_is_retried_once_with_less_memory_then_named(monkeypatch):
         return run
 
     assert handle._retry_out_of_memory(flaky(1), "sampling", GIB) == "latents"
-    assert budgets == [10 * GIB, 8 * GIB] and calls == ["release"] and host.LOCAL.budget == 10 * GIB
+    assert budgets == [10 * GIB, 8 * GIB] and calls == ["release"] and memory_adapter.LOCAL.budget == 10 * GIB
     budgets.clear()
     with pytest.raises(MemoryError, match="also after a retry.*kv_cache fp8.*weight_dtype fp8 or int8"):
         handle._retry_out_of_memory(flaky(2), "sampling 1024x1024", GIB)
-    assert host.LOCAL.budget == 10 * GIB  # restored either way
+    assert memory_adapter.LOCAL.budget == 10 * GIB  # restored either way
 
 
 def test_released_host_kv_buffers_are_kept_for_the_next_host_cache(monkeypatch):
@@ -611,7 +597,7 @@ def test_the_dits_unloading_keeps_what_does_not_depend_on_its_place_and_a_retry_
 
     buffers = pinned_buffers.PinnedBuffers()
     monkeypatch.setattr(pipeline_module, "HOST_KV_BUFFERS", buffers)
-    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    monkeypatch.setattr(memory_adapter, "LOCAL", LocalMemoryManager())
     pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)  # only what releasing touches
     cleared = []
     pipe.decode_graphs = types.SimpleNamespace(entries={}, clear=lambda: cleared.append("graphs"))

@@ -2,7 +2,6 @@
 ComfyUI tensor conventions, errors that name the input, interrupts that leave the next run working,
 and agreement with the core pipeline they wrap."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ SAMPLER_DEFAULTS = {
 
 def load_tiny(weight_dtype="auto", device="cpu"):
     """The tiny model through the loader node (the models folder set by the `model` fixture)."""
-    (loaded,) = Qwen21ModelLoader().load(
+    loaded, *_ = Qwen21ModelLoader().load(
         host.list_weight_files("diffusion_models")[0],
         host.list_weight_files("text_encoders")[0],
         host.list_weight_files("vae")[0],
@@ -52,7 +51,7 @@ def sample(model, conditioning, **changes):
 
 def test_loaders_list_the_tiny_files_and_agree(model):
     (folder,) = [f for f in host.list_diffusers_folders() if "turbo" not in f]
-    (from_folder,) = Qwen21DiffusersLoader().load(folder, "fp32", "cpu", True)
+    from_folder, *_ = Qwen21DiffusersLoader().load(folder, "fp32", "cpu", True)
     assert model.pipe.dtype == torch.float32 and model.pipe.device.type == "cpu"  # auto on CPU = fp32
     for ours, theirs in zip(
         model.pipe.transformer.state_dict().values(), from_folder.pipe.transformer.state_dict().values(), strict=True
@@ -65,17 +64,17 @@ def test_loaders_list_the_tiny_files_and_agree(model):
 
 
 def test_encode_derives_the_size_from_the_last_image(model):
-    cond, width, height = encode(model, resolution=128)
+    cond, width, height, *_ = encode(model, resolution=128)
     assert (width, height) == (128, 128) == (cond.width, cond.height)
     wide = torch.rand(1, 64, 128, 3)
     tall = torch.rand(1, 128, 64, 3)
-    cond, width, height = encode(model, resolution=128, image_1=tall, image_2=wide)
+    cond, width, height, *_ = encode(model, resolution=128, image_1=tall, image_2=wide)
     assert cond.num_images == 2 and width > height and width % 32 == 0 and height % 32 == 0
 
 
 def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
     image, mask = load_image_file(str(host_examples() / "rgba_subject.png"))
-    cond, _, _ = encode(model, image_1=image, mask_1=mask)
+    cond, _, _, *_ = encode(model, image_1=image, mask_1=mask)
     assert cond.num_images == 1
     _rgb_only, placeholder = load_image_file(str(host_examples() / "reference_1.png"))  # 64x64 "no alpha" mask
     assert encode(model, image_1=_rgb_only, mask_1=placeholder)[0].num_images == 1
@@ -91,7 +90,8 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
 
 def test_a_prompt_too_long_for_the_dit_fails_at_the_encode_node_before_any_weights_move(model, monkeypatch):
     calls = []
-    monkeypatch.setattr(model, "encode", lambda **kwargs: calls.append(kwargs) or SimpleNamespace(width=64, height=64))
+    original = model.encode
+    monkeypatch.setattr(model, "encode", lambda **kwargs: calls.append(kwargs) or original(**kwargs))
     too_long = ("a photo of a cat. " * 3000)[:50000]
     with pytest.raises(ValueError, match=r"rotary position \d+ is outside the model's table \(-1024..8191\)"):
         encode(model, prompt=too_long)
@@ -110,7 +110,7 @@ def host_examples():
 
 
 def test_sampler_gives_a_comfyui_latent_and_stats(model):
-    cond, width, height = encode(model)
+    cond, width, height, *_ = encode(model)
     result = sample(model, cond, batch_size=2, seed=5)
     (latent,) = result["result"]
     samples = latent["samples"]
@@ -125,7 +125,7 @@ def test_sampler_gives_a_comfyui_latent_and_stats(model):
 
 
 def test_sampler_size_schedules_and_denoise(model):
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     latent = sample(model, cond, width=96, height=64)["result"][0]
     assert latent["samples"].shape[-2:] == (4, 6)
     custom = sample(model, cond, schedule="custom", sigmas="1.0, 0.6, 0.3, 0")  # ComfyUI-style list
@@ -141,7 +141,7 @@ def test_sampler_size_schedules_and_denoise(model):
 
 
 def test_interrupt_stops_sampling_and_the_next_run_works(model):
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     host.request_interrupt()
     with pytest.raises(host.Interrupted):
         sample(model, cond, steps=5)
@@ -149,7 +149,7 @@ def test_interrupt_stops_sampling_and_the_next_run_works(model):
 
 
 def test_decode_splits_alpha_like_comfyui(model):
-    cond, width, height = encode(model)
+    cond, width, height, *_ = encode(model)
     latent = sample(model, cond)["result"][0]
     result = Qwen21VAEDecode().decode(model, latent, "auto", 0, "auto", "exact")
     image, mask = result["result"]
@@ -189,7 +189,7 @@ def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monk
     monkeypatch.setattr(model.text_encoder, "load", lambda *args: placed.append("load"))
     monkeypatch.setattr(model.text_encoder, "unload", lambda: placed.append("unload"))
     image = torch.rand(1, 64, 64, 3)
-    cond, _, _ = Qwen21Encode().encode(model, "a red apple", "blurry", 64, image_1=image)
+    cond, _, _, *_ = Qwen21Encode().encode(model, "a red apple", "blurry", 64, image_1=image)
     assert calls == [["a red apple"]] and placed == ["load", "unload"]
     plain = sample(model, cond, true_cfg_scale=1.0)
     assert len(calls) == 1 and cond.negative is None and plain["ui"]["qwen21_stats"][0]["prefills"] == 1
@@ -209,8 +209,8 @@ def test_the_encoder_asks_the_memory_manager_for_room_for_its_activations(model,
     monkeypatch.setattr(model.text_encoder, "load", lambda memory_required=0: asked.append(memory_required))
     text_encoder = model.pipe.text_encoder
     image = torch.rand(1, 256, 256, 3)
-    plain, _, _ = Qwen21Encode().encode(model, "a red apple", "", 256)
-    two, _, _ = Qwen21Encode().encode(model, "a red apple", "", 256, image_1=image, image_2=image)
+    plain, _, _, *_ = Qwen21Encode().encode(model, "a red apple", "", 256)
+    two, _, _, *_ = Qwen21Encode().encode(model, "a red apple", "", 256, image_1=image, image_2=image)
     per_token = text_encoder.activation_bytes(1)
     assert per_token == 36 * text_encoder.hidden_size * text_encoder.dtype.itemsize > 0
     assert asked[1] - asked[0] >= 2 * (256 // 32) ** 2 * per_token  # each image: its pads and its markers
@@ -219,7 +219,7 @@ def test_the_encoder_asks_the_memory_manager_for_room_for_its_activations(model,
 
 
 def test_cancel_stops_inside_one_untiled_decode_and_the_next_decode_works(model):
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     latent = sample(model, cond)["result"][0]
     before = Qwen21VAEDecode().decode(model, latent, "off", 0, "auto", "exact")["result"][0]
     decoder = model.pipe.vae.decoder
@@ -267,7 +267,7 @@ def test_vae_interruption_points_change_no_value(model, device):
 
 
 def test_prefix_cache_toggle_reaches_the_sampler(model):
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     on = sample(model, cond, steps=3, prefix_cache=True)
     off = sample(model, cond, steps=3, prefix_cache=False)
     on_stats, off_stats = on["ui"]["qwen21_stats"][0], off["ui"]["qwen21_stats"][0]
@@ -280,7 +280,7 @@ def test_decode_graphs_toggle_reaches_the_pipeline(model):
     """On the CPU the pipeline takes the toggle and reports why it decodes eagerly; the GPU test below checks
     capture, replay and the kept prefix through the node (tests/test_decode_graphs.py the bookkeeping, on
     the CPU with a stand-in capture)."""
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     off = sample(model, cond, decode_graphs=False)["ui"]["qwen21_stats"][0]
     on = sample(model, cond, decode_graphs=True)["ui"]["qwen21_stats"][0]
     assert off["decode_graph"] == "off: disabled"
@@ -290,7 +290,7 @@ def test_decode_graphs_toggle_reaches_the_pipeline(model):
 @pytest.mark.gpu
 def test_decode_graphs_toggle_captures_replays_and_keeps_the_prefix_on_cuda(model):
     cuda_model = load_tiny(weight_dtype="bf16", device="cuda:0")
-    cond, _, _ = encode(cuda_model)
+    cond, _, _, *_ = encode(cuda_model)
     off = sample(cuda_model, cond, decode_graphs=False, steps=3)
     on = sample(cuda_model, cond, decode_graphs=True, steps=3)
     assert off["ui"]["qwen21_stats"][0]["decode_graph"] == "off: disabled"
@@ -313,7 +313,7 @@ def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):
         return compiled
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     transformer = model.pipe.transformer
     try:
         eager = sample(model, cond, steps=3)["result"][0]["samples"]
@@ -331,7 +331,7 @@ def test_compile_blocks_toggle_reaches_the_transformer(model, monkeypatch):
 def test_the_dit_is_loaded_for_what_the_run_needs_beyond_the_idle_caches_it_gets_back(model, monkeypatch):
     """A rerun finds the previous run's K/V cache idle in its graph entry (adopted, or evicted if it does not
     fit): the memory manager is asked only for the rest, so it does not stream DiT blocks for a cache it has."""
-    cond, _, _ = encode(model)
+    cond, _, _, *_ = encode(model)
     asked = []
     monkeypatch.setattr(model.transformer, "load", lambda required=0: asked.append(required))
     monkeypatch.setattr(model.pipe, "sampling_bytes", lambda *a, **k: 5000)

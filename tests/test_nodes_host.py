@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes import host, memory_adapter
 from qwen21_nodes.nodes.preview import fit_latent_rgb, latent_to_preview
 from qwen21_nodes.nodes.sample import parse_sigmas
 
@@ -103,9 +103,9 @@ def test_outside_comfyui_the_local_manager_places_and_releases():
     load; an explicit unload moves them to the offload device and releases what hangs off them."""
     layer = torch.nn.Linear(2, 2)
     released = []
-    managed = host.ManagedModules({"layer": layer}, torch.device("cpu"), on_unload=lambda: released.append(1))
+    managed = memory_adapter.ManagedModules({"layer": layer}, torch.device("cpu"), on_unload=lambda: released.append(1))
     managed.load(10**12)
-    assert managed.patcher is None and released == [] and managed not in host.LOCAL.loaded
+    assert managed.patcher is None and released == [] and managed not in memory_adapter.LOCAL.loaded
     managed.unload()
     assert released == [1]
     assert layer.weight.device.type == "cpu"

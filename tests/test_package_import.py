@@ -97,8 +97,9 @@ package = importlib.util.module_from_spec(spec)
 sys.modules[name] = package
 spec.loader.exec_module(package)
 names = set()
+comfyui_only = {name + ".nodes." + module for module in importlib.import_module(name + ".nodes").COMFYUI_ONLY_MODULES}
 for info in pkgutil.walk_packages(package.__path__, name + "."):
-    if info.name.endswith("__main__"):
+    if info.name.endswith("__main__") or info.name in comfyui_only:  # these import ComfyUI: checked in ComfyUI
         continue
     module = importlib.import_module(info.name)
     for value in vars(module).values():

@@ -149,7 +149,7 @@ def test_the_nodes_turn_it_on_with_the_loaders_gpus_and_the_samplers_parallel(tm
     models = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models")
     host.set_models_dir(models)
     try:
-        (model,) = Qwen21ModelLoader().load(
+        model, *_ = Qwen21ModelLoader().load(
             host.list_weight_files("diffusion_models")[0], host.list_weight_files("text_encoders")[0],
             host.list_weight_files("vae")[0], weight_dtype="auto", device="cpu", offload_text_encoder=True, gpus=2,
         )  # fmt: skip
@@ -217,7 +217,7 @@ def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches
     host.set_models_dir(ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models"))
     try:
         files = [host.list_weight_files(kind)[0] for kind in ("diffusion_models", "text_encoders", "vae")]
-        (model,) = Qwen21ModelLoader().load(*files, weight_dtype="bf16", device="cuda:0", offload_text_encoder=True)
+        model, *_ = Qwen21ModelLoader().load(*files, weight_dtype="bf16", device="cuda:0", offload_text_encoder=True)
         pipe = model.pipe
         assert pipe.text_encoder_device == torch.device("cuda", 1) and pipe.vae_execution_device.index == 0
         assert model.text_encoder_own_gpu and not pipe.text_encoder_offload

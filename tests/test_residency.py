@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from qwen21_nodes.nodes import host
+from qwen21_nodes.nodes import host, memory_adapter
 from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader, Qwen21ModelLoader
 from qwen21_nodes.qwen21_core.memory import manager as memory_manager
 from qwen21_nodes.qwen21_core.memory import planner
@@ -49,12 +49,12 @@ def gpu(monkeypatch):
 
     monkeypatch.setattr(planner, "device_free_bytes", free)
     local = LocalMemoryManager()
-    monkeypatch.setattr(host, "LOCAL", local)
+    monkeypatch.setattr(memory_adapter, "LOCAL", local)
 
     def managed(name, layers, evictable=True, device="cuda"):
         stack = Stack(layers=layers)
         stacks.append(stack)
-        m = host.ManagedModules({name: torch.nn.Linear(1, 1)}, torch.device(device), streamable=stack)
+        m = memory_adapter.ManagedModules({name: torch.nn.Linear(1, 1)}, torch.device(device), streamable=stack)
         m.full_bytes = stack.fixed + layers * stack.layer_bytes
         m.device_bytes = stack.device_weight_bytes
         m.evictable = evictable
@@ -66,22 +66,22 @@ def gpu(monkeypatch):
 def test_the_encoder_stays_when_sampling_fits_beside_it(gpu):
     encoder, encoder_stack = gpu("text_encoder", 8)  # 9 GiB
     dit, dit_stack = gpu("transformer", 6)  # 7 GiB
-    host.LOCAL.load(encoder, GIB)
-    host.LOCAL.load(dit, 2 * GIB)  # 9 + 7 + 2 + 0.5 headroom <= 24
+    memory_adapter.LOCAL.load(encoder, GIB)
+    memory_adapter.LOCAL.load(dit, 2 * GIB)  # 9 + 7 + 2 + 0.5 headroom <= 24
     assert encoder_stack.placed == [("cuda", None)] and dit_stack.placed == [("cuda", None)]
-    host.LOCAL.load(encoder, GIB)  # the next prompt: already there, nothing moves (or is even walked over)
+    memory_adapter.LOCAL.load(encoder, GIB)  # the next prompt: already there, nothing moves (or is even walked over)
     assert encoder_stack.placed == [("cuda", None)]
 
 
 def test_the_encoder_leaves_when_the_dit_needs_the_room(gpu):
     encoder, encoder_stack = gpu("text_encoder", 8)  # 9 GiB
     dit, dit_stack = gpu("transformer", 12)  # 13 GiB
-    host.LOCAL.load(encoder, GIB)
-    host.LOCAL.load(dit, 4 * GIB)  # 9 + 13 + 4 + 0.5 > 24: the encoder makes room, the DiT stays whole
+    memory_adapter.LOCAL.load(encoder, GIB)
+    memory_adapter.LOCAL.load(dit, 4 * GIB)  # 9 + 13 + 4 + 0.5 > 24: the encoder makes room, the DiT stays whole
     assert encoder_stack.placed[-1] == ("cpu", None) and dit_stack.placed[-1] == ("cuda", None)
-    host.LOCAL.load(encoder, GIB)  # the next prompt: it comes back beside the DiT (24 - 13 - 1 - 0.5 >= 9)
+    memory_adapter.LOCAL.load(encoder, GIB)  # the next prompt: it comes back beside the DiT (24 - 13 - 1 - 0.5 >= 9)
     assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cuda", None)
-    host.LOCAL.load(encoder, 3 * GIB)  # an encode with 4 references: the DiT (least recently used) makes room
+    memory_adapter.LOCAL.load(encoder, 3 * GIB)  # an encode with 4 references: the DiT (least recently used) makes room
     assert encoder_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cpu", None)
 
 
@@ -91,8 +91,8 @@ def test_an_indexed_and_a_bare_name_of_one_gpu_are_the_same_device_for_eviction(
     session at a 12 GB cap: 2 of 32 blocks resident, then errors for want of room)."""
     encoder, encoder_stack = gpu("text_encoder", 8, device="cuda:0")
     dit, dit_stack = gpu("transformer", 12)  # "cuda"
-    host.LOCAL.load(encoder, GIB)
-    host.LOCAL.load(dit, 4 * GIB)
+    memory_adapter.LOCAL.load(encoder, GIB)
+    memory_adapter.LOCAL.load(dit, 4 * GIB)
     assert encoder_stack.placed[-1] == ("cpu", None) and dit_stack.placed[-1] == ("cuda", None)
 
 
@@ -106,8 +106,8 @@ def test_devices_compare_by_their_gpu_not_their_spelling():
 def test_never_keeps_the_encoder_and_the_dit_streams_instead(gpu):
     encoder, encoder_stack = gpu("text_encoder", 8, evictable=False)
     dit, dit_stack = gpu("transformer", 12)
-    host.LOCAL.load(encoder, GIB)
-    host.LOCAL.load(dit, 4 * GIB)
+    memory_adapter.LOCAL.load(encoder, GIB)
+    memory_adapter.LOCAL.load(dit, 4 * GIB)
     assert encoder_stack.placed == [("cuda", None)]  # not evicted
     # 24 - 9 held + 0 own - 4 needed - 0.5 = 10.5 GiB for the DiT: fixed 1 + two 1 GiB staging slots, 7 layers
     assert dit_stack.placed[-1] == ("cuda", 7)
@@ -148,20 +148,14 @@ def test_an_encode_unloads_the_encoder_only_when_asked_to_always(monkeypatch, ch
     assert handle.encode(prompt="a cat") == "conditioning"
     assert events == [("load", 1000)] + ([("unload",)] if leaves else [])
     assert handle.text_encoder.evictable == (text_encoder_offload(choice) != "never")
-    assert handle.pipe.manage_weights is False  # a memory manager places the weights, not the pipeline
+    assert handle.pipe.memory.places_weights is False  # a memory manager places the weights, not the pipeline
+    assert handle.pipe.memory is memory_adapter.LOCAL  # and owns the one budget (--vram-budget) outside ComfyUI
 
 
 def test_inside_comfyui_the_encoder_is_a_model_comfyui_may_unload(monkeypatch):
     """With "auto" our nodes never unload the encoder themselves: it is registered with ComfyUI's memory manager
     (load_models_gpu), which moves it off when the DiT asks for more room than is free."""
     loaded, unloaded = [], []
-
-    class Patcher:
-        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
-            self.model = model
-
-        def add_callback(self, *_):
-            pass
 
     fake_mm = types.SimpleNamespace(
         load_models_gpu=lambda models, memory_required, force_full_load: loaded.append((models[0], memory_required)),
@@ -170,9 +164,9 @@ def test_inside_comfyui_the_encoder_is_a_model_comfyui_may_unload(monkeypatch):
     )  # fmt: skip
     monkeypatch.setattr(host, "IN_COMFYUI", True)
     monkeypatch.setattr(host, "comfy_mm", fake_mm)
-    monkeypatch.setattr(host, "comfy_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
     monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(host, "_streaming_patcher_class", lambda: Patcher)
+    monkeypatch.setattr(memory_adapter, "_new_patcher", lambda make_model, managed, *devices: types.SimpleNamespace(
+        name=managed.name))  # fmt: skip
     from qwen21_nodes.nodes.model import Qwen21Model
 
     text = types.SimpleNamespace(model=torch.nn.Linear(2, 2), estimated_tokens=lambda *a: 10,
@@ -220,9 +214,10 @@ def test_offload_and_reload_go_through_one_pinned_host_copy_refreshed_only_after
 
 
 def test_manager_is_the_only_eviction_policy():
-    """nodes/host.py holds no policy of its own: its local manager is memory/manager.py's."""
-    assert host.LocalMemoryManager is memory_manager.LocalMemoryManager
-    assert not hasattr(host, "plan_sampling")
+    """The nodes hold no policy of their own: the adapter's local manager is memory/manager.py's, and the ComfyUI
+    services module holds no memory code at all."""
+    assert type(memory_adapter.LOCAL) is memory_manager.LocalMemoryManager
+    assert not any(hasattr(host, name) for name in ("plan_sampling", "LOCAL", "ManagedModules", "LocalMemoryManager"))
 
 
 def test_the_runner_accepts_an_older_workflows_boolean_and_names_a_bad_choice(tmp_path):

@@ -81,7 +81,7 @@ def test_api_workflow_runs_on_the_tiny_checkpoint(path, tiny_models, tmp_path):
     saver = find_node(prompt, "Qwen21SaveImage")
     images = result.ui[saver]["images"]
     assert len(images) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
-    _conditioning, width, height = result.outputs[find_node(prompt, "Qwen21Encode")]
+    _conditioning, width, height, *_ = result.outputs[find_node(prompt, "Qwen21Encode")]
     rgba = any(node["class_type"] == "JoinImageWithAlpha" for node in prompt.values())
     for image in images:
         with Image.open(tmp_path / image["subfolder"] / image["filename"]) as picture:

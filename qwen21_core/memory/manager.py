@@ -22,6 +22,7 @@ Saved workflows from before this choice have a boolean: True meant "always", Fal
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -84,7 +85,22 @@ class Managed(Protocol):
     def released(self) -> None: ...
 
 
+@dataclass
+class OwnPlacement:
+    """The memory side of a pipeline used on its own (scripts, tests, benchmarks): it places its weights itself
+    (streaming DiT blocks when they do not fit), within `budget` bytes of the device (None: what it has)."""
+
+    budget: int | None = None
+    places_weights: bool = True
+
+
 class LocalMemoryManager:
+    """Outside ComfyUI, with our nodes: places our models (see the module docstring). It is also the memory side of
+    their pipeline (`pipe.memory`): its `budget` (the runner's --vram-budget) bounds everything a run plans, weights,
+    K/V caches, the prefix check, LoRA copies and prefill graphs alike."""
+
+    places_weights = False  # a manager places them: the pipeline plans only around them
+
     def __init__(self, offload_device: torch.device | str = "cpu"):
         self.budget: int | None = None  # bytes our models and caches may use on the device; None: what it has
         self.offload_device = torch.device(offload_device)

@@ -1,0 +1,260 @@
+"""Run inside a real ComfyUI (its Python, on the CPU) by tests/test_comfyui_types.py: our MODEL, CONDITIONING,
+SIGMAS and VAE driven by ComfyUI's own nodes in-process. argv: ComfyUI folder, a scratch folder, the checks to run.
+Prints one JSON line per check: {"check": name, ...measurements}; the pytest side asserts on them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+COMFYUI_DIR, SCRATCH = Path(sys.argv[1]), Path(sys.argv[2])
+CHECKS = sys.argv[3].split(",")
+sys.path.insert(0, str(COMFYUI_DIR))  # ComfyUI's own modules, as its main.py has them
+
+import comfy.cli_args  # noqa: E402
+
+comfy.cli_args.args.cpu = True
+import comfy.model_management  # noqa: E402,F401 - first, so the pack sees a ComfyUI process
+import comfy.samplers  # noqa: E402
+import folder_paths  # noqa: E402
+import torch  # noqa: E402
+from comfy_extras import nodes_custom_sampler as custom  # noqa: E402
+from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS as OURS  # noqa: E402
+from qwen21_nodes.nodes import host  # noqa: E402
+from qwen21_nodes.qwen21_core.tiny import NAMES, make_tiny  # noqa: E402
+
+import nodes as comfy_nodes  # noqa: E402
+
+LORA_KEYS_NOT_LOADED: list[str] = []
+
+
+class _Lines(logging.Handler):
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("lora key not loaded:"):
+            LORA_KEYS_NOT_LOADED.append(message.split(":", 1)[1].strip())
+
+
+logging.getLogger().addHandler(_Lines())
+logging.getLogger().setLevel(logging.INFO)
+
+
+def emit(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def setup():
+    models = SCRATCH / "models"
+    if not (models / NAMES["lora"]).exists():
+        make_tiny(models)
+    for kind in ("diffusion_models", "text_encoders", "vae", "loras", "diffusers"):
+        folder_paths.add_model_folder_path(kind, str(models / kind), is_default=True)
+    assert host.IN_COMFYUI
+
+
+def load(weight_dtype="fp32"):
+    loader = OURS["Qwen21ModelLoader"]()
+    return loader.load(Path(NAMES["transformer"]).name, Path(NAMES["text_encoder"]).name, Path(NAMES["vae"]).name,
+                       weight_dtype, "cpu", "auto")  # fmt: skip
+
+
+def encode(handle, prompt="a red apple", negative="blurry", resolution=64, **images):
+    return OURS["Qwen21Encode"]().encode(handle, prompt, negative, resolution, **images)
+
+
+def ours(handle, cond, seed=3, steps=3, cfg=1.0, latent=None, denoise=1.0):
+    inputs = {"seed": seed, "steps": steps, "true_cfg_scale": cfg, "width": 0, "height": 0, "batch_size": 1,
+              "schedule": "default", "sigmas": "", "denoise": denoise, "prefix_cache": True, "decode_graphs": True,
+              "latent": latent}  # fmt: skip
+    return OURS["Qwen21Sampler"]().sample(handle, cond, **inputs)["result"][0]["samples"]
+
+
+def custom_advanced(model, positive, negative, latent, seed=3, steps=3, cfg=1.0, sampler="euler", schedule=None):
+    sigmas = schedule if schedule is not None else OURS["Qwen21Scheduler"]().get_sigmas(
+        model, "released", steps, 0, 0, 1.0, latent=latent)[0]  # fmt: skip
+    guider = custom.CFGGuider().get_guider(model, positive, negative, cfg)[0]
+    (noise,) = custom.RandomNoise().get_noise(seed)
+    (chosen,) = custom.KSamplerSelect().get_sampler(sampler)
+    return custom.SamplerCustomAdvanced().sample(noise, guider, chosen, sigmas, latent)[0]["samples"]
+
+
+def relative(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---- checks -------------------------------------------------------------------------------------------------
+
+
+def check_parity():
+    """SamplerCustomAdvanced + euler + Qwen21Scheduler's SIGMAS against Qwen21 Sampler, cfg 1 and 4, with a
+    condition image."""
+    handle, model, _vae = load()
+    image = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(1))
+    cond, _w, _h, positive, negative, latent = encode(handle, image_1=image)
+    out = {}
+    for cfg in (1.0, 4.0):
+        expected = ours(handle, cond, cfg=cfg)
+        got = custom_advanced(model, positive, negative, latent, cfg=cfg)
+        out[f"cfg{cfg:g}"] = relative(got, expected)
+        out[f"cfg{cfg:g}_prefills"] = handle.pipe.last_sample_stats["prefills"]
+    emit(check="parity", **out)
+
+
+def check_native_layout():
+    """A CONDITIONING built to native TextEncodeQwenImage21's layout (context without pads, image_slots, raw
+    reference latents, no marker of ours) gives what ours gives."""
+    handle, model, _vae = load()
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(2))
+    _cond, _w, _h, positive, negative, latent = encode(handle, image_1=image)
+
+    def native(conditioning):
+        context, extras = conditioning[0]
+        plain = {k: v for k, v in extras.items() if k != "qwen21"}
+        return [[context.clone(), {**plain, "reference_latents": [r.clone() for r in plain["reference_latents"]]}]]
+
+    ours_latent = custom_advanced(model, positive, negative, latent)
+    native_latent = custom_advanced(model, native(positive), native(negative), latent)
+    emit(check="native_layout", relative=relative(native_latent, ours_latent),
+         slots=positive[0][1]["image_slots"], references=len(positive[0][1]["reference_latents"]))  # fmt: skip
+
+
+def check_ksampler_matrix():
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    results = {}
+    for sampler in ("euler", "euler_ancestral", "dpmpp_2m", "res_multistep"):
+        for scheduler in ("simple", "normal", "beta"):
+            (out,) = comfy_nodes.KSampler().sample(model, 7, 3, 1.0, sampler, scheduler, positive, negative, latent)
+            results[f"{sampler}/{scheduler}"] = bool(torch.isfinite(out["samples"]).all())
+    (guided,) = comfy_nodes.KSamplerAdvanced().sample(model, "enable", 7, 4, 3.0, "euler", "simple", positive,
+                                                      negative, latent, 0, 4, "disable")  # fmt: skip
+    results["advanced/cfg3"] = bool(torch.isfinite(guided["samples"]).all())
+    emit(check="ksampler_matrix", results=results, shape=list(out["samples"].shape))
+
+
+def check_simple_schedule():
+    """KSampler's `simple` on our MODEL against the released schedule at 1024x1024, 40 steps."""
+    _handle, model, _vae = load()
+    sampling = model.get_model_object("model_sampling")
+    simple = comfy.samplers.calculate_sigmas(sampling, "simple", 40)
+    latent = {"samples": torch.zeros(1, 64, 64, 64)}
+    released = OURS["Qwen21Scheduler"]().get_sigmas(model, "released", 40, 1024, 1024, 1.0, latent=latent)[0]
+    emit(check="simple_schedule", max_abs=(simple - released).abs().max().item(),
+         max_abs_before_last=(simple[:-2] - released[:-2]).abs().max().item())  # fmt: skip
+
+
+def check_lora(weight_dtype):
+    """LoraLoaderModelOnly on our MODEL against Qwen21 Load LoRA (same file and strength), both sampled by
+    SamplerCustomAdvanced; in fp32 also against Qwen21 Sampler's own loop."""
+    LORA_KEYS_NOT_LOADED.clear()
+    handle, model, _vae = load(weight_dtype)
+    cond, _w, _h, positive, negative, latent = encode(handle)
+    lora_name = Path(NAMES["lora"]).name
+    plain = custom_advanced(model, positive, negative, latent)
+    (with_comfy,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, lora_name, 0.7)
+    theirs = custom_advanced(with_comfy, positive, negative, latent)
+    (with_ours,) = OURS["Qwen21LoraLoader"]().load(handle, lora_name, 0.7)
+    mine = custom_advanced(with_ours.comfy_model, positive, negative, latent)
+    again = custom_advanced(model, positive, negative, latent)  # the plain MODEL after the LoRA'd clones
+    loop = ours(with_ours, cond)  # our own sampler's loop, with our LoRA
+    emit(check=f"lora_{weight_dtype}", effect=(theirs - plain).abs().max().item(),
+         difference=(theirs - mine).abs().max().item(), plain_again=(again - plain).abs().max().item(),
+         our_loop=relative(theirs, loop), patches=len(with_comfy.patches),
+         keys_not_loaded=len(LORA_KEYS_NOT_LOADED))  # fmt: skip
+
+
+def check_conditioning_nodes():
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    guided = custom_advanced(model, positive, negative, latent, cfg=4.0)
+    (zero,) = comfy_nodes.ConditioningZeroOut().zero_out(negative)
+    zeroed = custom_advanced(model, positive, zero, latent, cfg=4.0)
+    (ranged,) = comfy_nodes.ConditioningSetTimestepRange().set_range(positive, 0.0, 0.5)
+    (_rest,) = comfy_nodes.ConditioningSetTimestepRange().set_range(positive, 0.5, 1.0)
+    (combined,) = comfy_nodes.ConditioningCombine().combine(ranged, _rest)
+    split = custom_advanced(model, combined, negative, latent)
+    whole = custom_advanced(model, positive, negative, latent)
+    (average,) = comfy_nodes.ConditioningAverage().addWeighted(positive, positive, 0.5)
+    averaged = custom_advanced(model, average, negative, latent)
+    emit(check="conditioning_nodes", zero_out_changes=(zeroed - guided).abs().max().item(),
+         split_range_vs_whole=relative(split, whole), average_of_same=relative(averaged, whole),
+         finite=bool(torch.isfinite(zeroed).all() and torch.isfinite(split).all()))  # fmt: skip
+
+
+def check_vae():
+    handle, model, vae = load()
+    cond, *_ = encode(handle)
+    latent = {"samples": ours(handle, cond)}
+    (image,) = comfy_nodes.VAEDecode().decode(vae, latent)
+    rgb, mask = OURS["Qwen21VAEDecode"]().decode(handle, latent, "auto", 0, "auto", "exact")["result"]
+    (tiled,) = comfy_nodes.VAEDecodeTiled().decode(vae, latent, 64, 32)
+    (encoded,) = comfy_nodes.VAEEncode().encode(vae, image)
+    (ours_encoded,) = OURS["Qwen21VAEEncode"]().encode(handle, image[..., :3])
+    emit(check="vae", channels=image.shape[-1], rgb=(image[..., :3] - rgb).abs().max().item(),
+         alpha=(image[..., 3] - (1 - mask)).abs().max().item(), tiled_finite=bool(torch.isfinite(tiled).all()),
+         tiled_shape=list(tiled.shape),
+         encode=(encoded["samples"] - ours_encoded["samples"]).abs().max().item())  # fmt: skip
+
+
+def check_bad_inputs():
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    errors = {}
+
+    def attempt(name, run):
+        try:
+            run()
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 - each case reports its message
+            errors[name] = f"{type(error).__name__}: {error}"
+
+    sdxl = [[torch.zeros(1, 77, 2048), {"pooled_output": torch.zeros(1, 1280)}]]
+    attempt("sdxl_conditioning", lambda: custom_advanced(model, sdxl, negative, latent))
+    wide = [[torch.zeros(1, 77, 4096), {}]]
+    width = model.model.pipe.transformer.config.context_in_dim
+    t5 = [[torch.zeros(1, 12, width), {"pooled_output": torch.zeros(1, 768)}]]
+    attempt("t5_conditioning", lambda: custom_advanced(model, t5, negative, latent))
+    if width != 4096:
+        attempt("wrong_width", lambda: custom_advanced(model, wide, negative, latent))
+    four = {"samples": torch.randn(1, 4, 8, 8)}
+    attempt("four_channel_latent", lambda: comfy_nodes.KSampler().sample(model, 1, 2, 1.0, "euler", "simple",
+                                                                         positive, negative, four))  # fmt: skip
+    patched = model.clone()
+    patched.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    attempt("attention_patch", lambda: custom_advanced(patched, positive, negative, latent))
+    # after every error, the next run works
+    after = custom_advanced(model, positive, negative, latent)
+    emit(check="bad_inputs", errors=errors, after_finite=bool(torch.isfinite(after).all()))
+
+
+def check_sdxl_lora():
+    """A LoRA for another model through ComfyUI's loader: ComfyUI names every key it cannot map, nothing lands."""
+    from safetensors.torch import save_file
+
+    LORA_KEYS_NOT_LOADED.clear()
+    _handle, model, _vae = load()
+    path = SCRATCH / "models" / "loras" / "sdxl_like.safetensors"
+    save_file({"lora_unet_input_blocks_1_1_proj_in.lora_down.weight": torch.zeros(4, 320),
+               "lora_unet_input_blocks_1_1_proj_in.lora_up.weight": torch.zeros(320, 4)}, str(path))  # fmt: skip
+    (patched,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, path.name, 1.0)
+    emit(check="sdxl_lora", keys_not_loaded=LORA_KEYS_NOT_LOADED[:], patches=len(patched.patches))
+
+
+def main() -> int:
+    setup()
+    for name in CHECKS:
+        try:
+            if name.startswith("lora_"):
+                check_lora(name.removeprefix("lora_"))
+            else:
+                globals()[f"check_{name}"]()
+        except Exception:  # noqa: BLE001 - reported per check
+            emit(check=name, failed=traceback.format_exc()[-3000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Our engine behind ComfyUI's own types, in a real ComfyUI (0.3.64 runs on a CPU): KSampler and the custom
+sampling nodes drive our MODEL, ComfyUI's conditioning and LoRA nodes work on our CONDITIONING and MODEL, and our VAE
+is a ComfyUI VAE. One child process in ComfyUI's Python runs every check (tests/comfyui_child.py); each test here
+asserts on one check's measurements. Skipped, saying why, without COMFYUI_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
+CHILD = Path(__file__).with_name("comfyui_child.py")
+CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
+          "lora_int8_convrot", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora")  # fmt: skip
+
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not (COMFYUI_DIR and os.path.isfile(os.path.join(COMFYUI_DIR, "main.py"))),
+                       reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter) to drive "
+                              "our MODEL with ComfyUI's own nodes"),  # fmt: skip
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    import qwen21_nodes
+
+    scratch = tmp_path_factory.mktemp("comfyui_types")
+    packages = scratch / "packages"
+    packages.mkdir()
+    (packages / "qwen21_nodes").symlink_to(Path(qwen21_nodes.__file__).parent)
+    python = os.environ.get("COMFYUI_PYTHON") or sys.executable
+    env = {**os.environ, "PYTHONPATH": str(packages), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([python, "-P", str(CHILD), COMFYUI_DIR, str(scratch), ",".join(CHECKS)], env=env,
+                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    found = {line["check"]: line for line in lines}
+    assert done.returncode == 0 and set(found) == set(CHECKS), done.stdout[-3000:] + done.stderr[-5000:]
+    return found
+
+
+def result(results, name):
+    line = results[name]
+    assert "failed" not in line, line["failed"]
+    return line
+
+
+def test_samplercustomadvanced_with_our_sigmas_gives_qwen21_samplers_latent(results):
+    line = result(results, "parity")
+    assert line["cfg1"] <= 1e-4 and line["cfg4"] <= 1e-4
+    assert line["cfg1_prefills"] == 1 and line["cfg4_prefills"] == 2  # one prefix per conditioning, not per step
+
+
+def test_a_conditioning_in_native_layout_gives_the_same_latent(results):
+    line = result(results, "native_layout")
+    assert line["relative"] <= 1e-5 and line["references"] == 1 and len(line["slots"]) == 1
+
+
+def test_ksampler_runs_every_listed_sampler_and_scheduler(results):
+    line = result(results, "ksampler_matrix")
+    assert len(line["results"]) == 13 and all(line["results"].values()), line["results"]
+    assert line["shape"][1] == 64
+
+
+def test_ksamplers_simple_schedule_is_the_released_one_at_1024_but_its_terminal_stretch(results):
+    line = result(results, "simple_schedule")
+    assert 0 < line["max_abs"] < 0.05  # the released schedule stretches its end to 0.02 (help: Qwen21Scheduler)
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp8", "int8", "int8_convrot"])
+def test_comfyuis_lora_loader_lands_in_our_merge(results, weight_dtype):
+    line = result(results, f"lora_{weight_dtype}")
+    assert line["patches"] > 0 and line["keys_not_loaded"] == 0
+    assert line["effect"] > 1e-3  # the LoRA changes the latent
+    assert line["difference"] <= 1e-3 * line["effect"]  # the same merge, whichever loader put it on
+    assert line["plain_again"] == 0  # the plain MODEL is plain again, bit for bit (the merge restores exactly)
+    if weight_dtype == "fp32":  # and KSampler's loop equals ours where the math is exact
+        assert line["our_loop"] <= 1e-4
+
+
+def test_comfyuis_conditioning_nodes_work_on_ours(results):
+    line = result(results, "conditioning_nodes")
+    assert line["finite"] and line["zero_out_changes"] > 1e-4
+    assert line["split_range_vs_whole"] <= 1e-5  # the same prompt over two timestep ranges = the prompt
+    assert line["average_of_same"] <= 1e-5
+
+
+def test_our_vae_is_a_comfyui_vae(results):
+    line = result(results, "vae")
+    assert line["channels"] == 4 and line["rgb"] == 0 and line["alpha"] <= 1e-6  # MASK is 1 - alpha, rounded
+    assert line["tiled_finite"] and line["tiled_shape"][-1] == 4
+    assert line["encode"] <= 1e-5
+
+
+def test_bad_input_is_named_and_the_next_run_works(results):
+    line = result(results, "bad_inputs")
+    errors = line["errors"]
+    assert "pooled output" in errors["sdxl_conditioning"] and "pooled output" in errors["t5_conditioning"]
+    assert "from another model's text encoder" in errors["wrong_width"]
+    assert "Qwen-Image-2.1 latents are [B, 64" in errors["four_channel_latent"]
+    assert "cannot apply to our DiT" in errors["attention_patch"] and "attn1_patch" in errors["attention_patch"]
+    assert line["after_finite"]
+
+
+def test_a_lora_for_another_model_is_named_key_by_key_and_lands_nowhere(results):
+    line = result(results, "sdxl_lora")
+    assert line["patches"] == 0 and len(line["keys_not_loaded"]) == 2
