@@ -140,6 +140,23 @@ def test_sampler_size_schedules_and_denoise(model):
         sample(model, cond, schedule="turbo")
 
 
+def test_sampler_starts_from_the_input_latent_like_the_pipeline(model):
+    """img2img through the node (VAE Encode -> Sampler at denoise 0.25) gives what the pipeline gives from the same
+    start latent, seed and steps, and not the text-to-image result: every example workflow runs at denoise 1.0, so a
+    node that dropped its `latent` would pass every other test."""
+    cond, width, height = encode(model)
+    image = torch.rand(1, height, width, 3, generator=torch.Generator().manual_seed(4))
+    (start,) = Qwen21VAEEncode().encode(model, image)
+    img2img = sample(model, cond, latent=start, denoise=0.25, steps=3, seed=11)["result"][0]["samples"]
+    expected = model.pipe.sample(cond, steps=3, seed=11, start_latents=start["samples"], denoise=0.25)
+    assert torch.equal(img2img, expected.cpu()), "the node's img2img differs from the pipeline's from the same start"
+    text_to_image = sample(model, cond, steps=3, seed=11)["result"][0]["samples"]
+    # a quarter of the schedule from the start latent ends nearer to it than a run from pure noise does
+    to_start = (img2img - start["samples"]).abs().mean().item()
+    from_noise = (text_to_image - start["samples"]).abs().mean().item()
+    assert to_start < 0.5 * from_noise, f"img2img is {to_start:.4g} from its start, text-to-image {from_noise:.4g}"
+
+
 def test_interrupt_stops_sampling_and_the_next_run_works(model):
     cond, _, _ = encode(model)
     host.request_interrupt()

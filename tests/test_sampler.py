@@ -193,6 +193,30 @@ def test_start_latents_with_denoise(parts):
         sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=96, steps=3, start_latents=start)
 
 
+def test_img2img_starts_from_sigma0_noise_plus_the_rest_of_the_normalised_start(parts, monkeypatch):
+    """With a zero velocity every Euler step keeps x, so the result (and every preview's x0) is the starting state:
+    sigma0 * noise + (1 - sigma0) * normalize(start), denormalised. Denoise 0.25 puts sigma0 near 0.27, far from
+    0.5, so a start with the two weights swapped (73% noise) cannot pass for it; at denoise 0.5 (sigma0 0.506) it
+    could."""
+    from qwen21_nodes.qwen21_core.scheduler import partial_schedule
+
+    _, ours, vae = parts
+    sampler = _sampler(ours, vae)
+    monkeypatch.setattr(sampler, "_velocity", lambda branch, x, t: torch.zeros_like(x))
+    start = 3 * torch.randn(1, Z, 4, 4, generator=torch.Generator().manual_seed(21)) + 1
+    noise = make_noise(22, (1, Z, 4, 4))
+    previews = []
+    out = sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=64, steps=3, start_latents=start,
+                         denoise=0.25, noise=noise, callback=lambda step, total, x0: previews.append(x0))  # fmt: skip
+    sigma0 = partial_schedule(sampler.scheduler_config, 16, 3, 0.25)[0][0].item()
+    assert abs(sigma0 - 0.5) > 0.2, sigma0  # else a swap would hardly show
+    expected = sampler.denormalize(sigma0 * noise + (1 - sigma0) * sampler.normalize(start))
+    assert len(previews) == 3
+    for got in [out, *previews]:
+        error = (got - expected).abs().max().item()
+        assert error <= 1e-5, f"the img2img start is {error:.4g} off sigma0 * noise + (1 - sigma0) * start"
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
