@@ -76,6 +76,32 @@ def test_text_to_image_matches_reference(parts, cfg):
     assert 0 < sampler.stats.branch_setup_s < sampler.stats.seconds  # the caches' allocation, timed apart
 
 
+def test_true_cfg_steps_with_the_negative_velocity_plus_cfg_times_the_difference(parts, monkeypatch):
+    """One step at cfg 4 from the velocities the two branches really gave: x + (sigma1 - sigma0) * (v_neg + 4 * (v_pos
+    - v_neg)); the negative branch gives another velocity than the positive one, so the result is not cfg 1's."""
+    from qwen21_nodes.qwen21_core.scheduler import partial_schedule
+
+    _, ours, vae = parts
+    cond = Conditioning(_prompt(9, 1), _prompt(6, 2))
+    noise = make_noise(7, (1, Z, 4, 4))
+    results, velocities = {}, {}
+    for cfg in (1.0, 4.0):
+        sampler = _sampler(ours, vae)
+        real = sampler._velocity
+        seen = velocities[cfg] = []
+        monkeypatch.setattr(sampler, "_velocity", lambda branch, x, t, real=real, seen=seen: seen.append(
+            (x.clone(), real(branch, x, t))) or seen[-1][1])  # fmt: skip
+        results[cfg] = sampler.sample([cond], height=64, width=64, steps=1, true_cfg_scale=cfg, noise=noise)
+    assert len(velocities[1.0]) == 1 and len(velocities[4.0]) == 2  # the positive branch, then the negative
+    (x, v_pos), (_, v_neg) = velocities[4.0]
+    assert torch.equal(v_pos, velocities[1.0][0][1]) and (v_pos - v_neg).abs().max() > 0.01
+    sigmas = partial_schedule(sampler.scheduler_config, 16, 1, 1.0)[0]
+    expected = sampler.denormalize(unpack(x + (sigmas[1] - sigmas[0]) * (v_neg + 4.0 * (v_pos - v_neg)), 4, 4))
+    error = (results[4.0] - expected).abs().max().item()
+    assert error <= 1e-5, f"the guided step is {error:.3g} off v_neg + cfg * (v_pos - v_neg)"
+    assert (results[4.0] - results[1.0]).abs().max() > 0.01
+
+
 def test_two_condition_images_match_reference(parts):
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
