@@ -467,6 +467,37 @@ def test_a_reference_used_again_is_neither_resized_nor_vae_encoded_again_and_enc
     assert counting.encoded == 7  # another resolution is another resize
 
 
+def test_a_reference_whose_alpha_alone_changed_is_a_new_reference(encoder, vae):
+    """Someone editing repaints a reference's mask (ComfyUI's mask editor, LoadImage's MASK) and keeps its colours:
+    the VAE reads the alpha and the VLM sees the image composited over white, so that reference must miss the
+    cache, be encoded afresh and change the content hash (the prefix K/V cache's key). One pixel's alpha already
+    changes the digest."""
+    from qwen21_nodes.qwen21_core.images import source_digest
+    from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
+
+    image = _random_image(64, 64, "RGBA", 8)
+    one_alpha = np.asarray(image).copy()
+    one_alpha[40, 40, 3] ^= 0x80
+    assert source_digest(Image.fromarray(one_alpha, "RGBA")) != source_digest(image), "the digest ignores alpha"
+
+    counting, cache = _CountingVAE(vae), ReferenceCache()
+    counting.identity = "counting-vae"
+    pixels = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(9))
+    opaque, cut_out = torch.zeros(1, 64, 64), torch.zeros(1, 64, 64)
+    cut_out[:, 16:48, 8:40] = 1.0  # transparent there; the colours are the same
+    first = encode_conditioning(encoder, counting, "a cat", [pixels], [opaque], output_resolution=64, references=cache)
+    again = encode_conditioning(encoder, counting, "a dog", [pixels], [opaque], output_resolution=64, references=cache)
+    assert (cache.hits, cache.misses, counting.encoded) == (1, 1, 1)  # the same reference: from the cache
+    edited = encode_conditioning(encoder, counting, "a dog", [pixels], [cut_out], output_resolution=64,
+                                 references=cache)  # fmt: skip
+    assert (cache.hits, cache.misses, counting.encoded) == (1, 2, 2), "the alpha-only change was served from the cache"
+    assert edited.content_hash not in (first.content_hash, again.content_hash)
+    uncached = encode_conditioning(encoder, counting, "a dog", [pixels], [cut_out], output_resolution=64)
+    assert torch.equal(edited.condition_latents[0], uncached.condition_latents[0])
+    assert not torch.equal(edited.condition_latents[0], again.condition_latents[0])
+    assert not torch.equal(edited.positive.embeds, again.positive.embeds)  # the VLM sees white where it is cut out
+
+
 def test_the_reference_cache_keeps_latents_per_vae_and_forgets_the_least_recently_used(encoder, vae):
     from qwen21_nodes.qwen21_core.reference_cache import ReferenceCache
 

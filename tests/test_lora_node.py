@@ -114,6 +114,28 @@ def test_branches_with_different_loras_are_each_right_in_any_order(base, models_
     assert base.pipe.loras.originals.nbytes == 0  # re-read from the file: no copies held
 
 
+def test_the_nodes_strength_scales_the_loras_change_to_the_weights(base, models_dir):
+    """What the DiT samples with after the node at strength s: the stored weights plus s times the LoRA's change, so
+    0.5 is half of 1.0's change and -1 its opposite, to fp32 rounding of the once-rounded merge."""
+    cond = base.encode(prompt="a red apple", output_resolution=64)
+    stored = checkpoint_weights(models_dir)
+
+    def change(strength):
+        (handle,) = Qwen21LoraLoader().load(base, TINY_LORA, strength)
+        sample(handle, cond)  # the strength is merged where the DiT runs, before its steps
+        return {k: t.double() - stored[k].double() for k, t in base.pipe.transformer.checkpoint_slots().items()}
+
+    full, half, minus = change(1.0), change(0.5), change(-1.0)
+    sample(base, cond)  # the base handle takes the LoRA off again
+    changed = [k for k, delta in full.items() if delta.abs().max() > 0]
+    assert changed and len(changed) < len(full)  # the LoRA's layers, not every weight
+    for k in full:
+        # fp32 rounding of the delta and of w + delta, for both strengths compared: within 2 ulp of the largest
+        rounding = 2.0**-22 * (stored[k].double().abs() + full[k].abs())
+        assert ((half[k] - 0.5 * full[k]).abs() <= rounding).all(), f"{k}: strength 0.5 is not half of 1.0"
+        assert ((minus[k] + full[k]).abs() <= rounding).all(), f"{k}: strength -1 is not the opposite of 1.0"
+
+
 def test_mode_is_optional_so_workflows_saved_without_it_still_load(base, models_dir):
     modes, options = Qwen21LoraLoader.INPUT_TYPES()["optional"]["mode"]
     assert modes == ["merge", "side_path"] and options["default"] == "merge"

@@ -336,6 +336,30 @@ def test_local_manager_evicts_the_least_recently_used_then_streams(monkeypatch):
     assert stacks[1].placed[-1] == ("cuda", 6)
 
 
+def test_a_vram_budget_counts_what_this_process_already_allocated(monkeypatch, fake_cuda_memory):
+    """`--vram-budget 16` caps what this process uses on the device in all: with 10 GiB already allocated, 6 GiB are
+    left to plan with however much the card has free, and the memory manager (where the CLI's budget goes) streams
+    a model of 11 GiB rather than load it whole into the 16."""
+    from qwen21_nodes.qwen21_core.memory import planner
+
+    fake_cuda_memory(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=10 * GIB)
+    device = torch.device("cuda", 0)
+    assert planner.device_free_bytes(device) == 60 * GIB  # no budget: what the card has free
+    left = planner.device_free_bytes(device, 16 * GIB)
+    assert left == 6 * GIB, f"a 16 GiB budget with 10 GiB allocated leaves {left / GIB:g} GiB, not 6"
+    assert planner.device_free_bytes(device, 8 * GIB) == 0  # already over the budget: nothing, never negative
+
+    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
+    host.set_vram_budget(16 * GIB)
+    stack = _Stack()  # 10 layers of 1 GiB and 1 GiB of other weights
+    managed = host.ManagedModules({"m": torch.nn.Linear(1, 1)}, device, streamable=stack)
+    managed.full_bytes = 11 * GIB
+    managed.device_bytes = lambda: 0
+    host.LOCAL.load(managed, GIB)
+    # 6 GiB left - 1 required - 0.5 headroom - (1 other + 2 staging slots) = 1.5 GiB: one resident layer
+    assert stack.placed == [("cuda:0", 1)]
+
+
 def test_the_real_dit_and_text_encoder_plan_and_take_partial_placements():
     """The managers' arithmetic on the real stacks (not stand-ins): with room for the non-layer weights, the two
     staging slots and one layer, one layer stays resident and what is left on the device is exactly that."""

@@ -88,6 +88,26 @@ def test_encode_accepts_loadimage_masks_and_rejects_orphan_masks(model):
         encode(model, image_1=image, image_17=image)
 
 
+def test_a_mask_is_its_own_images_alpha_and_no_other_images(model):
+    """LoadImage's IMAGE + MASK into Qwen21Encode encodes what the RGBA file holds (the MASK is 1 - alpha), and mask_2
+    reaches image_2 alone: image_1's latents are those it has with no mask connected anywhere."""
+    from PIL import Image
+
+    path = host_examples() / "rgba_subject.png"
+    image, mask = load_image_file(str(path))
+    other = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(2))
+    masked, _, _ = encode(model, image_1=other, image_2=image, mask_2=mask)
+    unmasked, _, _ = encode(model, image_1=other, image_2=image)
+    with Image.open(path) as opened:
+        from_file = model.pipe.encode("a red apple", images=[other, opened.convert("RGBA")], output_resolution=64)
+    assert torch.equal(masked.condition_latents[1], from_file.condition_latents[1])
+    assert torch.equal(masked.positive.embeds, from_file.positive.embeds)
+    assert masked.content_hash == from_file.content_hash
+    assert torch.equal(masked.condition_latents[0], unmasked.condition_latents[0])  # image_1 untouched by mask_2
+    assert not torch.equal(masked.condition_latents[1], unmasked.condition_latents[1])  # without it: opaque
+    assert masked.content_hash != unmasked.content_hash
+
+
 def test_a_prompt_too_long_for_the_dit_fails_at_the_encode_node_before_any_weights_move(model, monkeypatch):
     calls = []
     original = model.encode
@@ -140,6 +160,23 @@ def test_sampler_size_schedules_and_denoise(model):
         sample(model, cond, schedule="turbo")
 
 
+def test_sampler_starts_from_the_input_latent_like_the_pipeline(model):
+    """img2img through the node (VAE Encode -> Sampler at denoise 0.25) gives what the pipeline gives from the same
+    start latent, seed and steps, and not the text-to-image result: every example workflow runs at denoise 1.0, so a
+    node that dropped its `latent` would pass every other test."""
+    cond, width, height = encode(model)
+    image = torch.rand(1, height, width, 3, generator=torch.Generator().manual_seed(4))
+    (start,) = Qwen21VAEEncode().encode(model, image)
+    img2img = sample(model, cond, latent=start, denoise=0.25, steps=3, seed=11)["result"][0]["samples"]
+    expected = model.pipe.sample(cond, steps=3, seed=11, start_latents=start["samples"], denoise=0.25)
+    assert torch.equal(img2img, expected.cpu()), "the node's img2img differs from the pipeline's from the same start"
+    text_to_image = sample(model, cond, steps=3, seed=11)["result"][0]["samples"]
+    # a quarter of the schedule from the start latent ends nearer to it than a run from pure noise does
+    to_start = (img2img - start["samples"]).abs().mean().item()
+    from_noise = (text_to_image - start["samples"]).abs().mean().item()
+    assert to_start < 0.5 * from_noise, f"img2img is {to_start:.4g} from its start, text-to-image {from_noise:.4g}"
+
+
 def test_interrupt_stops_sampling_and_the_next_run_works(model):
     cond, _, _, *_ = encode(model)
     host.request_interrupt()
@@ -159,7 +196,11 @@ def test_decode_splits_alpha_like_comfyui(model):
     assert "VAE untiled" in result["ui"]["qwen21_status"][0]
     tiled = Qwen21VAEDecode().decode(model, latent, "on", 32, "fp32", "exact")
     assert tiled["ui"]["qwen21_stats"][0]["tiled"] and tiled["ui"]["qwen21_stats"][0]["tiles"] > 1
-    assert tiled["result"][0].shape == image.shape  # tile accuracy itself is the VAE tests' business
+    # the node's settings reach the VAE (tile accuracy itself is tests/test_vae_tiling.py's business)
+    tiled_rgba = model.pipe.decode(latent["samples"], tiling="on", tile_size=32, precision="fp32", quality="exact")
+    assert torch.equal(tiled["result"][0], tiled_rgba[..., :3])
+    assert torch.equal(tiled["result"][1], 1.0 - tiled_rgba[..., 3])
+    assert not torch.equal(tiled["result"][0], image)
     with pytest.raises(ValueError, match="latents of other models"):
         Qwen21VAEDecode().decode(model, {"samples": torch.zeros(1, 16, 4, 4)}, "auto", 0, "auto", "exact")
 
@@ -174,6 +215,23 @@ def test_vae_encode_crops_to_16_and_round_trips_the_shape(model):
         Qwen21VAEEncode().encode(model, torch.rand(1, 8, 8, 3))
     with pytest.raises(ValueError, match=r"mask is 64x64 pixels but image is 50x70 \(width x height\)"):
         Qwen21VAEEncode().encode(model, image, torch.rand(1, 64, 64))
+
+
+def test_vae_encode_reads_the_mask_as_alpha_cropped_with_its_image(model):
+    """The VAE reads the alpha: image + MASK (1 - alpha) encode as the RGBA image they make, the mask cropped to 16
+    with its image (the same centre); LoadImage's 64x64 zero mask (no alpha) encodes as no mask, fully opaque."""
+    generator = torch.Generator().manual_seed(6)
+    image = torch.rand(1, 70, 50, 3, generator=generator)
+    mask = (torch.rand(1, 70, 50, generator=generator) > 0.5).float()
+    (masked,) = Qwen21VAEEncode().encode(model, image, mask)
+    rgba = torch.cat([image, 1.0 - mask[..., None]], dim=-1)[:, 3:67, 1:49]  # the centre 64x48
+    assert torch.equal(masked["samples"], model.pipe.encode_image(rgba)), "the mask is not the cropped image's alpha"
+    (plain,) = Qwen21VAEEncode().encode(model, image)
+    (zero_mask,) = Qwen21VAEEncode().encode(model, image, torch.zeros(1, 64, 64))
+    opaque = torch.cat([image, torch.ones(1, 70, 50, 1)], dim=-1)[:, 3:67, 1:49]
+    assert torch.equal(zero_mask["samples"], plain["samples"])
+    assert torch.equal(plain["samples"], model.pipe.encode_image(opaque))
+    assert (masked["samples"] - plain["samples"]).abs().max() > 0.01
 
 
 def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monkeypatch):
@@ -199,6 +257,12 @@ def test_negative_prompt_is_encoded_by_the_sampler_only_for_true_cfg(model, monk
     again = sample(model, cond, true_cfg_scale=4.0)
     assert len(calls) == 2 and len(placed) == 4  # encoded once
     assert torch.equal(again["result"][0]["samples"], guided["result"][0]["samples"])
+    # the values: what the pipeline gives at cfg 4 (whose guidance formula tests/test_sampler.py checks), and not the
+    # unguided result (a negative branch that saw the positive prompt would give exactly that)
+    expected = model.pipe.sample(cond, steps=2, seed=0, true_cfg_scale=4.0)
+    assert torch.equal(guided["result"][0]["samples"], expected.cpu())
+    steer = (guided["result"][0]["samples"] - plain["result"][0]["samples"]).abs().max().item()
+    assert steer > 0.01, f"cfg 4 with a negative prompt moved the latents by {steer:.3g} from cfg 1"
 
 
 def test_the_encoder_asks_the_memory_manager_for_room_for_its_activations(model, monkeypatch):

@@ -76,6 +76,32 @@ def test_text_to_image_matches_reference(parts, cfg):
     assert 0 < sampler.stats.branch_setup_s < sampler.stats.seconds  # the caches' allocation, timed apart
 
 
+def test_true_cfg_steps_with_the_negative_velocity_plus_cfg_times_the_difference(parts, monkeypatch):
+    """One step at cfg 4 from the velocities the two branches really gave: x + (sigma1 - sigma0) * (v_neg + 4 * (v_pos
+    - v_neg)); the negative branch gives another velocity than the positive one, so the result is not cfg 1's."""
+    from qwen21_nodes.qwen21_core.scheduler import partial_schedule
+
+    _, ours, vae = parts
+    cond = Conditioning(_prompt(9, 1), _prompt(6, 2))
+    noise = make_noise(7, (1, Z, 4, 4))
+    results, velocities = {}, {}
+    for cfg in (1.0, 4.0):
+        sampler = _sampler(ours, vae)
+        real = sampler._velocity
+        seen = velocities[cfg] = []
+        monkeypatch.setattr(sampler, "_velocity", lambda branch, x, t, real=real, seen=seen: seen.append(
+            (x.clone(), real(branch, x, t))) or seen[-1][1])  # fmt: skip
+        results[cfg] = sampler.sample([cond], height=64, width=64, steps=1, true_cfg_scale=cfg, noise=noise)
+    assert len(velocities[1.0]) == 1 and len(velocities[4.0]) == 2  # the positive branch, then the negative
+    (x, v_pos), (_, v_neg) = velocities[4.0]
+    assert torch.equal(v_pos, velocities[1.0][0][1]) and (v_pos - v_neg).abs().max() > 0.01
+    sigmas = partial_schedule(sampler.scheduler_config, 16, 1, 1.0)[0]
+    expected = sampler.denormalize(unpack(x + (sigmas[1] - sigmas[0]) * (v_neg + 4.0 * (v_pos - v_neg)), 4, 4))
+    error = (results[4.0] - expected).abs().max().item()
+    assert error <= 1e-5, f"the guided step is {error:.3g} off v_neg + cfg * (v_pos - v_neg)"
+    assert (results[4.0] - results[1.0]).abs().max() > 0.01
+
+
 def test_two_condition_images_match_reference(parts):
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
@@ -191,6 +217,30 @@ def test_start_latents_with_denoise(parts):
     assert sampler.stats.steps == 3 and out.shape == start.shape
     with pytest.raises(ValueError, match="set width/height to 0 to follow the LATENT"):
         sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=96, steps=3, start_latents=start)
+
+
+def test_img2img_starts_from_sigma0_noise_plus_the_rest_of_the_normalised_start(parts, monkeypatch):
+    """With a zero velocity every Euler step keeps x, so the result (and every preview's x0) is the starting state:
+    sigma0 * noise + (1 - sigma0) * normalize(start), denormalised. Denoise 0.25 puts sigma0 near 0.27, far from
+    0.5, so a start with the two weights swapped (73% noise) cannot pass for it; at denoise 0.5 (sigma0 0.506) it
+    could."""
+    from qwen21_nodes.qwen21_core.scheduler import partial_schedule
+
+    _, ours, vae = parts
+    sampler = _sampler(ours, vae)
+    monkeypatch.setattr(sampler, "_velocity", lambda branch, x, t: torch.zeros_like(x))
+    start = 3 * torch.randn(1, Z, 4, 4, generator=torch.Generator().manual_seed(21)) + 1
+    noise = make_noise(22, (1, Z, 4, 4))
+    previews = []
+    out = sampler.sample([Conditioning(_prompt(9, 12))], height=64, width=64, steps=3, start_latents=start,
+                         denoise=0.25, noise=noise, callback=lambda step, total, x0: previews.append(x0))  # fmt: skip
+    sigma0 = partial_schedule(sampler.scheduler_config, 16, 3, 0.25)[0][0].item()
+    assert abs(sigma0 - 0.5) > 0.2, sigma0  # else a swap would hardly show
+    expected = sampler.denormalize(sigma0 * noise + (1 - sigma0) * sampler.normalize(start))
+    assert len(previews) == 3
+    for got in [out, *previews]:
+        error = (got - expected).abs().max().item()
+        assert error <= 1e-5, f"the img2img start is {error:.4g} off sigma0 * noise + (1 - sigma0) * start"
 
 
 @pytest.mark.parametrize(

@@ -106,12 +106,20 @@ def test_blend_region_crossfades_linearly_between_neighbouring_tiles():
     assert (row[1:] - row[:-1]).abs().max() <= 1 / 32 + 1e-6  # never a step larger than one ramp increment
 
 
-def test_tiled_decode_is_close_to_untiled_without_seams(local_vae):
-    z = _latents(1, 4, 12, 20, seed=2)
+@pytest.mark.parametrize(
+    "height,width,tile_size,tiles",
+    [(12, 20, 128, 6), (11, 7, 96, 6)],
+    ids=["even", "odd"],
+)
+def test_tiled_decode_is_close_to_untiled_without_seams(local_vae, height, width, tile_size, tiles):
+    """Odd sizes too (latents not a multiple of the tile stride): the last tile is placed flush with the edge and
+    overlaps its neighbour by more than the minimum; the stated bounds hold there as well."""
+    z = _latents(1, 4, height, width, seed=2)
     full = local_vae.decode(z, tiling="off")
-    tiled = local_vae.decode(z, tiling="on", tile_size=128)
+    tiled = local_vae.decode(z, tiling="on", tile_size=tile_size)
     info = local_vae.last_decode_info
-    assert info["tiled"] and info["tiles"] == 6 and info["tile_size"] == 128
+    assert info["tiled"] and info["tiles"] == tiles and info["tile_size"] == tile_size
+    assert tiled.shape == full.shape == (1, 16 * height, 16 * width, 4)
     assert psnr(tiled, full) >= 30 and (tiled - full).abs().max() <= 0.35
     assert not torch.equal(tiled, full)  # it really decoded tiles
 
