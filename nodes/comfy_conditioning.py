@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..qwen21_core.conditioning import Conditioning, content_digest, context_without_slots, prompt_with_slots
+from ..qwen21_core.conditioning import (
+    Conditioning,
+    PendingPrompt,
+    content_digest,
+    context_without_slots,
+    prompt_with_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +76,27 @@ def raw_latents(cond: Conditioning, mean, std, device) -> list[torch.Tensor] | N
     return [(latent.float().cpu() * std + mean)[None].to(device) for latent in cond.condition_latents]
 
 
+def with_empty_negative(handle, cond: Conditioning) -> Conditioning:
+    """`cond` with an empty negative prompt pending (KSampler always has a negative; ours samples without one when
+    the user gave none). Encoded as " ", as the reference encodes an empty prompt, with the same images."""
+    if cond.negative is not None or cond.negative_pending is not None:
+        return cond
+    pads = [h * w // 4 for h, w in cond.image_shapes]
+    length = handle.pipe.text_encoder.count_tokens("", pads)
+    pending = PendingPrompt("", tuple(cond.extra.get("vlm_images", ())), length)
+    return dataclasses.replace(cond, negative_pending=pending)
+
+
 def conditioning_entries(handle, cond: Conditioning, device) -> tuple[list, list]:
     """(positive CONDITIONING, negative CONDITIONING) of a request from Qwen21 Encode. The negative is pending
-    unless it was encoded already."""
+    unless it was encoded already (an empty negative prompt is encoded as the reference encodes one)."""
     vae = handle.pipe.vae.config
     references = raw_latents(cond, vae.latents_mean, vae.latents_std, device)
     context, slots = context_without_slots(cond.positive)
     context = context[None].float().to(device)
     extras = {} if references is None else {"reference_latents": references, "image_slots": slots}
     positive = [[context, {**extras, MARKER: Emitted(cond, context, references)}]]
+    cond = with_empty_negative(handle, cond)
     if cond.negative is not None:
         emitted = Emitted(negative_conditioning(cond), None, references)
         negative_context, _ = context_without_slots(emitted.cond.positive)
@@ -163,9 +181,3 @@ def _without_padding(context: torch.Tensor, mask) -> torch.Tensor:
     if not bool(mask[:kept].all()):
         raise ValueError("Qwen21 MODEL: a CONDITIONING with padding inside the prompt is not supported")
     return context[:kept]
-
-
-def with_negative_prompt(cond: Conditioning, negative_prompt: str) -> Conditioning:
-    """`cond` as our own sampler takes it: without a negative when the user gave none (guidance off), though the
-    CONDITIONING path encodes an empty one (" ") when KSampler's cfg asks for it."""
-    return cond if negative_prompt else dataclasses.replace(cond, negative_pending=None, negative=None)

@@ -7,7 +7,7 @@ import torch
 from ..qwen21_core.encoding import check_prompt_length
 from ..qwen21_core.images import masks_at_image_size
 from . import host
-from .comfy_conditioning import conditioning_entries, with_negative_prompt
+from .comfy_conditioning import conditioning_entries
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
 # As many as native ComfyUI's TextEncodeQwenImage21 offers (the model's documentation describes up to 4; more
@@ -128,11 +128,11 @@ class Qwen21Encode:
             prompt=prompt,
             images=condition_images,
             masks=masks if any(m is not None for m in masks) else None,
-            negative_prompt=negative_prompt,  # pending: encoded only if a sampler's guidance uses it
+            negative_prompt=negative_prompt or None,  # pending: encoded only if a sampler's guidance uses it
             output_resolution=output_resolution,
         )
         device = host.intermediate_device()
         positive, negative = conditioning_entries(model, cond, device)
         channels = model.pipe.transformer.config.in_channels
         empty = {"samples": torch.zeros(1, channels, cond.height // 16, cond.width // 16, device=device)}
-        return (with_negative_prompt(cond, negative_prompt), cond.width, cond.height, positive, negative, empty)
+        return (cond, cond.width, cond.height, positive, negative, empty)

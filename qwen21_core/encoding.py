@@ -261,6 +261,7 @@ def encode_conditioning(
             "source_sizes": [image.source_size for image in prepared],
             "output_resolution": output_resolution,
             "prefix_tokens": prefix_tokens,
+            "vlm_images": vlm_images,  # what a negative prompt asked for later is encoded with
         },
     )
 

@@ -349,13 +349,13 @@ def test_a_vram_budget_counts_what_this_process_already_allocated(monkeypatch, f
     assert left == 6 * GIB, f"a 16 GiB budget with 10 GiB allocated leaves {left / GIB:g} GiB, not 6"
     assert planner.device_free_bytes(device, 8 * GIB) == 0  # already over the budget: nothing, never negative
 
-    monkeypatch.setattr(host, "LOCAL", host.LocalMemoryManager())
-    host.set_vram_budget(16 * GIB)
+    monkeypatch.setattr(memory_adapter, "LOCAL", LocalMemoryManager())
+    memory_adapter.set_vram_budget(16 * GIB)
     stack = _Stack()  # 10 layers of 1 GiB and 1 GiB of other weights
-    managed = host.ManagedModules({"m": torch.nn.Linear(1, 1)}, device, streamable=stack)
+    managed = memory_adapter.ManagedModules({"m": torch.nn.Linear(1, 1)}, device, streamable=stack)
     managed.full_bytes = 11 * GIB
     managed.device_bytes = lambda: 0
-    host.LOCAL.load(managed, GIB)
+    memory_adapter.LOCAL.load(managed, GIB)
     # 6 GiB left - 1 required - 0.5 headroom - (1 other + 2 staging slots) = 1.5 GiB: one resident layer
     assert stack.placed == [("cuda:0", 1)]
 

@@ -96,8 +96,8 @@ def test_a_mask_is_its_own_images_alpha_and_no_other_images(model):
     path = host_examples() / "rgba_subject.png"
     image, mask = load_image_file(str(path))
     other = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(2))
-    masked, _, _ = encode(model, image_1=other, image_2=image, mask_2=mask)
-    unmasked, _, _ = encode(model, image_1=other, image_2=image)
+    masked, _, _, *_ = encode(model, image_1=other, image_2=image, mask_2=mask)
+    unmasked, _, _, *_ = encode(model, image_1=other, image_2=image)
     with Image.open(path) as opened:
         from_file = model.pipe.encode("a red apple", images=[other, opened.convert("RGBA")], output_resolution=64)
     assert torch.equal(masked.condition_latents[1], from_file.condition_latents[1])
@@ -164,7 +164,7 @@ def test_sampler_starts_from_the_input_latent_like_the_pipeline(model):
     """img2img through the node (VAE Encode -> Sampler at denoise 0.25) gives what the pipeline gives from the same
     start latent, seed and steps, and not the text-to-image result: every example workflow runs at denoise 1.0, so a
     node that dropped its `latent` would pass every other test."""
-    cond, width, height = encode(model)
+    cond, width, height, *_ = encode(model)
     image = torch.rand(1, height, width, 3, generator=torch.Generator().manual_seed(4))
     (start,) = Qwen21VAEEncode().encode(model, image)
     img2img = sample(model, cond, latent=start, denoise=0.25, steps=3, seed=11)["result"][0]["samples"]
@@ -435,6 +435,7 @@ def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_n
         "Qwen21Sampler": lambda: {"model": model, "conditioning": encode(model)[0], "steps": 2, "latent": latent},
         "Qwen21VAEDecode": lambda: {"model": model, "latent": latent},
         "Qwen21LoraLoader": lambda: {"model": model, "lora_name": host.list_weight_files("loras")[0]},
+        "Qwen21Scheduler": lambda: {"model": None},  # another MODEL than ours: the released schedule
     }
     assert node_name in cheap_links, f"{node_name} has numeric widgets: add a cheap call for it to this test"
     node_class = NODE_CLASS_MAPPINGS[node_name]
