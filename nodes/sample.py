@@ -148,9 +148,9 @@ class Qwen21Sampler:
                         "default": True,
                         "tooltip": "Capture a whole step as a CUDA graph and replay it (bit-identical; GPU only). "
                         "It removes launch overhead: at 512x512 a step takes 26.8 ms instead of 27.4 ms eager, at "
-                        "1024x1024 114.4 ms either way, on an H200 (BENCHMARKS: DiT, Appendix). It also keeps the "
+                        "1024x1024 114.4 ms either way, on an H200 (BENCHMARKS: DiT). It also keeps the "
                         "step's buffers, so re-running the same prompt with a new seed skips the text/reference "
-                        "prefill. A new size pays a capture of 0.1 s (512x512) to 1.9 s (2048x2048) "
+                        "prefill. A new size pays a capture of 103.7 ms (512x512) to 1858.1 ms (2048x2048) "
                         "(BENCHMARKS: DiT), so a shape and prompt length met for the first time is captured at "
                         "once only where launches bound the step; elsewhere that image runs eagerly and the "
                         "capture waits until the same prompt comes again (a new seed, prefix_cache on). Under "

@@ -1,27 +1,31 @@
-"""The measurements recorded in BENCHMARKS.md, for tests that check code and docs against them."""
+"""The measurements in benchmarks/results/*.jsonl, for tests that check code and docs against them."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def benchmark_text() -> str:
-    return BENCHMARKS.read_text(encoding="utf-8")
+def result_files() -> list[Path]:
+    return sorted(RESULTS.glob("*.jsonl"))
+
+
+@functools.cache
+def file_records(name: str) -> tuple[dict, ...]:
+    """The lines of one data file (one JSON object each), each with "_file": its file name."""
+    path = RESULTS / name
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            record = json.loads(line)
+            assert isinstance(record, dict), f"{name}:{number} is not a JSON object"
+            records.append({**record, "_file": name})
+    return tuple(records)
 
 
 def json_records(what: str | None = None) -> list[dict]:
-    """The raw JSON lines quoted in BENCHMARKS.md (one object per line), optionally only those with this "what";
-    each gets "_section": the `## ` heading it sits under."""
-    records, section = [], ""
-    for line in benchmark_text().splitlines():
-        line = line.strip()
-        if line.startswith("## "):
-            section = line[3:]
-        if line.startswith("{") and line.endswith("}"):
-            record = json.loads(line)
-            if what is None or record.get("what") == what:
-                records.append({**record, "_section": section})
-    return records
+    """Every data line, optionally only those with this "what"."""
+    return [r for path in result_files() for r in file_records(path.name) if what is None or r.get("what") == what]
