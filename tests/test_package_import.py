@@ -14,6 +14,7 @@ EXPECTED_NODES = {
     "Qwen21DiffusersLoader",
     "Qwen21Encode",
     "Qwen21Sampler",
+    "Qwen21Scheduler",
     "Qwen21VAEDecode",
     "Qwen21VAEEncode",
     "Qwen21LoraLoader",
