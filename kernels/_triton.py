@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import torch
+
+from . import settings
 
 try:
     import triton
@@ -29,7 +30,7 @@ except ImportError:
 TRITON_AVAILABLE = triton is not None
 # torch dtype -> Triton dtype, for the kernels' OUT_DTYPE / ACT_DTYPE constexpr arguments
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
-INTERPRETER_ACTIVE = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETER_ACTIVE = TRITON_AVAILABLE and settings.triton_interpreter_requested()
 log = logging.getLogger(__name__)
 
 

@@ -9,7 +9,7 @@ the first time a key is met. Here a kernel's configuration for a key comes from,
    `benchmarks/tune_kernels.py` (the H200's, sm_90, is measured); a key the table lacks takes the entry with the
    same other fields and the nearest M bucket, if there is one;
 2. the kernel's rule: a safe, reasonable configuration for any card (logged once per kernel and architecture);
-3. only with QWEN21_AUTOTUNE=1 in the environment: Triton's autotuner over the kernel's candidates instead of 2,
+3. only with QWEN21_AUTOTUNE=1 (kernels/settings.py): Triton's autotuner over the kernel's candidates instead of 2,
    with its results cached on disk where this Triton can (`cache_results`), so tuning happens once per shape on a
    card with no table, not once per process.
 
@@ -25,7 +25,6 @@ import contextlib
 import inspect
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +33,12 @@ from pathlib import Path
 
 import torch
 
+from . import settings
 from ._triton import next_power_of_2, triton
 from .launch import launch
 
 log = logging.getLogger(__name__)
 
-AUTOTUNE_ENV = "QWEN21_AUTOTUNE"
 TABLE_DIR = Path(__file__).with_name("tuned")
 M_BUCKET_MAX = 16384
 
@@ -176,7 +175,7 @@ def tuned_table(arch: str) -> dict | None:
 
 
 def autotune_requested() -> bool:
-    return os.environ.get(AUTOTUNE_ENV, "").strip() == "1"
+    return settings.current().autotune
 
 
 class TunedKernel:

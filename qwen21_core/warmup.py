@@ -33,28 +33,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import settings
+
 log = logging.getLogger(__name__)
 
-WARMUP_ENV = "QWEN21_KERNEL_WARMUP"  # "0" turns the warm-up off (kernels then compile on first use)
-THREADS_ENV = "QWEN21_KERNEL_WARMUP_THREADS"  # the pool's size instead of the default below
 MAX_THREADS = 8
 
 
 def warmup_enabled() -> bool:
-    return os.environ.get(WARMUP_ENV, "").strip() != "0"
+    """QWEN21_KERNEL_WARMUP=0 turns the warm-up off (kernels then compile on first use)."""
+    return settings.current().kernel_warmup
 
 
 def warmup_threads() -> int:
-    """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set to a positive integer, else one thread per core but
-    one (the main thread's), at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run
-    Python, one thread at a time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS
-    "Session")."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        if raw.isdigit() and int(raw) > 0:
-            return int(raw)
-        log.warning("%s=%r is not a positive integer; using the default pool size", THREADS_ENV, raw)
-    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
+    """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set, else one thread per core but one (the main thread's),
+    at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run Python, one thread at a
+    time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS "Session")."""
+    chosen = settings.current().kernel_warmup_threads
+    return chosen if chosen is not None else max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
 
 
 def shared_copy(module: torch.nn.Module, device: torch.device) -> Callable[[], torch.nn.Module]:

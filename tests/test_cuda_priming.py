@@ -12,12 +12,11 @@ import threading
 
 import pytest
 import torch
-from qwen21_nodes.qwen21_core import cuda_priming
-from qwen21_nodes.qwen21_core.warmup import WARMUP_ENV
+from qwen21_nodes.qwen21_core import cuda_priming, settings
 
 
 @pytest.fixture
-def cuda_as_initialised(monkeypatch):
+def cuda_as_initialised(monkeypatch, use_settings):
     """CUDA as ComfyUI leaves it before it loads custom nodes (available, initialised, device 0), no thread started
     yet; `_prime` records the devices it was started for instead of launching kernels."""
     primed = []
@@ -26,7 +25,7 @@ def cuda_as_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_priming, "_started", {})
     monkeypatch.setattr(cuda_priming, "_prime", lambda device, steps: primed.append(device))
-    monkeypatch.delenv(WARMUP_ENV, raising=False)
+    use_settings(kernel_warmup=True)
     return primed
 
 
@@ -51,8 +50,8 @@ def test_priming_starts_once_per_device(cuda_as_initialised):
     assert cuda_as_initialised == [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
-def test_the_warmup_switch_turns_priming_off(cuda_as_initialised, monkeypatch):
-    monkeypatch.setenv(WARMUP_ENV, "0")
+def test_the_warmup_switch_turns_priming_off(cuda_as_initialised, use_settings):
+    use_settings(kernel_warmup=False)
     assert cuda_priming.prime_cuda_kernels() is None
     assert cuda_as_initialised == []
 
@@ -83,7 +82,7 @@ def test_the_steps_run_tiny_models_and_leave_the_random_state_and_default_dtype_
 
 def _run_python(lines: list[str]) -> str:
     """The last line a fresh interpreter prints running `lines` (the warm-up switch unset)."""
-    env = {name: value for name, value in os.environ.items() if name != WARMUP_ENV}
+    env = {name: value for name, value in os.environ.items() if name != settings.KERNEL_WARMUP}
     done = subprocess.run([sys.executable, "-P", "-c", "\n".join(lines)], capture_output=True, text=True, env=env,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr

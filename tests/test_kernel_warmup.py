@@ -18,7 +18,7 @@ from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
 from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
-from qwen21_nodes.qwen21_core.warmup import MAX_THREADS, THREADS_ENV, KernelWarmup
+from qwen21_nodes.qwen21_core.warmup import MAX_THREADS, KernelWarmup
 
 
 def test_parts_run_side_by_side_and_wait_blocks_until_done():
@@ -106,16 +106,12 @@ def test_a_failing_job_is_logged_and_never_raises(caplog):
     assert warmup.done("dit") and warmup.done("vae")
 
 
-def test_the_pool_size_comes_from_the_environment_when_it_is_a_positive_integer(monkeypatch, caplog):
-    monkeypatch.setenv(THREADS_ENV, "2")
+def test_the_pool_size_comes_from_the_settings_else_from_the_cores(use_settings):
+    use_settings(kernel_warmup_threads=2)
     assert KernelWarmup({}, torch.device("cpu")).threads == 2
     assert KernelWarmup({}, torch.device("cpu"), threads=3).threads == 3  # the caller's choice first
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(THREADS_ENV, bad)
-        with caplog.at_level(logging.WARNING):
-            threads = KernelWarmup({}, torch.device("cpu")).threads
-        assert 1 <= threads <= MAX_THREADS and THREADS_ENV in caplog.text
-        caplog.clear()
+    use_settings(kernel_warmup_threads=None)
+    assert 1 <= KernelWarmup({}, torch.device("cpu")).threads <= MAX_THREADS
 
 
 def test_wait_before_start_returns_at_once():

@@ -34,10 +34,7 @@ def dequantize_keys(models: Iterable[tuple[nn.Module | None, torch.device]]) -> 
 
 
 def dequantize_warmup_jobs(models: Iterable[tuple[nn.Module | None, torch.device]]) -> list[Callable[[], None]]:
-    """One job per key of `dequantize_keys`, each marked pending now (call this only for a warm-up that starts);
-    none while the kernel is turned off (QWEN21_DEQUANT_KERNEL=0, kernels/dequantize_weight.py)."""
-    if not dequantize_weight.kernel_enabled():
-        return []
+    """One job per key of `dequantize_keys`, each marked pending now (call this only for a warm-up that starts)."""
     jobs = []
     for key in dequantize_keys(models):
         dequantize_weight.expect_warm_up(*key)
