@@ -19,7 +19,7 @@ from qwen21_nodes.kernels import dequantize_weight as D
 from qwen21_nodes.qwen21_core.quant.kernel_warmup import dequantize_keys, dequantize_warmup_jobs
 from qwen21_nodes.qwen21_core.quant.linear import QuantLinear
 from qwen21_nodes.qwen21_core.quant.weights import QuantFormat
-from qwen21_nodes.qwen21_core.warmup import KernelWarmup
+from qwen21_nodes.qwen21_core.startup.warmup import KernelWarmup
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 

@@ -15,10 +15,10 @@ import torch
 from qwen21_nodes.kernels import launch_configs
 from qwen21_nodes.qwen21_core.dit.kernel_warmup import FIRST_BUCKETS, PART, bucket_part, dit_warmup_parts, later_buckets
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.startup.warmup import MAX_THREADS, KernelWarmup
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
 from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
-from qwen21_nodes.qwen21_core.warmup import MAX_THREADS, KernelWarmup
 
 
 def test_parts_run_side_by_side_and_wait_blocks_until_done():
@@ -379,19 +379,20 @@ def _pipeline_starting_a_warmup(monkeypatch, encoder=None, dit_jobs=()):
     """A pipeline with only what start_kernel_warmup touches, on "cuda:0" (the warm-up starts on CUDA devices only),
     its warm-up's parts stubbed: the DiT's first part runs `dit_jobs`, the others have none, no CUDA stream."""
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module
-    from qwen21_nodes.qwen21_core import warmup as warmup_module
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+    from qwen21_nodes.qwen21_core.startup import model_warmup
+    from qwen21_nodes.qwen21_core.startup import warmup as warmup_module
 
     pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)
     pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, encoder, None, None
     pipe.execution_device = torch.device("cuda", 0)
     pipe.decode_graphs = DecodeGraphs(None)
-    monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
-    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: list(dit_jobs)})
-    monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
+    monkeypatch.setattr(model_warmup, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(model_warmup, "dit_warmup_parts", lambda *args: {PART: list(dit_jobs)})
+    monkeypatch.setattr(model_warmup, "later_buckets", lambda: ())
     monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
     monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
-    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)
+    monkeypatch.setattr(warmup_module, "side_stream", lambda device, purpose: None)
     return pipe
 
 
@@ -502,41 +503,6 @@ def test_on_the_gpu_the_image_encode_job_runs_and_leaves_the_random_state_alone(
     job()
     torch.cuda.synchronize()
     assert torch.equal(cpu_rng, torch.random.get_rng_state()) and torch.equal(gpu_rng, torch.cuda.get_rng_state())
-
-
-def test_tritons_cache_key_is_hashed_once_in_a_background_thread(monkeypatch):
-    """A restart's first compile hashed Triton's installation on the first image's critical path (0.35 s on the
-    H200): the node classes' import starts that hash in a thread of its own, once per process."""
-    from qwen21_nodes.kernels import _triton
-
-    calls = []
-    done = threading.Event()
-
-    def key():
-        calls.append(threading.current_thread().name)
-        done.set()
-
-    monkeypatch.setattr(_triton, "_key_primer", None)
-    monkeypatch.setattr(_triton, "TRITON_AVAILABLE", True)
-    monkeypatch.setattr(_triton, "INTERPRETER_ACTIVE", False)
-    monkeypatch.setattr(_triton, "_triton_key_function", lambda: key)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _triton.prime_compile_key()
-    assert _triton._key_primer is None and not calls  # no CUDA: nothing to compile, nothing to hash
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _triton.prime_compile_key()
-    _triton.prime_compile_key()
-    assert done.wait(5)
-    _triton._key_primer.join(5)
-    assert calls == ["qwen21-triton-key"]
-
-
-def test_the_cache_key_function_is_found_where_this_triton_keeps_it():
-    from qwen21_nodes.kernels import _triton
-
-    if not _triton.TRITON_AVAILABLE:
-        pytest.skip("Triton is not installed here")
-    assert callable(_triton._triton_key_function())
 
 
 def test_an_encode_pauses_a_running_warmup(monkeypatch):

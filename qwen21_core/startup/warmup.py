@@ -1,23 +1,20 @@
-"""Kernel warm-up in the background, from the moment a model is loaded.
+"""Kernel warm-up: compile (or load from disk) our Triton kernels in background threads, from the moment a model is
+loaded.
 
 The first image in a fresh process used to wait for every Triton kernel to compile on first use (68 s on a fresh
-H200 machine, notes/session_h200.md). `KernelWarmup` compiles them in background threads instead, while the user
-is still loading, typing or encoding: the quantised Linears' weight dequantisation, which the text encoder needs
-first (quant/kernel_warmup.py), an image prompt's encode on a tiny model (text/kernel_warmup.py), the DiT's kernels
-for every M bucket (dit/kernel_warmup.py) and the VAE's (vae/kernel_warmup.py). Triton's compiler releases the GIL
-for most of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only
-loads them.
+H200 machine, BENCHMARKS "Session"). `KernelWarmup` compiles them in background threads instead, while the user
+is still loading, typing or encoding; which jobs, in which parts, is model_warmup.py's choice, and each model's jobs
+are built beside the model (quant/, text/, dit/, vae/ kernel_warmup.py). Triton's compiler releases the GIL for most
+of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only loads them.
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
-compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it,
-kernels/launch_configs.py `compiles_pending`), the VAE for its own before decoding. Nobody waits for the text
-encoder's: its layers use torch's expression (the same bits) until the kernel is ready. Decode-graph captures are
-thread-local (dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails
-is logged and the rest of its part skipped: those kernels then compile on first use, as before.
+compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it, model_warmup.py),
+the VAE for its own before a fast decode. A job that fails is logged and the rest of its part skipped: those kernels
+then compile on first use, as before.
 
-What a first image needs before it samples (the text encoder's and the DiT's parts) is queued first, the rest once
-that is done, and no job starts while an encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run
-Python, and the first encode and the sampler's wait were sharing the interpreter's lock with jobs they did not need.
+What a first image needs before it samples is queued first, the rest once that is done, and no job starts while an
+encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run Python, and the first encode and the sampler's
+wait were sharing the interpreter's lock with jobs they did not need.
 """
 
 from __future__ import annotations
@@ -33,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import settings
+from .. import settings
+from .streams import STARTUP, side_stream
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,7 @@ class KernelWarmup:
     interpreter's lock with the main thread. With all parts queued at once, the parts a first image does not need
     before its sampling (the VAE's, an image prompt's) took the lock from the first encode and from the parts the
     sampler waits for. Those parts are needed seconds later, if at all (a first decode does not wait for the VAE's,
-    pipeline.py `_vae_kernels`), so they run during the sampling."""
+    model_warmup.py `vae_kernels`), so they run during the sampling."""
 
     def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
                  first: tuple[str, ...] = ()):  # fmt: skip
@@ -153,7 +151,7 @@ class KernelWarmup:
         self._may_start.wait()
         try:
             if name not in self.failures:  # after a failure the part's kernels compile on first use instead
-                stream = _side_stream(self.device)
+                stream = side_stream(self.device, STARTUP)  # off the compute stream, one for every job
                 with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     job()
                 if stream is not None:
@@ -210,19 +208,3 @@ class KernelWarmup:
     def finished(self, name: str) -> threading.Event:
         """The event set when part `name` is done (also when one of its jobs failed or was skipped)."""
         return self._done[name]
-
-
-_streams: dict[int, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """One stream per device for every warm-up job (off the compute stream; a stream per job would each keep a
-    cuBLAS workspace for the life of the process)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _streams_lock:
-        if index not in _streams:
-            _streams[index] = torch.cuda.Stream(index)
-        return _streams[index]
