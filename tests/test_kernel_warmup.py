@@ -15,6 +15,7 @@ import torch
 from qwen21_nodes.kernels import launch_configs
 from qwen21_nodes.qwen21_core.dit.kernel_warmup import FIRST_BUCKETS, PART, bucket_part, dit_warmup_parts, later_buckets
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.startup import model_warmup
 from qwen21_nodes.qwen21_core.startup.warmup import MAX_THREADS, KernelWarmup
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
@@ -197,9 +198,14 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
         kernel.launch(Fn(), lambda config: (1,), (), {}, key, torch.device("cpu"))
 
     monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
-    monkeypatch.setattr(launch_configs, "_pending", {})
+    monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+    pending = model_warmup.PendingBuckets()
     compiled = threading.Event()
-    launch_configs.compiles_pending(8192, compiled)
+    warmup = KernelWarmup({"dit:8192": [lambda: compiled.wait(30)]}, torch.device("cpu"), threads=1,
+                          on_part_done=pending.forget_done)  # fmt: skip
+    pending.expect(warmup, {8192: "dit:8192"})
+    warmup.start()
+    assert launch_configs._bucket_gate == pending.wait_for  # the kernels' one hook, set while a bucket is pending
     launch(100)  # bucket 128: nothing pending
     with launch_configs.forced_bucket(8192):
         launch(16)  # the warm-up's own launch of the pending bucket
@@ -210,9 +216,26 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
     compiled.set()
     waiting.join(5)
     assert not waiting.is_alive() and launched[-1] == "sampler"
-    assert launch_configs._pending == {}  # finished compiles are forgotten
+    assert pending._parts == {} and launch_configs._bucket_gate is None  # done: forgotten, the gate removed
     launch(5000)
     assert launched[-1] == "MainThread"
+
+
+def test_the_gate_goes_once_every_pending_part_is_done_even_without_a_launch(monkeypatch):
+    """A launch costs one check again once the warm-up has compiled every bucket, whether or not any launch met one."""
+    monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+    pending = model_warmup.PendingBuckets()
+    gates = [threading.Event(), threading.Event()]
+    warmup = KernelWarmup({"dit:8192": [gates[0].wait], "dit:16384": [gates[1].wait]}, torch.device("cpu"),
+                          threads=2, on_part_done=pending.forget_done)  # fmt: skip
+    pending.expect(warmup, {8192: "dit:8192", 16384: "dit:16384"})
+    warmup.start()
+    gates[0].set()
+    assert warmup.finished("dit:8192").wait(5)
+    assert set(pending._parts) == {16384} and launch_configs._bucket_gate is not None
+    gates[1].set()
+    warmup.wait()
+    assert pending._parts == {} and launch_configs._bucket_gate is None
 
 
 def test_a_failed_part_still_releases_the_launches_waiting_for_it():

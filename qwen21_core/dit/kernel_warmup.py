@@ -38,8 +38,8 @@ def later_buckets() -> list[int]:
 
 
 def bucket_part(bucket: int) -> str:
-    """The warm-up part compiling a later bucket: a launch of that bucket waits for it (launch_configs
-    `compiles_pending`), the sampler does not."""
+    """The warm-up part compiling a later bucket: a launch of that bucket waits for it (startup/model_warmup.py
+    `PendingBuckets`), the sampler does not."""
     return f"{PART}:{bucket}"
 
 

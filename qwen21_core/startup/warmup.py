@@ -80,13 +80,14 @@ class KernelWarmup:
     model_warmup.py `vae_kernels`), so they run during the sampling."""
 
     def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
-                 first: tuple[str, ...] = ()):  # fmt: skip
+                 first: tuple[str, ...] = (), on_part_done: Callable[[str], None] | None = None):  # fmt: skip
         self.device = device
         self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
         self.seconds: dict[str, float] = {}
         self.failures: dict[str, str] = {}
         self.first = tuple(name for name in parts if name in first)
+        self._on_part_done = on_part_done  # called with a part's name once it is done, on the thread that ended it
         self._parts = parts
         self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
         self._left = dict(self.jobs)
@@ -174,6 +175,8 @@ class KernelWarmup:
         failed = f", failed: {self.failures[name]}" if name in self.failures else ""
         log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
                  self.seconds[name], failed)  # fmt: skip
+        if self._on_part_done is not None:
+            self._on_part_done(name)
 
     def wait(self, *names: str) -> float:
         """Block until the named parts (all when none are named) are done; returns the seconds waited."""
