@@ -70,6 +70,7 @@ def default_device() -> torch.device:
 
 class Qwen21Pipeline:
     workers: WorkerPool | None = None  # other devices with the same DiT (start_workers)
+    check_interrupted: Callable[[], None] | None = None  # the host's Cancel: raises to stop a wait (from_pretrained)
 
     def __init__(
         self,
@@ -126,6 +127,7 @@ class Qwen21Pipeline:
         text_encoder_device=None,
         vae_device=None,
         text_encoder_load_device=None,
+        check_interrupted: Callable[[], None] | None = None,
     ) -> Qwen21Pipeline:
         """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
 
@@ -134,6 +136,7 @@ class Qwen21Pipeline:
         DiT's device); a text encoder on a device of its own is never offloaded. text_encoder_load_device: where the
         text encoder's weights are read to (default: where it runs; the CPU when they do not fit there, see
         memory/manager.py text_encoder_load_device): a memory manager then places them on first use.
+        check_interrupted: raises when the user cancels (ComfyUI's check); waits for the kernel warm-up call it.
         """
         from .checkpoints.loading import load_components
 
@@ -165,6 +168,7 @@ class Qwen21Pipeline:
             sources=parts.sources,
         )
         pipe.weight_formats = weight_formats or WeightFormats()
+        pipe.check_interrupted = check_interrupted
         pipe.start_kernel_warmup()
         return pipe
 

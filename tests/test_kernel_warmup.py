@@ -238,6 +238,71 @@ def test_the_gate_goes_once_every_pending_part_is_done_even_without_a_launch(mon
     assert pending._parts == {} and launch_configs._bucket_gate is None
 
 
+@pytest.fixture
+def cancel_soon():
+    """Cancel, as the user would, `delay` seconds from now through the host's interrupt flag (nodes/host.py); the
+    flag is clear again after the test."""
+    from qwen21_nodes.nodes import host
+
+    timers = []
+
+    def schedule(delay: float = 0.3):
+        timer = threading.Timer(delay, host.request_interrupt)
+        timers.append(timer)
+        timer.start()
+        return host
+
+    yield schedule
+    for timer in timers:
+        timer.cancel()
+    host._interrupt_requested.clear()
+
+
+def test_a_wait_for_a_hung_compile_ends_when_the_user_cancels(cancel_soon):
+    """A compile that never ends must not hold a run past Cancel (issue 43): the wait asks the host's interrupt check
+    every WAIT_SLICE_S, raises its error, and leaves the warm-up as it was (the part still running, no waiter left)."""
+    from qwen21_nodes.qwen21_core.startup.warmup import WAIT_SLICE_S
+
+    hung = threading.Event()
+    host = cancel_soon(0.3)
+    warmup = KernelWarmup({"dit": [lambda: hung.wait(30)]}, torch.device("cpu"), threads=1,
+                          check_interrupted=host.check_interrupted).start()  # fmt: skip
+    started = time.perf_counter()
+    with pytest.raises(host.Interrupted):
+        warmup.wait("dit")
+    assert time.perf_counter() - started < 0.3 + 10 * WAIT_SLICE_S
+    assert not warmup.done("dit") and warmup._waiters == 0
+    hung.set()
+    warmup.wait()  # no interrupt pending: waits to the end
+    assert warmup.done("dit") and not warmup.failures
+
+
+def test_the_sampler_and_a_launch_of_a_compiling_bucket_stop_waiting_when_the_user_cancels(monkeypatch, cancel_soon):
+    """The two waits of a run, as the pipeline starts the warm-up with the host's check: the sampler's for the DiT's
+    first part, and a launch's for its bucket's part (the kernels' gate)."""
+    hung = threading.Event()
+    pipe = _pipeline_starting_a_warmup(monkeypatch, dit_jobs=[lambda: hung.wait(30)])
+    host = cancel_soon(0.3)
+    pipe.check_interrupted = host.check_interrupted
+    warmup = pipe.start_kernel_warmup()
+    try:
+        with pytest.raises(host.Interrupted):
+            model_warmup.before_sampling(warmup)
+        monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+        pending = model_warmup.PendingBuckets()
+        pending.expect(warmup, {8192: PART})  # a bucket whose part hangs
+        kernel = launch_configs.TunedKernel("toy_cancel", ("M_BUCKET",), rule=lambda key: launch_configs.LaunchConfig
+                                            .of(4), candidates=lambda key: [])  # fmt: skip
+        monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
+        cancel_soon(0.3)
+        with pytest.raises(host.Interrupted):
+            kernel.launch(lambda *args: None, lambda config: (1,), (), {}, {"M_BUCKET": 8192}, torch.device("cpu"))
+    finally:
+        hung.set()
+    warmup.wait()
+    assert not warmup.failures
+
+
 def test_a_failed_part_still_releases_the_launches_waiting_for_it():
     warmup = KernelWarmup({"dit:8192": [lambda: 1 / 0, lambda: None]}, torch.device("cpu"), threads=1).start()
     assert warmup.finished("dit:8192").wait(5)

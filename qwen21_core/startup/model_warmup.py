@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def start(pipe) -> KernelWarmup | None:
-    """Start the kernel warm-up of a loaded pipeline's models (see the module docstring); None where nothing runs."""
+    """Start the kernel warm-up of a loaded pipeline's models (see the module docstring); None where nothing runs. Its
+    waits call `pipe.check_interrupted` (the host's Cancel) while they last."""
     from ..quant.kernel_warmup import dequantize_warmup_jobs
     from ..text.kernel_warmup import image_encode_warmup_jobs
     from ..vae.kernel_warmup import vae_warmup_jobs
@@ -53,7 +54,8 @@ def start(pipe) -> KernelWarmup | None:
     # bucket), then the image encode and the VAE's, which run during the first sampling
     first = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), **dit}
     parts = {**first, "image_encode": image, "vae": vae_warmup_jobs(pipe.vae, device)}
-    warmup = KernelWarmup(parts, device, first=tuple(first), on_part_done=PENDING_BUCKETS.forget_done)
+    warmup = KernelWarmup(parts, device, first=tuple(first), on_part_done=PENDING_BUCKETS.forget_done,
+                          check_interrupted=pipe.check_interrupted)  # fmt: skip
     PENDING_BUCKETS.expect(warmup, {bucket: bucket_part(bucket) for bucket in later_buckets()})
     warmup.start()
     # while it runs, decode graphs read a step's host share from the thread's CPU time (dit/decode_graphs.py)

@@ -9,8 +9,10 @@ of its work, so several threads compile at once. With compiled kernels on disk (
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
 compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it, model_warmup.py),
-the VAE for its own before a fast decode. A job that fails is logged and the rest of its part skipped: those kernels
-then compile on first use, as before.
+the VAE for its own before a fast decode. It waits in slices of WAIT_SLICE_S and calls the host's interrupt check
+(`check_interrupted`, ComfyUI's through nodes/host.py) between them, so Cancel reaches a run that waits for a compile
+that hangs. A job that fails is logged and the rest of its part skipped: those kernels then compile on first use, as
+before.
 
 What a first image needs before it samples is queued first, the rest once that is done, and no job starts while an
 encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run Python, and the first encode and the sampler's
@@ -36,6 +38,7 @@ from .streams import STARTUP, side_stream
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 8
+WAIT_SLICE_S = 0.1  # how often a wait asks whether the user cancelled
 
 
 def warmup_enabled() -> bool:
@@ -80,7 +83,8 @@ class KernelWarmup:
     model_warmup.py `vae_kernels`), so they run during the sampling."""
 
     def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
-                 first: tuple[str, ...] = (), on_part_done: Callable[[str], None] | None = None):  # fmt: skip
+                 first: tuple[str, ...] = (), on_part_done: Callable[[str], None] | None = None,
+                 check_interrupted: Callable[[], None] | None = None):  # fmt: skip
         self.device = device
         self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
@@ -88,6 +92,7 @@ class KernelWarmup:
         self.failures: dict[str, str] = {}
         self.first = tuple(name for name in parts if name in first)
         self._on_part_done = on_part_done  # called with a part's name once it is done, on the thread that ended it
+        self.check_interrupted = check_interrupted  # raises to stop a wait (a cancelled run); None: waits to the end
         self._parts = parts
         self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
         self._left = dict(self.jobs)
@@ -179,7 +184,8 @@ class KernelWarmup:
             self._on_part_done(name)
 
     def wait(self, *names: str) -> float:
-        """Block until the named parts (all when none are named) are done; returns the seconds waited."""
+        """Block until the named parts (all when none are named) are done; returns the seconds waited. Every
+        WAIT_SLICE_S meanwhile, `check_interrupted()` may raise to end the wait (the parts go on)."""
         if not self._started_at:
             return 0.0
         started = time.perf_counter()
@@ -189,8 +195,9 @@ class KernelWarmup:
         try:
             for name in names or tuple(self.jobs):
                 event = self._done.get(name)
-                if event is not None:
-                    event.wait()
+                while event is not None and not event.wait(WAIT_SLICE_S):
+                    if self.check_interrupted is not None:
+                        self.check_interrupted()
         finally:
             with self._lock:
                 self._waiters -= 1
