@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
 import torch
 from _common import emit, random_dit, sync
 from dit_reference import reference_velocity
+from qwen21_nodes.kernels import qk_norm_rope
 from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, uniform_plan
+from qwen21_nodes.qwen21_core.quant import linear as quant_linear
 from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
 TEXT_TOKENS = 128
@@ -405,12 +406,12 @@ def profile_step(ours, args, device, dtype, formats):
                 branch = model.new_branch(layout, 1)
                 model.prefill(branch, embeds, cond)
                 for fast in (False, True):
-                    os.environ["QWEN21_FP8_FAST_ACCUM"] = "1" if fast else "0"
+                    quant_linear.FP8_FAST_ACCUM = fast
                     ms = timed(lambda b=branch: model.decode(b, x, t), device, args.iters)
                     v = model.decode(branch, x, t).float()
                     emit(what="dit_fp8_accumulation", fast_accum=fast, decode_eager_ms=round(ms, 2),
                          velocity_rms=round(v.pow(2).mean().sqrt().item(), 5))  # fmt: skip
-                os.environ.pop("QWEN21_FP8_FAST_ACCUM")
+                quant_linear.FP8_FAST_ACCUM = True
                 branch.release()
         with torch.inference_mode():
             branch = model.new_branch(layout, 1)
@@ -657,7 +658,7 @@ def main():
     emit(what="setup", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
          torch=torch.__version__, dtype=str(dtype), init_s=round(time.perf_counter() - start, 1),
          params_b=round(sum(p.numel() for p in ours.parameters()) / 1e9, 3),
-         qk_norm_rope_min_tokens=os.environ.get("QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS", "default"),
+         qk_norm_rope_min_tokens=qk_norm_rope.DEFAULT_MIN_TOKENS,
          float32_matmul_precision=torch.get_float32_matmul_precision())  # fmt: skip
     args.fp32_reference = args.fp32_ours = None
     if reference is not None and not args.no_fp32:

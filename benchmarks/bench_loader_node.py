@@ -4,8 +4,9 @@
     python benchmarks/bench_loader_node.py --pack-dirs . /tmp/old --rounds 3  # two packages alternating
     python benchmarks/bench_loader_node.py --tiny --device cpu             # smoke test
 
-Each load runs in a fresh process, as after a restart: CUDA is initialised, the pack is imported (its start-up
-priming runs and is waited for, as ComfyUI's start is long over when a prompt comes), then the Qwen21 Model Loader's
+Each load runs in a fresh process, as after a restart: CUDA is initialised, the pack is imported, the start-up's
+priming runs and is waited for (a load starts it, qwen21_core/startup/priming.py; it is left out of the load's
+time, which measures the reading and placing of the weights), then the Qwen21 Model Loader's
 load (`nodes/loader.py _load`) reads the files bench_comfyui_session.py writes (full size: Comfy-Org's fp8_scaled DiT
 and Qwen3-VL-8B files, a bf16 VAE, ComfyUI's own Qwen tokenizer beside them, 17.25 GB; `--tiny`: the tiny set) with
 weight_dtype fp8, from the page cache (the files were written or read just before). `--pack-dirs` loads with each
@@ -63,10 +64,10 @@ def load_once(args) -> None:
         torch.cuda.init()  # ComfyUI initialises CUDA before it imports custom nodes
     import qwen21_nodes.nodes  # noqa: F401 - the pack's import, as at ComfyUI's start
     from qwen21_nodes.nodes import loader as loader_node
-    from qwen21_nodes.qwen21_core import cuda_priming
     from qwen21_nodes.qwen21_core.checkpoints import files, loading
+    from qwen21_nodes.qwen21_core.startup import priming as startup_priming
 
-    priming = cuda_priming.prime_cuda_kernels()
+    priming = startup_priming.prime_torch_kernels(device)
     if priming is not None:
         priming.join()
     phases: dict[str, float] = {}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import statistics
 import time
 
@@ -247,14 +246,14 @@ def report_crossovers(rows):
                 crossover = row["tokens"]
             else:
                 break
-        env = qnr.MIN_TOKENS_ENV if mode == "eager" else qnr.MIN_TOKENS_IN_GRAPH_ENV
+        default = "DEFAULT_MIN_TOKENS" if mode == "eager" else "DEFAULT_MIN_TOKENS_IN_GRAPH"
         if crossover is None:
             note = "the reference wins at the longest measured length: keep the fused path off"
         elif crossover == min(r["tokens"] for r in measured):
             note = "fused wins at every measured length: a threshold of 0 (always) is supported down to here"
         else:
             note = "set the default threshold to this token count"
-        emit(bench="crossover", mode=mode, env=env, fused_wins_from_tokens=crossover, note=note)
+        emit(bench="crossover", mode=mode, default=default, fused_wins_from_tokens=crossover, note=note)
 
 
 def sweep_launch_shapes(args, device, dtype):
@@ -304,10 +303,9 @@ def build_transformer(config, device, dtype):
 
 
 def set_fusion(enabled: bool):
-    """Force the gate for every qk_norm_rope call the transformer makes, eager and in-graph."""
-    value = "0" if enabled else str(NEVER)
-    os.environ[qnr.MIN_TOKENS_ENV] = value
-    os.environ[qnr.MIN_TOKENS_IN_GRAPH_ENV] = value
+    """Force the gate for every qk_norm_rope call the transformer makes, eager and in-graph (the defaults it reads)."""
+    value = 0 if enabled else NEVER
+    qnr.DEFAULT_MIN_TOKENS = qnr.DEFAULT_MIN_TOKENS_IN_GRAPH = value
 
 
 def bench_decode(args, device, dtype):
@@ -323,16 +321,12 @@ def bench_decode(args, device, dtype):
     model = build_transformer(config, device, dtype)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randn(prompt_tokens, config.context_in_dim, generator=gen).to(device, dtype)
-    saved = {name: os.environ.get(name) for name in (qnr.MIN_TOKENS_ENV, qnr.MIN_TOKENS_IN_GRAPH_ENV)}
+    saved = qnr.DEFAULT_MIN_TOKENS, qnr.DEFAULT_MIN_TOKENS_IN_GRAPH
     try:
         for pixels, side in resolutions:
             bench_decode_resolution(args, model, prompt, pixels, side, gen)
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        qnr.DEFAULT_MIN_TOKENS, qnr.DEFAULT_MIN_TOKENS_IN_GRAPH = saved
 
 
 def bench_decode_resolution(args, model, prompt, pixels, side, gen):

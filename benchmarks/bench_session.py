@@ -229,13 +229,13 @@ def run_session(handle, precision, cap, cache, args, device, output_dir, lora_na
 
 
 def settle(handle) -> float:
-    """--settle: wait, before the first prompt, for the kernel warm-up and the import's CUDA priming to finish, as if
+    """--settle: wait, before the first prompt, for the kernel warm-up and the load's CUDA priming to finish, as if
     the prompt came long after the model was loaded; -> the seconds waited. Against a run without it, what the warm-up
     running beside a first prompt costs that prompt."""
-    from qwen21_nodes.qwen21_core.cuda_priming import prime_cuda_kernels
+    from qwen21_nodes.qwen21_core.startup.priming import prime_torch_kernels
 
     started = time.perf_counter()
-    priming = prime_cuda_kernels()
+    priming = prime_torch_kernels(handle.pipe.device)
     if priming is not None:
         priming.join()
     if handle.pipe.kernel_warmup is not None:
@@ -416,6 +416,7 @@ def child(args, specs: list[dict]) -> None:
     from bench_e2e import handle_for
     from bench_lora import write_lora
     from qwen21_nodes.nodes import host
+    from qwen21_nodes.qwen21_core.startup import priming
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("qwen21_nodes").setLevel(logging.INFO)
@@ -430,6 +431,7 @@ def child(args, specs: list[dict]) -> None:
     if any(s[0] != precision for s in sessions):
         raise SystemExit("a child runs sessions of one precision")
     started = time.perf_counter()
+    priming.prime(device)  # as a loader's from_pretrained does first: it runs while the model is built (read)
     parts = build(precision, args, device, dtype)
     models = Path(tempfile.mkdtemp(prefix="qwen21_session_models_"))
     (models / "loras").mkdir()
@@ -572,8 +574,8 @@ def main():
         args.steps = min(args.steps, 2)
         args.tail = min(args.tail, 2)
     if (args.child or args.turbo or args.small) and torch.device(args.device).type == "cuda":
-        # a session's process starts as ComfyUI does, CUDA first and then the custom nodes, whose import primes
-        # torch's kernels (qwen21_core/cuda_priming.py); `plan` below imports them
+        # a session's process starts as ComfyUI does, CUDA first and then the custom nodes (`plan` below imports them;
+        # their import starts nothing: the child primes as a load does, qwen21_core/startup/priming.py)
         torch.cuda.init()
     if args.turbo or args.small:  # one session in this process, on whatever kernel cache it finds
         args.steps = min(args.steps, 8) if args.turbo else args.steps

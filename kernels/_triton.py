@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import torch
+
+from . import settings
 
 try:
     import triton
@@ -29,41 +30,14 @@ except ImportError:
 TRITON_AVAILABLE = triton is not None
 # torch dtype -> Triton dtype, for the kernels' OUT_DTYPE / ACT_DTYPE constexpr arguments
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if tl else {}
-INTERPRETER_ACTIVE = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETER_ACTIVE = TRITON_AVAILABLE and settings.triton_interpreter_requested()
 log = logging.getLogger(__name__)
 
 
-_key_primer: threading.Thread | None = None
-
-
-def prime_compile_key() -> None:
-    """Start Triton's cache key of its own installation in a background thread, once per process.
-
-    The first compile of a process, a cache hit too, hashes Triton's compiler sources and its library (about 500 MB) to
-    key its cache (`triton_key`, computed once). On a restart that took 0.35 s of the first image's critical path
-    (H200, cProfile of the first prompt, BENCHMARKS "Session"), before any kernel loaded from disk. Called when the
-    node classes are imported (ComfyUI's start), the hash is done long before a prompt comes; hashlib releases the
-    interpreter's lock while it hashes. Does nothing without Triton or CUDA; a failure only costs the hash later."""
-    global _key_primer
-    if _key_primer is not None or not TRITON_AVAILABLE or INTERPRETER_ACTIVE or not torch.cuda.is_available():
-        return
-    key = _triton_key_function()
-    if key is None:
-        return
-
-    def run():
-        try:
-            key()
-        except Exception as error:  # noqa: BLE001 - Triton's first compile computes it then
-            log.debug("Triton's cache key was not computed ahead (%s: %s)", type(error).__name__, error)
-
-    _key_primer = threading.Thread(target=run, name="qwen21-triton-key", daemon=True)
-    _key_primer.start()
-
-
-def _triton_key_function():
-    """Triton's (cached) key function: triton.runtime.cache has it in 3.6 and 3.8; other releases may keep it in
-    triton.compiler.compiler, tried next."""
+def triton_key_function():
+    """Triton's (cached) key function, which hashes its installation to key its cache (the start-up primes it:
+    qwen21_core/startup/priming.py): triton.runtime.cache has it in 3.6 and 3.8; other releases may keep it in
+    triton.compiler.compiler, tried next. None where neither has it."""
     for module in ("triton.runtime.cache", "triton.compiler.compiler"):
         try:
             found = getattr(importlib.import_module(module), "triton_key", None)

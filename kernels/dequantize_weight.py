@@ -20,19 +20,18 @@ and `warm_up` makes them ready after a compile, a launch and a bit-for-bit check
 up (QWEN21_KERNEL_WARMUP=0, tests, benchmarks) compiles on its first call, synchronously, and is ready after it.
 A failed compile, launch or check is logged once and keeps torch's expression for that key.
 
-When it serves (`QWEN21_DEQUANT_KERNEL`): by default at every row count. On the H200 (`python
+When it serves: at every row count. On the H200 (`python
 benchmarks/bench_text_encoder.py --dequant --no-reference --repeats 7`, BENCHMARKS "Text encoder") the fp8
 Qwen3-VL-8B's changed-prompt encode took 1.469x less time with it at 101 tokens (a text prompt), 1.103x at 1131 (one
 condition image) and 1.115x at 4221 (four); the layer alone (4096x12288, 128 rows) dequantised and multiplied 5.19x
 faster. (Before kernels/launch.py's direct launch, a text prompt's encode was bound by the host's launches and the
-kernel lost there, 0.935x; it then served from 512 rows only.) "0" turns it off (the warm-up then skips it).
+kernel lost there, 0.935x; it then served from 512 rows only.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 
 import torch
@@ -133,14 +132,6 @@ _forced: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}  # forced(): serv
 _lock = threading.Lock()
 
 
-KERNEL_ENV = "QWEN21_DEQUANT_KERNEL"
-
-
-def kernel_enabled() -> bool:
-    """Whether the kernel may serve (and so is worth a warm-up compile): unless QWEN21_DEQUANT_KERNEL is "0"."""
-    return os.environ.get(KERNEL_ENV, "").strip() != "0"
-
-
 def _key(device, q_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[str, torch.dtype, torch.dtype]:
     return _device_key(device), q_dtype, out_dtype
 
@@ -194,8 +185,6 @@ def _serves(q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     key = _key(q.device, q.dtype, out_dtype)
     if key in _forced:
         return _forced[key]
-    if not kernel_enabled():
-        return False
     state = _states.get(key)
     if state is None:  # nobody warms this key up: compile now, unless a CUDA graph is being captured
         return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -204,7 +193,7 @@ def _serves(q: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 def dequantize_for_linear(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`dequantize_weight_fast(q, scale, dtype)` where the kernel is ready for (q's device, q's dtype, dtype), torch's
-    expression elsewhere (a key being warmed up, one that failed, the kernel turned off, CPU): the same bits, never a
+    expression elsewhere (a key being warmed up, one that failed, CPU): the same bits, never a
     wait."""
     if not _serves(q, dtype) or scale.dtype != torch.float32 or scale.data_ptr() % ALIGNMENT or q.numel() == 0:
         return dequantize_weight_reference(q, scale, dtype)

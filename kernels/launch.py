@@ -25,16 +25,15 @@ QWEN21_FAST_LAUNCH=0, under the interpreter, and while a launch hook is set (pro
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
+from . import settings
 from ._triton import INTERPRETER_ACTIVE, triton
 
 log = logging.getLogger(__name__)
 
-FAST_LAUNCH_ENV = "QWEN21_FAST_LAUNCH"  # "0": Triton's launch path everywhere; "1": also on an untested Triton
 # Triton versions whose launcher takes every parameter, constexprs included, in signature order after the grid,
 # stream, function, metadata and hooks (JITFunction.run's own call of CompiledKernel.run): 3.6 runs the GPU tests on
 # the H200 (tests/test_launch.py); 3.8's JITFunction.run makes the same call (read in its source; CI has no GPU); 3.7
@@ -54,14 +53,14 @@ def _triton_version() -> tuple[int, int]:
 def _decide() -> bool:
     if triton is None or INTERPRETER_ACTIVE or not torch.cuda.is_available():
         return False
-    raw = os.environ.get(FAST_LAUNCH_ENV, "").strip()
-    if raw == "0":
+    wanted = settings.current().fast_launch  # False: Triton's launch path everywhere; True: also on an untested Triton
+    if wanted is False:
         return False
     version = _triton_version()
-    if raw != "1" and version not in TESTED_TRITON:
+    if wanted is None and version not in TESTED_TRITON:
         log.info("Triton %s: kernels launch through Triton's own path (the direct launch is written against Triton "
                  "%s; %s=1 tries it)", triton.__version__, ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON),
-                 FAST_LAUNCH_ENV)  # fmt: skip
+                 settings.FAST_LAUNCH)  # fmt: skip
         return False
     return True
 
@@ -78,7 +77,7 @@ def fast_launch_active() -> bool:
 
 
 def set_fast_launch(active: bool | None) -> None:
-    """For benchmarks and tests: force the direct launch on or off (None: decide again from the environment)."""
+    """For benchmarks and tests: force the direct launch on or off (None: decide again from the settings)."""
     global _active
     _active = active
 

@@ -9,14 +9,15 @@ the first time a key is met. Here a kernel's configuration for a key comes from,
    `benchmarks/tune_kernels.py` (the H200's, sm_90, is measured); a key the table lacks takes the entry with the
    same other fields and the nearest M bucket, if there is one;
 2. the kernel's rule: a safe, reasonable configuration for any card (logged once per kernel and architecture);
-3. only with QWEN21_AUTOTUNE=1 in the environment: Triton's autotuner over the kernel's candidates instead of 2,
+3. only with QWEN21_AUTOTUNE=1 (kernels/settings.py): Triton's autotuner over the kernel's candidates instead of 2,
    with its results cached on disk where this Triton can (`cache_results`), so tuning happens once per shape on a
    card with no table, not once per process.
 
 Only the chosen configuration is compiled. A configuration that fails to compile or launch for lack of resources (a
-smaller card's shared memory) is dropped for the process and the next candidate runs; the log says so. While a
-background warm-up is compiling an M bucket's configurations (`compiles_pending`), a launch of that bucket waits for
-it instead of compiling the same kernels a second time at once.
+smaller card's shared memory) is dropped for the process and the next candidate runs; the log says so. A launch keyed
+by M bucket first calls the bucket gate, where the start-up layer has set one (`set_bucket_gate`): while a background
+warm-up compiles a bucket's configurations, a launch of that bucket waits there instead of compiling the same kernels
+a second time at once. The kernels keep no state about the warm-up themselves.
 """
 
 from __future__ import annotations
@@ -25,21 +26,19 @@ import contextlib
 import inspect
 import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import settings
 from ._triton import next_power_of_2, triton
 from .launch import launch
 
 log = logging.getLogger(__name__)
 
-AUTOTUNE_ENV = "QWEN21_AUTOTUNE"
 TABLE_DIR = Path(__file__).with_name("tuned")
 M_BUCKET_MAX = 16384
 
@@ -119,36 +118,16 @@ def forced_bucket(bucket: int):
         _forced.bucket = saved
 
 
-_pending: dict[int, list[threading.Event]] = {}  # M bucket -> a warm-up's "compiled" events, while it compiles
-_pending_lock = threading.Lock()
+_bucket_gate: Callable[[int], None] | None = None
 
 
-def compiles_pending(bucket: int, done: threading.Event) -> None:
-    """Say that a warm-up compiles `bucket`'s configurations until `done` is set. A launch of that bucket outside a
-    warm-up (no `forced_bucket`) waits for it: the sampler then waits only for the buckets its rows fall in, not
-    for every bucket a warm-up queued (dit/kernel_warmup.py), and does not compete with the warm-up for that
-    bucket's compiles (one variant is never compiled twice at once anyway: kernels/launch.py `_compile`)."""
-    with _pending_lock:
-        waiting = [event for event in _pending.get(int(bucket), []) if not event.is_set()]  # forget finished ones
-        _pending[int(bucket)] = [*waiting, done]
-
-
-def _wait_for_pending_compiles(bucket: int) -> None:
-    events = _pending.get(bucket)
-    if not events:
-        return
-    started = time.perf_counter()
-    for event in list(events):
-        event.wait()
-    with _pending_lock:
-        left = [event for event in _pending.get(bucket, []) if not event.is_set()]
-        if left:
-            _pending[bucket] = left
-        else:
-            _pending.pop(bucket, None)
-    waited = time.perf_counter() - started
-    if waited > 0.05:
-        log.info("waited %.2f s for the warm-up's compiles of M bucket %d", waited, bucket)
+def set_bucket_gate(gate: Callable[[int], None] | None) -> None:
+    """The function a launch keyed by M bucket calls with its bucket before it launches (outside `forced_bucket`), or
+    None. The start-up layer sets one while a background warm-up compiles some buckets and removes it once they are
+    done (qwen21_core/startup/model_warmup.py), so a launch then costs one check; what is pending, and how a wait
+    ends, is the gate's business."""
+    global _bucket_gate
+    _bucket_gate = gate
 
 
 def all_buckets() -> list[int]:
@@ -176,7 +155,7 @@ def tuned_table(arch: str) -> dict | None:
 
 
 def autotune_requested() -> bool:
-    return os.environ.get(AUTOTUNE_ENV, "").strip() == "1"
+    return settings.current().autotune
 
 
 class TunedKernel:
@@ -263,10 +242,11 @@ class TunedKernel:
         arguments (those not in the configuration). Raises the last error when every candidate failed.
         """
         forced = getattr(_forced, "bucket", None)
+        gate = _bucket_gate
         if forced is not None and "M_BUCKET" in key:
             key = {**key, "M_BUCKET": forced}
-        elif _pending and "M_BUCKET" in key:  # empty (one check) once no warm-up is compiling
-            _wait_for_pending_compiles(key["M_BUCKET"])
+        elif gate is not None and "M_BUCKET" in key:  # None (one check) once no warm-up is compiling
+            gate(key["M_BUCKET"])
         if autotune_requested():
             return self._autotuned(fn, grid, args, constexprs, key)
         arch = architecture(device)

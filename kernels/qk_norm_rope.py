@@ -17,13 +17,11 @@ torch's reduction kernel); that can move a head's scale by an fp32 ulp. Stated a
 - v is copied bit for bit.
 
 `qk_norm_rope` is what the transformer calls. It uses the fused kernel when Triton can run on the tensors'
-device and the batch holds enough tokens (B*S) to pay for the launch; the threshold and its sources are
-below. Everything else (CPU, no Triton, short sequences) takes the torch reference.
+device and the batch holds enough tokens (B*S) to pay for the launch; the threshold is below.
+Everything else (CPU, no Triton, short sequences) takes the torch reference.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -32,14 +30,11 @@ from .launch import launch
 
 # Token gate: the fused kernel is used when B*S >= the threshold (0 = always). On the eager path each call
 # pays host launch overhead, which the fused kernel loses on short sequences; inside a captured CUDA graph
-# that overhead is gone, hence a separate threshold. Sources, first found wins: `min_tokens=` argument,
-# environment variable, default. Defaults from benchmarks/bench_qk_norm_rope.py on the H200 (BENCHMARKS.md):
-# the fused kernel won at every length measured (16..20480 tokens, eager and in-graph; eager it ran 19.4x as fast
-# as the torch reference at 4096 tokens and 23.4x at 20480, and the full 1024^2 decode step went from 152.6 to
-# 120.7 ms), so both gates default to 0 = always. vLLM-Omni needed 2048 because its fused path was host-bound;
-# ours is not.
-MIN_TOKENS_ENV = "QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS"
-MIN_TOKENS_IN_GRAPH_ENV = "QWEN21_FUSED_QK_NORM_ROPE_MIN_TOKENS_IN_GRAPH"
+# that overhead is gone, hence a separate threshold: the `min_tokens=` argument, else the default. Defaults from
+# benchmarks/bench_qk_norm_rope.py on the H200 (BENCHMARKS.md): the fused kernel won at every length measured
+# (16..20480 tokens, eager and in-graph; eager it ran 19.4x as fast as the torch reference at 4096 tokens and 23.4x
+# at 20480, and the full 1024^2 decode step went from 152.6 to 120.7 ms), so both gates default to 0 = always.
+# vLLM-Omni needed 2048 because its fused path was host-bound; ours is not.
 DEFAULT_MIN_TOKENS = 0
 DEFAULT_MIN_TOKENS_IN_GRAPH = 0
 
@@ -254,23 +249,8 @@ def qk_norm_rope_fused(
 
 
 def fusion_min_tokens(in_graph: bool = False) -> int:
-    """The token threshold from the environment, else the default (eager or in-graph)."""
-    name, default = (
-        (MIN_TOKENS_IN_GRAPH_ENV, DEFAULT_MIN_TOKENS_IN_GRAPH) if in_graph else (MIN_TOKENS_ENV, DEFAULT_MIN_TOKENS)
-    )
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{name}={raw!r} is not a token count; set it to an integer >= 0 (0 = always use the fused "
-            f"kernel) or unset it for the default {default}"
-        )
-    return value
+    """The default token threshold (eager or in-graph)."""
+    return DEFAULT_MIN_TOKENS_IN_GRAPH if in_graph else DEFAULT_MIN_TOKENS
 
 
 def qk_norm_rope(
@@ -293,8 +273,8 @@ def qk_norm_rope(
     cos, sin:     [S, D/2] fp32 rotation of each pair.
     k_out, v_out: optional [B, S, H, D] destinations in qkv's dtype, any strides (e.g. a slice of a
                   preallocated K/V cache).
-    min_tokens:   use the fused kernel when B*S >= this (0 = always); None reads the environment, else
-                  the default (see the constants at the top of this module).
+    min_tokens:   use the fused kernel when B*S >= this (0 = always); None: the default (see the constants at
+                  the top of this module).
     in_graph:     True while capturing a CUDA graph: selects the in-graph threshold.
     Returns (q, k, v), each [B, S, H, D]; k and v are k_out and v_out when those are given (v is a view
     of qkv otherwise). Both paths accept and reject exactly the same inputs.

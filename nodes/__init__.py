@@ -1,7 +1,8 @@
 """Thin ComfyUI node classes (V1 API). No model math here: every node calls the core pipeline.
 
 Each node module is imported on its own, so one that fails (a missing optional dependency, say) is
-logged and leaves the others working.
+logged and leaves the others working. Importing them starts nothing: start-up work begins when a model loads
+(qwen21_core/startup/).
 """
 
 import importlib
@@ -41,10 +42,3 @@ for _module_name, _classes in _NODES.items():
     for _class_name, _display_name in _classes.items():
         NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)
         NODE_DISPLAY_NAME_MAPPINGS[_class_name] = _display_name
-
-try:  # Triton's cache key and torch's CUDA kernels, loaded while ComfyUI starts (qwen21_core/cuda_priming.py)
-    from ..qwen21_core.cuda_priming import prime_before_first_prompt
-
-    prime_before_first_prompt()
-except Exception:  # noqa: BLE001 - an optimisation only; never a reason for the pack to fail
-    log.debug("nothing was primed", exc_info=True)

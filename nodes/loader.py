@@ -234,6 +234,7 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
         text_encoder_device=te_device,
         text_encoder_load_device=te_load,
         vae_device=vae_target,
+        check_interrupted=host.check_interrupted,  # Cancel also ends a wait for the kernel warm-up
     )
     if extra:
         pipe.start_workers(extra)  # the same DiT file, dtype and formats on each extra device

@@ -22,11 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels._triton import torch_ops_only
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
-from .dit.kernel_warmup import PART, bucket_part, dit_warmup_parts, later_buckets
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
@@ -48,11 +46,13 @@ from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
 from .sampler import Sampler, SampleStats, parallel_mode
+from .startup import model_warmup
+from .startup.priming import prime
 from .velocity import VelocityRun
-from .warmup import KernelWarmup, warmup_enabled
 
 if TYPE_CHECKING:
     from .parallel.pool import WorkerPool
+    from .startup.warmup import KernelWarmup
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def default_device() -> torch.device:
 
 class Qwen21Pipeline:
     workers: WorkerPool | None = None  # other devices with the same DiT (start_workers)
+    check_interrupted: Callable[[], None] | None = None  # the host's Cancel: raises to stop a wait (from_pretrained)
 
     def __init__(
         self,
@@ -124,6 +125,7 @@ class Qwen21Pipeline:
         text_encoder_device=None,
         vae_device=None,
         text_encoder_load_device=None,
+        check_interrupted: Callable[[], None] | None = None,
     ) -> Qwen21Pipeline:
         """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
 
@@ -132,10 +134,12 @@ class Qwen21Pipeline:
         DiT's device); a text encoder on a device of its own is never offloaded. text_encoder_load_device: where the
         text encoder's weights are read to (default: where it runs; the CPU when they do not fit there, see
         memory/manager.py text_encoder_load_device): a memory manager then places them on first use.
+        check_interrupted: raises when the user cancels (ComfyUI's check); waits for the kernel warm-up call it.
         """
         from .checkpoints.loading import load_components
 
         device = torch.device(device) if device is not None else default_device()
+        prime(device)  # torch's and Triton's own kernels load while the files are read (startup/priming.py)
         parts = load_components(
             source,
             device,
@@ -162,6 +166,7 @@ class Qwen21Pipeline:
             sources=parts.sources,
         )
         pipe.weight_formats = weight_formats or WeightFormats()
+        pipe.check_interrupted = check_interrupted
         pipe.start_kernel_warmup()
         return pipe
 
@@ -181,65 +186,10 @@ class Qwen21Pipeline:
     # ---- kernel warm-up -----------------------------------------------------------------------------------
 
     def start_kernel_warmup(self) -> KernelWarmup | None:
-        """Compile the text encoder's, the DiT's and the VAE's Triton kernels in background threads
-        (qwen21_core/warmup.py), so the first encode and image do not wait for them. Nothing on a CPU, without Triton
-        or with QWEN21_KERNEL_WARMUP=0.
-
-        Parts, queued in this order, the DiT's and the text encoder's at once, the image encode and the VAE's once
-        those are done (a first image may need the former before it samples; the latter run during its sampling):
-        - "text": the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py; none when that kernel
-          is turned off, kernels/dequantize_weight.py), first because the encode comes first. The DiT's weight-only
-          layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned too. Nobody waits for
-          it: the layers use torch's expression until the kernel is ready;
-        - "dit": what a first image needs (the sampler waits for it);
-        - each later M bucket, a part of its own, waited for by the launches that need it (dit/kernel_warmup.py): a
-          prompt of under 64 tokens prefills in one of them;
-        - "image_encode": an image prompt's encode on a tiny model, whose kernels a fresh machine's first edit waited
-          for (text/kernel_warmup.py). A part of its own, so that its failure skips no other job; nobody waits;
-        - "vae": the first decode does not wait for it (`_vae_kernels`)."""
-        from ..kernels._triton import TRITON_AVAILABLE
-        from ..kernels.launch_configs import compiles_pending
-        from .quant.kernel_warmup import dequantize_warmup_jobs
-        from .text.kernel_warmup import image_encode_warmup_jobs
-        from .vae.kernel_warmup import vae_warmup_jobs
-
-        device = indexed_device(self.execution_device)
-        if self.kernel_warmup is not None or device.type != "cuda" or not TRITON_AVAILABLE or not warmup_enabled():
-            return self.kernel_warmup
-        encoder = self.text_encoder
-        quantised = [(encoder.model, encoder.device) if encoder is not None else (None, device),
-                     (self.transformer, device)]  # fmt: skip
-        dit = dit_warmup_parts(self.transformer, device)
-        image = image_encode_warmup_jobs(encoder, indexed_device(encoder.device)) if encoder is not None else []
-        # Two stages (qwen21_core/warmup.py): what the first encode and sampling may use (the prompt's length picks
-        # the prefill's M bucket), then the image encode and the VAE's, which run during the first sampling
-        first = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), **dit}
-        parts = {**first, "image_encode": image, "vae": vae_warmup_jobs(self.vae, device)}
-        self.kernel_warmup = KernelWarmup(parts, device, first=tuple(first)).start()
-        # while it runs, decode graphs read a step's host share from the thread's CPU time (dit/decode_graphs.py)
-        self.decode_graphs.background_busy = self.kernel_warmup.busy
-        for bucket in later_buckets():
-            compiles_pending(bucket, self.kernel_warmup.finished(bucket_part(bucket)))
+        """Compile our Triton kernels for these models in background threads (startup/model_warmup.py)."""
+        if self.kernel_warmup is None:
+            self.kernel_warmup = model_warmup.start(self)
         return self.kernel_warmup
-
-    def _wait_for_kernels(self, *parts: str) -> None:
-        if self.kernel_warmup is not None:
-            self.kernel_warmup.wait(*parts)
-
-    def _vae_kernels(self, quality: str):
-        """How a VAE call uses its kernels while the warm-up may still be compiling them. The exact path's kernels
-        are self-tested to equal torch's ops bit for bit, so until the warm-up is done an exact decode or encode runs
-        torch's ops (the same image; BENCHMARKS "VAE": 88.7 ms with the norm kernel off against 68.7 ms) instead of
-        waiting: the first decode on a fresh H200 waited 9.3 s here (BENCHMARKS "Session"). The fast path has no
-        torch twin with its numerics, so it waits."""
-        warmup = self.kernel_warmup
-        if warmup is None or "vae" not in warmup.jobs or warmup.done("vae"):
-            return contextlib.nullcontext()
-        if quality != "exact":
-            self._wait_for_kernels("vae")
-            return contextlib.nullcontext()
-        log.info("VAE kernels still compiling in the background: this call uses torch's ops (the same result)")
-        return torch_ops_only()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,11 +226,10 @@ class Qwen21Pipeline:
     ) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
-        vae_kernels = self._vae_kernels("exact") if images is not None and len(images) else contextlib.nullcontext()
         warmup = self.kernel_warmup
-        # the warm-up's jobs wait while an encode runs (qwen21_core/warmup.py `paused`): nothing here waits for them
-        foreground = warmup.paused() if warmup is not None and warmup.busy() else contextlib.nullcontext()
-        with foreground, self._text_encoder_placed(), vae_kernels:  # condition images go through the VAE encoder
+        with_images = images is not None and len(images)  # condition images go through the VAE encoder
+        vae_kernels = model_warmup.vae_kernels(warmup, "exact") if with_images else contextlib.nullcontext()
+        with model_warmup.encoding(warmup), self._text_encoder_placed(), vae_kernels:
             return encode_conditioning(
                 self.text_encoder,
                 self.vae,
@@ -449,7 +398,7 @@ class Qwen21Pipeline:
     def _sampler(self, cond, height, width, rows, true_cfg_scale, options, workers) -> tuple[Sampler, SamplingPlan]:
         """A Sampler for one run, after what it needs is ready: the kernels the first step uses, the blocks
         compiled or not, and the memory plan (where the prefix K/V go, how many blocks stay resident)."""
-        self._wait_for_kernels(PART)  # the VAE's and later buckets' warm-up may go on: captures are thread-local
+        model_warmup.before_sampling(self.kernel_warmup)
         self.transformer.compile_blocks(options.compile_blocks)
         plan = self.plan_sampling(cond, height, width, rows, true_cfg_scale, options)
         if self.manage_weights:
@@ -533,7 +482,7 @@ class Qwen21Pipeline:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        with self._vae_kernels(options.get("quality", "exact")):
+        with model_warmup.vae_kernels(self.kernel_warmup, options.get("quality", "exact")):
             images = self.vae.decode(latents.to(device), **options)
         stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
         if device.type == "cuda":
@@ -554,7 +503,7 @@ class Qwen21Pipeline:
             masks = masks_at_image_size(masks, *images.shape[1:3], "the mask", "the image")
             alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
             images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
-        with self._vae_kernels("exact"):
+        with model_warmup.vae_kernels(self.kernel_warmup, "exact"):
             return self.vae.encode(images.to(self.vae_device), **options)
 
     @property

@@ -28,7 +28,7 @@ def planless_kernels():
 def prime_flash_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
     """Launch the flash kernel variants the encoder (causal) and the prefill (not causal) pick, at a length that fills
     its tiles and one that does not (the kernel is specialised on both), so that CUDA has loaded them before a
-    prompt (qwen21_core/cuda_priming.py). The aten op is called directly: `planless_kernels` sets SDPA's backend
+    prompt (qwen21_core/startup/priming.py). The aten op is called directly: `planless_kernels` sets SDPA's backend
     flags for the whole process, and another thread's attention must not change kernel meanwhile."""
     if torch.cuda.get_device_capability(device) < (8, 0):
         return  # no flash kernel before Ampere: SDPA picks the memory-efficient or the math kernel there

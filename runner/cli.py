@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from ..nodes import NODE_CLASS_MAPPINGS, host, memory_adapter
+from ..qwen21_core import settings
 from .core_nodes import make_core_nodes
 from .graph import NodeError, RunResult, WorkflowError, apply_overrides, execute, find_node, load_prompt
 from .ui_format import is_ui_workflow, ui_to_api
@@ -25,7 +26,7 @@ log = logging.getLogger("qwen21_nodes")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 WORKFLOWS_DIR = PACKAGE_DIR / "workflows"
 EXAMPLE_INPUTS = WORKFLOWS_DIR / "input"
-MODELS_ENV = "QWEN21_MODELS"
+MODELS_ENV = settings.MODELS
 DEMO_WORKFLOW = WORKFLOWS_DIR / "api" / "text_to_image.json"
 # (model folder, Qwen21ModelLoader input) for the three files of a ComfyUI install.
 LOADER_FILES = (("diffusion_models", "diffusion_model"), ("text_encoders", "text_encoder"), ("vae", "vae"))
@@ -94,7 +95,7 @@ def ensure_tiny_models(tiny_dir: str | os.PathLike) -> Path:
 
 
 def _demo(args) -> int:
-    models_dir = args.models or os.environ.get(MODELS_ENV)
+    models_dir = args.models or settings.current().models_dir
     overrides = []
     if models_dir:
         host.set_models_dir(models_dir)
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.vram_budget <= 0:
                 parser.error(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
             memory_adapter.set_vram_budget(int(args.vram_budget * 2**30))
-        models = args.models or os.environ.get(MODELS_ENV) or "models"
+        models = args.models or settings.current().models_dir or "models"
         return _run_and_report(args.workflow, models, args.input_dir, args.output_dir, args.set)
     if args.command == "demo":
         return _demo(args)

@@ -50,3 +50,18 @@ def fake_cuda_memory(monkeypatch):
             monkeypatch.setattr(torch.cuda, name, answer)
 
     return install
+
+
+@pytest.fixture
+def use_settings(monkeypatch):
+    """Run the test with some settings changed (kernels/settings.py: the pack reads its QWEN21_* variables once, so a
+    changed variable alone changes nothing): use_settings(quant_gemm="emulate"). The settings before come back
+    after the test."""
+    import dataclasses
+
+    from qwen21_nodes.kernels import settings
+
+    def apply(**changes):
+        monkeypatch.setattr(settings, "_current", dataclasses.replace(settings.current(), **changes))
+
+    return apply

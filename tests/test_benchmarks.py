@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH_VAE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vae.py"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -481,8 +482,9 @@ def test_bench_session_settle_waits_for_the_warmup_before_the_first_prompt(monke
             time.sleep(0.05)
             Warmup.waited_for = names
 
-    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=Warmup()))) >= 0.05
+    cpu = torch.device("cpu")  # no priming to wait for on a CPU
+    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=Warmup(), device=cpu))) >= 0.05
     assert Warmup.waited_for == ()  # every part
-    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=None))) < 0.05
+    assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=None, device=cpu))) < 0.05
     summary = _bench("bench_session.py", "--tiny", "--device", "cpu", "--small", "1", "--settle")["session_summary"][0]
     assert summary["settled_s"] >= 0 and summary["errors"] == 0

@@ -19,15 +19,14 @@ from qwen21_nodes.kernels import dequantize_weight as D
 from qwen21_nodes.qwen21_core.quant.kernel_warmup import dequantize_keys, dequantize_warmup_jobs
 from qwen21_nodes.qwen21_core.quant.linear import QuantLinear
 from qwen21_nodes.qwen21_core.quant.weights import QuantFormat
-from qwen21_nodes.qwen21_core.warmup import KernelWarmup
+from qwen21_nodes.qwen21_core.startup.warmup import KernelWarmup
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
 
 @pytest.fixture(autouse=True)
-def fresh_gate(monkeypatch):
-    """Every test starts with the default setting (the kernel on) and no key's state."""
-    monkeypatch.delenv(D.KERNEL_ENV, raising=False)
+def fresh_gate():
+    """Every test starts with no key's state."""
     D.clear()
     yield
     D.clear()
@@ -265,12 +264,10 @@ def test_cuda_warm_up_part_opens_the_gate_and_the_kernel_runs_in_a_cuda_graph():
     assert _same_bits(weight, D.dequantize_weight_reference(layer.qweight, layer.weight_scale, torch.bfloat16))
 
 
-def test_by_default_the_kernel_serves_at_every_row_count_and_never_when_turned_off(monkeypatch, launches):
+def test_the_kernel_serves_at_every_row_count_unless_forced_off(monkeypatch, launches):
     """Measured on the H200 (bench_text_encoder --dequant): with the direct launch the kernel made a 101-token encode
-    1.469x faster and a 1131-token one 1.103x, so it serves whatever the row count; QWEN21_DEQUANT_KERNEL=0 turns it
-    off, and then the warm-up has nothing to compile."""
-    from qwen21_nodes.qwen21_core.quant import kernel_warmup
-
+    1.469x faster and a 1131-token one 1.103x, so it serves whatever the row count; a benchmark's comparison can still
+    force it off (or on)."""
     q, scale = _weight(8, 32, FP8)
     want = D.dequantize_weight_reference(q, scale, torch.bfloat16)
     D.warm_up("cpu", FP8, torch.bfloat16)
@@ -284,10 +281,7 @@ def test_by_default_the_kernel_serves_at_every_row_count_and_never_when_turned_o
     launches.clear()
     layer(torch.randn(1, 64))
     assert len(launches) == 1
-    monkeypatch.setenv(D.KERNEL_ENV, "0")
-    monkeypatch.setattr(kernel_warmup, "dequantize_keys", lambda models: [("cuda:0", FP8, torch.bfloat16)])
-    assert kernel_warmup.dequantize_warmup_jobs([]) == []
-    assert _same_bits(D.dequantize_for_linear(q, scale, torch.bfloat16), want) and len(launches) == 1
-    with D.forced("cpu", FP8, torch.bfloat16, use_kernel=True):  # the benchmark's comparison still can
-        D.dequantize_for_linear(q, scale, torch.bfloat16)
+    with D.forced("cpu", FP8, torch.bfloat16, use_kernel=False):
+        assert _same_bits(D.dequantize_for_linear(q, scale, torch.bfloat16), want) and len(launches) == 1
+    D.dequantize_for_linear(q, scale, torch.bfloat16)
     assert len(launches) == 2

@@ -213,8 +213,6 @@ def path_taken(monkeypatch):
     monkeypatch.setattr(qnr, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(qnr, "_launch_fused", fake_fused)
     monkeypatch.setattr(qnr, "qk_norm_rope_reference", spy_reference)
-    monkeypatch.delenv(qnr.MIN_TOKENS_ENV, raising=False)
-    monkeypatch.delenv(qnr.MIN_TOKENS_IN_GRAPH_ENV, raising=False)
 
     def call(batch, seq, **kwargs):
         inputs = _make_inputs(batch, seq, 1, 4, torch.float32)
@@ -231,49 +229,30 @@ def test_gate_default_threshold(path_taken):
         assert path_taken(1, threshold - 1) == "reference"
 
 
-def test_gate_environment_variable_counts_batch_times_seq(path_taken, monkeypatch):
-    monkeypatch.setenv(qnr.MIN_TOKENS_ENV, "8")
-    assert path_taken(1, 7) == "reference"
-    assert path_taken(1, 8) == "fused"
-    assert path_taken(2, 4) == "fused"
-    assert path_taken(2, 3) == "reference"
+def test_gate_threshold_counts_batch_times_seq(path_taken):
+    assert path_taken(1, 7, min_tokens=8) == "reference"
+    assert path_taken(1, 8, min_tokens=8) == "fused"
+    assert path_taken(2, 4, min_tokens=8) == "fused"
+    assert path_taken(2, 3, min_tokens=8) == "reference"
 
 
-def test_gate_zero_means_always(path_taken, monkeypatch):
-    monkeypatch.setenv(qnr.MIN_TOKENS_ENV, "0")
-    assert path_taken(1, 1) == "fused"
-    monkeypatch.delenv(qnr.MIN_TOKENS_ENV)
+def test_gate_zero_means_always(path_taken):
     assert path_taken(1, 1, min_tokens=0) == "fused"
 
 
-def test_gate_argument_overrides_environment(path_taken, monkeypatch):
-    monkeypatch.setenv(qnr.MIN_TOKENS_ENV, "8")
-    assert path_taken(1, 2, min_tokens=2) == "fused"
-    assert path_taken(1, 8, min_tokens=9) == "reference"
-
-
-def test_gate_in_graph_has_its_own_threshold(path_taken, monkeypatch):
-    monkeypatch.setenv(qnr.MIN_TOKENS_ENV, "0")
-    monkeypatch.setenv(qnr.MIN_TOKENS_IN_GRAPH_ENV, "6")
+def test_gate_in_graph_has_its_own_default(path_taken, monkeypatch):
+    monkeypatch.setattr(qnr, "DEFAULT_MIN_TOKENS", 0)
+    monkeypatch.setattr(qnr, "DEFAULT_MIN_TOKENS_IN_GRAPH", 6)
     assert path_taken(1, 5, in_graph=True) == "reference"
     assert path_taken(1, 6, in_graph=True) == "fused"
     assert path_taken(1, 5) == "fused"
-    monkeypatch.delenv(qnr.MIN_TOKENS_IN_GRAPH_ENV)
-    assert qnr.fusion_min_tokens(in_graph=True) == qnr.DEFAULT_MIN_TOKENS_IN_GRAPH
+    assert qnr.fusion_min_tokens(in_graph=True) == 6 and qnr.fusion_min_tokens() == 0
     assert path_taken(1, 3, in_graph=True, min_tokens=4) == "reference"
 
 
 def test_gate_uses_reference_where_triton_cannot_run(path_taken, monkeypatch):
     monkeypatch.setattr(qnr, "triton_runs_on", lambda device: False)
     assert path_taken(1, 5, min_tokens=0) == "reference"
-
-
-@pytest.mark.parametrize("value", ["many", "-1", "1.5"])
-def test_gate_rejects_bad_environment_values(monkeypatch, value):
-    inputs = _make_inputs(1, 2, 1, 4, torch.float32)
-    monkeypatch.setenv(qnr.MIN_TOKENS_ENV, value)
-    with pytest.raises(ValueError, match=qnr.MIN_TOKENS_ENV):
-        qnr.qk_norm_rope(*inputs, EPS)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "8"])

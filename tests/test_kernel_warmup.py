@@ -15,10 +15,11 @@ import torch
 from qwen21_nodes.kernels import launch_configs
 from qwen21_nodes.qwen21_core.dit.kernel_warmup import FIRST_BUCKETS, PART, bucket_part, dit_warmup_parts, later_buckets
 from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+from qwen21_nodes.qwen21_core.startup import model_warmup
+from qwen21_nodes.qwen21_core.startup.warmup import MAX_THREADS, KernelWarmup
 from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER, TINY_VAE
 from qwen21_nodes.qwen21_core.vae.kernel_warmup import vae_warmup_jobs
 from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
-from qwen21_nodes.qwen21_core.warmup import MAX_THREADS, THREADS_ENV, KernelWarmup
 
 
 def test_parts_run_side_by_side_and_wait_blocks_until_done():
@@ -106,16 +107,12 @@ def test_a_failing_job_is_logged_and_never_raises(caplog):
     assert warmup.done("dit") and warmup.done("vae")
 
 
-def test_the_pool_size_comes_from_the_environment_when_it_is_a_positive_integer(monkeypatch, caplog):
-    monkeypatch.setenv(THREADS_ENV, "2")
+def test_the_pool_size_comes_from_the_settings_else_from_the_cores(use_settings):
+    use_settings(kernel_warmup_threads=2)
     assert KernelWarmup({}, torch.device("cpu")).threads == 2
     assert KernelWarmup({}, torch.device("cpu"), threads=3).threads == 3  # the caller's choice first
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(THREADS_ENV, bad)
-        with caplog.at_level(logging.WARNING):
-            threads = KernelWarmup({}, torch.device("cpu")).threads
-        assert 1 <= threads <= MAX_THREADS and THREADS_ENV in caplog.text
-        caplog.clear()
+    use_settings(kernel_warmup_threads=None)
+    assert 1 <= KernelWarmup({}, torch.device("cpu")).threads <= MAX_THREADS
 
 
 def test_wait_before_start_returns_at_once():
@@ -201,9 +198,14 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
         kernel.launch(Fn(), lambda config: (1,), (), {}, key, torch.device("cpu"))
 
     monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
-    monkeypatch.setattr(launch_configs, "_pending", {})
+    monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+    pending = model_warmup.PendingBuckets()
     compiled = threading.Event()
-    launch_configs.compiles_pending(8192, compiled)
+    warmup = KernelWarmup({"dit:8192": [lambda: compiled.wait(30)]}, torch.device("cpu"), threads=1,
+                          on_part_done=pending.forget_done)  # fmt: skip
+    pending.expect(warmup, {8192: "dit:8192"})
+    warmup.start()
+    assert launch_configs._bucket_gate == pending.wait_for  # the kernels' one hook, set while a bucket is pending
     launch(100)  # bucket 128: nothing pending
     with launch_configs.forced_bucket(8192):
         launch(16)  # the warm-up's own launch of the pending bucket
@@ -214,9 +216,91 @@ def test_a_launch_waits_for_its_buckets_pending_compiles_only(monkeypatch):
     compiled.set()
     waiting.join(5)
     assert not waiting.is_alive() and launched[-1] == "sampler"
-    assert launch_configs._pending == {}  # finished compiles are forgotten
+    assert pending._parts == {} and launch_configs._bucket_gate is None  # done: forgotten, the gate removed
     launch(5000)
     assert launched[-1] == "MainThread"
+
+
+def test_the_gate_goes_once_every_pending_part_is_done_even_without_a_launch(monkeypatch):
+    """A launch costs one check again once the warm-up has compiled every bucket, whether or not any launch met one."""
+    monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+    pending = model_warmup.PendingBuckets()
+    gates = [threading.Event(), threading.Event()]
+    warmup = KernelWarmup({"dit:8192": [gates[0].wait], "dit:16384": [gates[1].wait]}, torch.device("cpu"),
+                          threads=2, on_part_done=pending.forget_done)  # fmt: skip
+    pending.expect(warmup, {8192: "dit:8192", 16384: "dit:16384"})
+    warmup.start()
+    gates[0].set()
+    assert warmup.finished("dit:8192").wait(5)
+    assert set(pending._parts) == {16384} and launch_configs._bucket_gate is not None
+    gates[1].set()
+    warmup.wait()
+    assert pending._parts == {} and launch_configs._bucket_gate is None
+
+
+@pytest.fixture
+def cancel_soon():
+    """Cancel, as the user would, `delay` seconds from now through the host's interrupt flag (nodes/host.py); the
+    flag is clear again after the test."""
+    from qwen21_nodes.nodes import host
+
+    timers = []
+
+    def schedule(delay: float = 0.3):
+        timer = threading.Timer(delay, host.request_interrupt)
+        timers.append(timer)
+        timer.start()
+        return host
+
+    yield schedule
+    for timer in timers:
+        timer.cancel()
+    host._interrupt_requested.clear()
+
+
+def test_a_wait_for_a_hung_compile_ends_when_the_user_cancels(cancel_soon):
+    """A compile that never ends must not hold a run past Cancel (issue 43): the wait asks the host's interrupt check
+    every WAIT_SLICE_S, raises its error, and leaves the warm-up as it was (the part still running, no waiter left)."""
+    from qwen21_nodes.qwen21_core.startup.warmup import WAIT_SLICE_S
+
+    hung = threading.Event()
+    host = cancel_soon(0.3)
+    warmup = KernelWarmup({"dit": [lambda: hung.wait(30)]}, torch.device("cpu"), threads=1,
+                          check_interrupted=host.check_interrupted).start()  # fmt: skip
+    started = time.perf_counter()
+    with pytest.raises(host.Interrupted):
+        warmup.wait("dit")
+    assert time.perf_counter() - started < 0.3 + 10 * WAIT_SLICE_S
+    assert not warmup.done("dit") and warmup._waiters == 0
+    hung.set()
+    warmup.wait()  # no interrupt pending: waits to the end
+    assert warmup.done("dit") and not warmup.failures
+
+
+def test_the_sampler_and_a_launch_of_a_compiling_bucket_stop_waiting_when_the_user_cancels(monkeypatch, cancel_soon):
+    """The two waits of a run, as the pipeline starts the warm-up with the host's check: the sampler's for the DiT's
+    first part, and a launch's for its bucket's part (the kernels' gate)."""
+    hung = threading.Event()
+    pipe = _pipeline_starting_a_warmup(monkeypatch, dit_jobs=[lambda: hung.wait(30)])
+    host = cancel_soon(0.3)
+    pipe.check_interrupted = host.check_interrupted
+    warmup = pipe.start_kernel_warmup()
+    try:
+        with pytest.raises(host.Interrupted):
+            model_warmup.before_sampling(warmup)
+        monkeypatch.setattr(launch_configs, "_bucket_gate", None)
+        pending = model_warmup.PendingBuckets()
+        pending.expect(warmup, {8192: PART})  # a bucket whose part hangs
+        kernel = launch_configs.TunedKernel("toy_cancel", ("M_BUCKET",), rule=lambda key: launch_configs.LaunchConfig
+                                            .of(4), candidates=lambda key: [])  # fmt: skip
+        monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_00")
+        cancel_soon(0.3)
+        with pytest.raises(host.Interrupted):
+            kernel.launch(lambda *args: None, lambda config: (1,), (), {}, {"M_BUCKET": 8192}, torch.device("cpu"))
+    finally:
+        hung.set()
+    warmup.wait()
+    assert not warmup.failures
 
 
 def test_a_failed_part_still_releases_the_launches_waiting_for_it():
@@ -383,19 +467,20 @@ def _pipeline_starting_a_warmup(monkeypatch, encoder=None, dit_jobs=()):
     """A pipeline with only what start_kernel_warmup touches, on "cuda:0" (the warm-up starts on CUDA devices only),
     its warm-up's parts stubbed: the DiT's first part runs `dit_jobs`, the others have none, no CUDA stream."""
     from qwen21_nodes.qwen21_core import pipeline as pipeline_module
-    from qwen21_nodes.qwen21_core import warmup as warmup_module
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
+    from qwen21_nodes.qwen21_core.startup import model_warmup
+    from qwen21_nodes.qwen21_core.startup import warmup as warmup_module
 
     pipe = pipeline_module.Qwen21Pipeline.__new__(pipeline_module.Qwen21Pipeline)
     pipe.kernel_warmup, pipe.text_encoder, pipe.transformer, pipe.vae = None, encoder, None, None
     pipe.execution_device = torch.device("cuda", 0)
     pipe.decode_graphs = DecodeGraphs(None)
-    monkeypatch.setattr("qwen21_nodes.kernels._triton.TRITON_AVAILABLE", True)
-    monkeypatch.setattr(pipeline_module, "dit_warmup_parts", lambda *args: {PART: list(dit_jobs)})
-    monkeypatch.setattr(pipeline_module, "later_buckets", lambda: ())
+    monkeypatch.setattr(model_warmup, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(model_warmup, "dit_warmup_parts", lambda *args: {PART: list(dit_jobs)})
+    monkeypatch.setattr(model_warmup, "later_buckets", lambda: ())
     monkeypatch.setattr("qwen21_nodes.qwen21_core.quant.kernel_warmup.dequantize_warmup_jobs", lambda *args: [])
     monkeypatch.setattr("qwen21_nodes.qwen21_core.vae.kernel_warmup.vae_warmup_jobs", lambda *args: [])
-    monkeypatch.setattr(warmup_module, "_side_stream", lambda device: None)
+    monkeypatch.setattr(warmup_module, "side_stream", lambda device, purpose: None)
     return pipe
 
 
@@ -506,41 +591,6 @@ def test_on_the_gpu_the_image_encode_job_runs_and_leaves_the_random_state_alone(
     job()
     torch.cuda.synchronize()
     assert torch.equal(cpu_rng, torch.random.get_rng_state()) and torch.equal(gpu_rng, torch.cuda.get_rng_state())
-
-
-def test_tritons_cache_key_is_hashed_once_in_a_background_thread(monkeypatch):
-    """A restart's first compile hashed Triton's installation on the first image's critical path (0.35 s on the
-    H200): the node classes' import starts that hash in a thread of its own, once per process."""
-    from qwen21_nodes.kernels import _triton
-
-    calls = []
-    done = threading.Event()
-
-    def key():
-        calls.append(threading.current_thread().name)
-        done.set()
-
-    monkeypatch.setattr(_triton, "_key_primer", None)
-    monkeypatch.setattr(_triton, "TRITON_AVAILABLE", True)
-    monkeypatch.setattr(_triton, "INTERPRETER_ACTIVE", False)
-    monkeypatch.setattr(_triton, "_triton_key_function", lambda: key)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _triton.prime_compile_key()
-    assert _triton._key_primer is None and not calls  # no CUDA: nothing to compile, nothing to hash
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _triton.prime_compile_key()
-    _triton.prime_compile_key()
-    assert done.wait(5)
-    _triton._key_primer.join(5)
-    assert calls == ["qwen21-triton-key"]
-
-
-def test_the_cache_key_function_is_found_where_this_triton_keeps_it():
-    from qwen21_nodes.kernels import _triton
-
-    if not _triton.TRITON_AVAILABLE:
-        pytest.skip("Triton is not installed here")
-    assert callable(_triton._triton_key_function())
 
 
 def test_an_encode_pauses_a_running_warmup(monkeypatch):

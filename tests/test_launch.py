@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from qwen21_nodes.kernels import launch as launch_module
+from qwen21_nodes.kernels import settings
 from qwen21_nodes.kernels._triton import TRITON_AVAILABLE, jit, tl
 
 needs_gpu = pytest.mark.gpu  # skipped without a CUDA GPU (conftest.py); Triton comes with torch on CUDA machines
@@ -30,20 +31,20 @@ def decided_again():
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
-def test_the_direct_launch_is_used_only_where_it_was_written_for(monkeypatch, caplog):
+def test_the_direct_launch_is_used_only_where_it_was_written_for(monkeypatch, caplog, use_settings):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(launch_module, "INTERPRETER_ACTIVE", False)
     monkeypatch.setattr(launch_module, "_triton_version", lambda: launch_module.TESTED_TRITON[0])
-    monkeypatch.delenv(launch_module.FAST_LAUNCH_ENV, raising=False)
+    use_settings(fast_launch=None)
     assert launch_module._decide()
-    monkeypatch.setenv(launch_module.FAST_LAUNCH_ENV, "0")
+    use_settings(fast_launch=False)
     assert not launch_module._decide()
-    monkeypatch.delenv(launch_module.FAST_LAUNCH_ENV)
+    use_settings(fast_launch=None)
     monkeypatch.setattr(launch_module, "_triton_version", lambda: (2, 9))
     with caplog.at_level(logging.INFO):
         assert not launch_module._decide()
     assert "Triton's own path" in caplog.text
-    monkeypatch.setenv(launch_module.FAST_LAUNCH_ENV, "1")
+    use_settings(fast_launch=True)
     assert launch_module._decide()
     monkeypatch.setattr(launch_module, "INTERPRETER_ACTIVE", True)
     assert not launch_module._decide()
@@ -244,7 +245,7 @@ def test_a_direct_launch_runs_inside_a_capture_under_cudamallocasync(direct):
     failed capture there can abort the process."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync",
-           launch_module.FAST_LAUNCH_ENV: "1" if direct else "0"}  # fmt: skip
+           settings.FAST_LAUNCH: "1" if direct else "0"}  # fmt: skip
     done = subprocess.run([sys.executable, "-P", "-c", CAPTURE_CHILD, here], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     output = done.stdout + done.stderr

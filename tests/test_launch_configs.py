@@ -41,14 +41,14 @@ def _kernel():
 
 
 @pytest.fixture
-def table(tmp_path, monkeypatch):
+def table(tmp_path, monkeypatch, use_settings):
     """A tuned table for a fake architecture, sm_99, holding one key of the toy kernel."""
     entries = {"toy": {key_text({"M_BUCKET": 256, "N": 512}): {"BLOCK": 64, "num_warps": 8, "num_stages": 3}}}
     (tmp_path / "sm_99.json").write_text(json.dumps({"arch": "sm_99", "kernels": entries}))
     monkeypatch.setattr(launch_configs, "TABLE_DIR", tmp_path)
     monkeypatch.setattr(launch_configs, "_tables", {})
     monkeypatch.setattr(launch_configs, "architecture", lambda device: "sm_99")
-    monkeypatch.delenv(launch_configs.AUTOTUNE_ENV, raising=False)
+    use_settings(autotune=False)
 
 
 def _launch(kernel, fn, key):
@@ -122,7 +122,7 @@ def test_a_launch_error_that_is_not_about_resources_is_not_swallowed(table):
         _launch(_kernel(), Broken(), {"M_BUCKET": 256, "N": 512})
 
 
-def test_autotuning_only_when_asked_and_cached_on_disk(table, monkeypatch):
+def test_autotuning_only_when_asked_and_cached_on_disk(table, monkeypatch, use_settings):
     made, launched = [], []
 
     class FakeTuner:
@@ -137,7 +137,7 @@ def test_autotuning_only_when_asked_and_cached_on_disk(table, monkeypatch):
     fn = RecordingKernel()
     _launch(_kernel(), fn, {"M_BUCKET": 256, "N": 512})
     assert made == [] and len(fn.launches) == 1  # the table served
-    monkeypatch.setenv(launch_configs.AUTOTUNE_ENV, "1")
+    use_settings(autotune=True)
     _launch(_kernel(), fn, {"M_BUCKET": 256, "N": 512})
     assert made == [(4, ("M_BUCKET", "N"), True)]  # every candidate, the kernel's key, results kept on disk
     assert launched == [((16,), ("x",), {"MODE": 1})] and len(fn.launches) == 1

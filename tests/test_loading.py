@@ -271,13 +271,13 @@ def test_cuda_load_matches_cpu_load(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_quantised_text_encoder_multiplies_with_dequantised_weights(tiny, monkeypatch, fmt):
+def test_quantised_text_encoder_multiplies_with_dequantised_weights(tiny, use_settings, fmt):
     """The text encoder's quantised layers keep bf16 activations (weight-only, see loading.py
     TEXT_ENCODER_QUANTIZES_ACTIVATIONS): even where W8A8 would run (here its CPU emulation), and closer to the
     float encoder than W8A8 on the same weights."""
-    from qwen21_nodes.qwen21_core.quant.linear import GEMM_ENV, QuantLinear
+    from qwen21_nodes.qwen21_core.quant.linear import QuantLinear
 
-    monkeypatch.setenv(GEMM_ENV, "emulate")
+    use_settings(quant_gemm="emulate")
     load = dict(tokenizer=tiny["tokenizer"])
     float_encoder, _ = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, **load)
     encoder, info = loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, **load,

@@ -49,6 +49,12 @@ def sample(model, conditioning, **changes):
     return Qwen21Sampler().sample(model, conditioning, **inputs)
 
 
+def test_the_loader_gives_the_pipeline_the_hosts_cancel_for_its_warmup_waits(model):
+    """A wait for the kernel warm-up (a compile that hangs) must end when the user cancels: the loader passes the
+    host's interrupt check down to the pipeline, whose warm-up calls it while waiting (qwen21_core/startup/)."""
+    assert model.pipe.check_interrupted is host.check_interrupted
+
+
 def test_loaders_list_the_tiny_files_and_agree(model):
     (folder,) = [f for f in host.list_diffusers_folders() if "turbo" not in f]
     from_folder, *_ = Qwen21DiffusersLoader().load(folder, "fp32", "cpu", True)

@@ -18,7 +18,7 @@ from qwen21_nodes.qwen21_core.config import TransformerConfig
 from qwen21_nodes.qwen21_core.dit import quant_math
 from qwen21_nodes.qwen21_core.dit.sequence import build_layout
 from qwen21_nodes.qwen21_core.dit.transformer import QUANTIZABLE, QwenImage21Transformer, uniform_plan
-from qwen21_nodes.qwen21_core.quant.linear import GEMM_ENV, QuantLinear
+from qwen21_nodes.qwen21_core.quant.linear import QuantLinear
 from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
 from qwen21_nodes.qwen21_core.quant.weights import FORMATS, dequantize_weight, quantize_weight
 from safetensors.torch import save_file
@@ -83,8 +83,8 @@ def test_convrot_layers_narrower_than_a_group_are_not_rotated():
 
 @pytest.mark.parametrize("backend", ["weight_only", "emulate"])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_quant_linear_error_per_linear(monkeypatch, backend, name):
-    monkeypatch.setenv(GEMM_ENV, backend)
+def test_quant_linear_error_per_linear(use_settings, backend, name):
+    use_settings(quant_gemm=backend)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(768, 512, generator=gen) / 512**0.5
     x = torch.randn(64, 512, generator=gen)
@@ -95,8 +95,8 @@ def test_quant_linear_error_per_linear(monkeypatch, backend, name):
     assert error > 1e-4  # it really went through the quantised weight
 
 
-def test_int8_and_convrot_agree_on_the_product_they_approximate(monkeypatch):
-    monkeypatch.setenv(GEMM_ENV, "emulate")
+def test_int8_and_convrot_agree_on_the_product_they_approximate(use_settings):
+    use_settings(quant_gemm="emulate")
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(256, 512, generator=gen)
     x = torch.randn(32, 512, generator=gen)
@@ -110,8 +110,8 @@ def test_int8_and_convrot_agree_on_the_product_they_approximate(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_fused_block_math_matches_the_unfused_quantised_ops(monkeypatch, name):
-    monkeypatch.setenv(GEMM_ENV, "emulate")  # the W8A8 arithmetic, as the GPU path computes it
+def test_fused_block_math_matches_the_unfused_quantised_ops(use_settings, name):
+    use_settings(quant_gemm="emulate")  # the W8A8 arithmetic, as the GPU path computes it
     block = _small_dit().transformer_blocks[0]
     gen = torch.Generator().manual_seed(3)
     b, s, d = 2, 9, SMALL.inner_dim
@@ -160,8 +160,8 @@ def _psnr(a, b):
 
 @pytest.mark.parametrize("backend", ["weight_only", "emulate"])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_quantized_dit_velocity_against_its_float_self(monkeypatch, backend, name):
-    monkeypatch.setenv(GEMM_ENV, backend)
+def test_quantized_dit_velocity_against_its_float_self(use_settings, backend, name):
+    use_settings(quant_gemm=backend)
     model = _small_dit()
     with torch.inference_mode():
         reference = _velocity(model)
@@ -222,10 +222,10 @@ def test_comfy_quantized_dit_file_loads_its_stored_values_exactly(tmp_path, fmt,
 
 
 @pytest.mark.parametrize("group,backend", [(256, "weight_only"), (64, "weight_only"), (64, "emulate"), (4, "emulate")])
-def test_comfy_int8_convrot_dit_file_samples_on_cpu(tmp_path, monkeypatch, group, backend):
+def test_comfy_int8_convrot_dit_file_samples_on_cpu(tmp_path, use_settings, group, backend):
     """weight_only rotates each weight back; emulate is the W8A8 arithmetic of the GPU path, activations rotated
     by the quantiser in the file's group: either way the velocity is the float model's, to int8 rounding."""
-    monkeypatch.setenv(GEMM_ENV, backend)
+    use_settings(quant_gemm=backend)
     model = _small_dit()
     path, _ = _comfy_dit_file(tmp_path, model, "int8_convrot", group)
     loaded, _ = loading.load_transformer(path, "cpu", torch.float32)
@@ -281,7 +281,7 @@ def test_formats_we_cannot_run_are_named_with_what_to_use(tmp_path, conf, messag
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)")
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_w8a8_on_the_gpu_matches_its_emulation_and_replays_bit_identically(monkeypatch, name):
+def test_w8a8_on_the_gpu_matches_its_emulation_and_replays_bit_identically(use_settings, name):
     from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 
     model = _small_dit().to("cuda", torch.bfloat16)
@@ -291,9 +291,9 @@ def test_w8a8_on_the_gpu_matches_its_emulation_and_replays_bit_identically(monke
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, SMALL.inner_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     gpu = layer(x).float()
-    monkeypatch.setenv(GEMM_ENV, "emulate")
+    use_settings(quant_gemm="emulate")
     emulated = layer(x).float()
-    monkeypatch.delenv(GEMM_ENV)
+    use_settings(quant_gemm=None)
     assert _rel(gpu, emulated) < 5e-3  # same quantised operands; bf16 output and fp32 accumulation order differ
 
     shapes = [(4, 4)]

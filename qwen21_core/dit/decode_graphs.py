@@ -20,12 +20,12 @@ Bookkeeping rules:
   cache on, which names a generation's prefix), where the kept graph entry also keeps the prefix K/V for the runs
   after it; a changed prompt that happens to have a length met before stays eager (its capture cost about 90 ms and
   bought nothing: 8-step turbo images 0.69 s against 0.6 s, BENCHMARKS "Session"). A generation that reached no
-  verdict (interrupted, or every timed step deferred) keeps the earlier one. A capture costs a warm-up step and the
-  capture itself. Two things read as host time and are kept out of the measure:
+  verdict (interrupted, or every timed step deferred) keeps the earlier one. A capture costs a step run before it and
+  the capture itself. Two things read as host time and are kept out of the measure:
   - a key's first step carries one-time costs (the process's first launches and lazy library set-up, a new shape's
     first GEMM heuristics and allocations): it is only run, and the key's second step is timed. Timing the first
     made the first image of every process capture a GPU-bound 1024^2 step, and every first 1536^2 image capture;
-  - while the background kernel warm-up runs (qwen21_core/warmup.py, `background_busy`) its threads take the
+  - while the background kernel warm-up runs (qwen21_core/startup/warmup.py, `background_busy`) its threads take the
     interpreter now and then: a restart's second step, timed while the VAE's kernels still loaded, captured a
     GPU-bound 1024^2 step (a first image 1.36-1.42x the steady one, BENCHMARKS "Session"). Then the host's share is
     this thread's CPU time over the step's wall time, which waits for the interpreter do not raise; below the share
@@ -59,12 +59,13 @@ import torch
 from ...kernels.launch import direct_launches
 from ..memory.planner import graph_pool_idle_bytes
 from ..quant.linear import LowRankSidePath
+from ..startup.streams import CAPTURE, side_stream
 from .kv_cache import KVCacheSpec
 from .transformer import Branch, QwenImage21Transformer
 
 log = logging.getLogger(__name__)
 
-WARMUP_RUNS = 1  # lazy cuBLAS workspaces and first kernel launches happen here, outside the capture
+PRE_CAPTURE_RUNS = 1  # lazy cuBLAS workspaces and first kernel launches happen here, outside the capture
 # a first-seen key captures from the step after its timed one when the host took at least this share of its wall time
 LAUNCH_BOUND_SHARE = 0.9
 SEEN_KEYS_KEPT = 256  # keys of earlier eager generations remembered (a few hundred tuples)
@@ -142,9 +143,6 @@ def cuda_allocator_backend() -> str:
     return torch.cuda.get_allocator_backend()
 
 
-_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
 def weights_signature(transformer: QwenImage21Transformer) -> tuple:
     """What a captured graph reads by address: every parameter's, and the LoRA side paths' factors (with their shapes
     and rows, built into the graph). A change means the graphs must be captured again."""
@@ -152,22 +150,13 @@ def weights_signature(transformer: QwenImage21Transformer) -> tuple:
     return tuple(p.data_ptr() for p in transformer.parameters()), side_paths
 
 
-def _warmup_stream() -> torch.cuda.Stream:
-    """One side stream per device for the warm-up runs before a capture. A stream that runs a GEMM gets a cuBLAS
-    workspace that lives as long as the process, so a new stream per capture leaves memory behind at every capture."""
-    device = torch.cuda.current_device()
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    return _WARMUP_STREAMS[device]
-
-
-def warm_up_on_side_stream(run):
-    """`run()` WARMUP_RUNS times on the side stream, outside any capture (lazy set-up, first launches); returns its last
-    result, once the current stream has waited for it."""
-    stream = _warmup_stream()
+def run_before_capture(run):
+    """`run()` PRE_CAPTURE_RUNS times on the device's capture side stream (startup/streams.py), outside any capture
+    (lazy set-up, first launches); returns its last result, once the current stream has waited for it."""
+    stream = side_stream(torch.device("cuda", torch.cuda.current_device()), CAPTURE)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(WARMUP_RUNS):
+        for _ in range(PRE_CAPTURE_RUNS):
             result = run()
     torch.cuda.current_stream().wait_stream(stream)
     return result
@@ -175,7 +164,7 @@ def warm_up_on_side_stream(run):
 
 def capture_graph(run) -> torch.cuda.CUDAGraph:
     """`run()` captured into a new CUDA graph. Thread-local: other threads' CUDA work (the kernel warm-up,
-    qwen21_core/warmup.py; ComfyUI's previews; with several GPUs, the NCCL watchdog's event queries) may go on during
+    qwen21_core/startup/; ComfyUI's previews; with several GPUs, the NCCL watchdog's event queries) may go on during
     the capture; only this thread's calls are checked against it."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -185,7 +174,7 @@ def capture_graph(run) -> torch.cuda.CUDAGraph:
 
 def cuda_graph_capture(decode, static_x, static_t):
     """Capture `decode(static_x, static_t)` into a CUDA graph. Returns (graph, static output)."""
-    out = warm_up_on_side_stream(lambda: decode(static_x, static_t))
+    out = run_before_capture(lambda: decode(static_x, static_t))
     # The output lives in memory allocated before the capture: under cudaMallocAsync a tensor allocated inside one
     # and freed after it draws a warning from PyTorch at every graph's release
     static_out = torch.empty_like(out)
@@ -209,7 +198,7 @@ class DecodeGraphs:
     _weights: tuple | None = None
     _logged: set = field(default_factory=set)
     deferred_shares: list = field(default_factory=list)  # steps timed while the warm-up ran, with no verdict
-    # True while other threads of this process may take the interpreter (the kernel warm-up, qwen21_core/warmup.py)
+    # True while other threads of this process may take the interpreter (the kernel warm-up, qwen21_core/startup/)
     background_busy: Callable[[], bool] | None = None
 
     # ---- generation lifetime ----------------------------------------------------------------------

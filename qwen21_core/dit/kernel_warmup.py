@@ -8,7 +8,7 @@ token counts are not specialised on (kernels/_triton.py `jit`), so these few row
 prompts use.
 
 It runs on a copy of block 0 on the execution device, so it may run in a background thread while the model itself
-is loaded, offloaded, streamed or merged with a LoRA (qwen21_core/warmup.py); values are meaningless, only the
+is loaded, offloaded, streamed or merged with a LoRA (qwen21_core/startup/warmup.py); values are meaningless, only the
 compiles count.
 """
 
@@ -21,7 +21,7 @@ import torch
 from ...kernels.kv_quant import dequantize_kv, quantize_kv
 from ...kernels.launch_configs import all_buckets, forced_bucket
 from ...kernels.qk_norm_rope import qk_norm_rope
-from ..warmup import shared_copy
+from ..startup.warmup import shared_copy
 from .attention import shared_prefix_decode_attention
 from .transformer import EAGER, Modulation, QwenImage21Transformer, TextProjection, TimestepEmbedding
 
@@ -38,13 +38,13 @@ def later_buckets() -> list[int]:
 
 
 def bucket_part(bucket: int) -> str:
-    """The warm-up part compiling a later bucket: a launch of that bucket waits for it (launch_configs
-    `compiles_pending`), the sampler does not."""
+    """The warm-up part compiling a later bucket: a launch of that bucket waits for it (startup/model_warmup.py
+    `PendingBuckets`), the sampler does not."""
     return f"{PART}:{bucket}"
 
 
 def dit_warmup_parts(transformer: QwenImage21Transformer, device: torch.device) -> dict[str, list[Callable[[], None]]]:
-    """The DiT's warm-up as small independent jobs (they run on a thread pool, qwen21_core/warmup.py), in two kinds
+    """The DiT's warm-up as small independent jobs (they run on a thread pool, startup/warmup.py), in two kinds
     of part. PART: QK-norm+RoPE and the attention merge, the K/V-cache formats, and the FIRST_BUCKETS' projections;
     with them every kernel that is not keyed by M bucket has compiled. `bucket_part(b)` for every later bucket:
     its QKV projection and the block's finish (output projection and MLP). The first int8_convrot image on a fresh
@@ -108,7 +108,7 @@ def warm_up_kv_formats(config, device: torch.device, dtype: torch.dtype) -> None
 @torch.no_grad()
 def prime_entry_ops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
     """The torch kernels a prefill and a step launch outside the blocks, on tiny modules of the same classes and
-    without any model (qwen21_core/cuda_priming.py): the timestep sinusoid and its MLP, the text projection (fp32
+    without any model (qwen21_core/startup/priming.py): the timestep sinusoid and its MLP, the text projection (fp32
     RMSNorm, GELU-tanh) and the scatter of its rows into the prefix. Values are meaningless (uninitialised weights)."""
     with torch.device("meta"):
         embed = TimestepEmbedding(PRIMING_WIDTH)

@@ -52,7 +52,7 @@ from .decode_graphs import (
     async_allocator_blocker,
     capture_graph,
     cuda_allocator_backend,
-    warm_up_on_side_stream,
+    run_before_capture,
     weights_signature,
 )
 from .sequence import Segment
@@ -288,7 +288,7 @@ class PrefillGraphs:
 
 
 def cuda_graph_capture(run) -> torch.cuda.CUDAGraph:
-    """Capture `run()` (it writes only into tensors that outlive it) into a CUDA graph, after its warm-up runs on the
-    side stream (dit/decode_graphs.py)."""
-    warm_up_on_side_stream(run)
+    """Capture `run()` (it writes only into tensors that outlive it) into a CUDA graph, after its runs before the
+    capture on a side stream (dit/decode_graphs.py)."""
+    run_before_capture(run)
     return capture_graph(run)

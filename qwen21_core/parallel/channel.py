@@ -13,7 +13,6 @@ fault, shutdown, abort. Worker -> rank 0: hello, ready, joined, done, released, 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import sys
 import traceback
@@ -37,6 +36,7 @@ PACKAGE_ROOT = __name__.removesuffix(".qwen21_core.parallel.channel")
 _BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "slice", "range", "complex", "bytes", "bytearray", "str",
              "int", "float", "bool"}  # fmt: skip
 _ROOTS = ("torch", "collections", "pathlib")
+_trusted: frozenset[str] = frozenset()  # TRUSTED_MODULES_ENV's modules, given by the worker's start (trust_modules)
 
 
 def send(connection: Connection, *message) -> None:
@@ -53,6 +53,13 @@ def trusted_modules(*objects) -> str:
     return ",".join(sorted(name for name in names if name and not _allowed_module(name, ())))
 
 
+def trust_modules(value: str) -> None:
+    """Let messages name these modules too (TRUSTED_MODULES_ENV's comma-separated value, read by worker.py at its
+    start)."""
+    global _trusted
+    _trusted = frozenset(m for m in value.split(",") if m)
+
+
 def _allowed_module(module: str, trusted) -> bool:
     root = module.split(".")[0]
     return root in _ROOTS or module == PACKAGE_ROOT or module.startswith(PACKAGE_ROOT + ".") or module in trusted
@@ -60,8 +67,7 @@ def _allowed_module(module: str, trusted) -> bool:
 
 class _MessageUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        trusted = {m for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m}
-        if (module == "builtins" and name in _BUILTINS) or _allowed_module(module, trusted):
+        if (module == "builtins" and name in _BUILTINS) or _allowed_module(module, _trusted):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"the parallel channel refuses {module}.{name} in a message")
 

@@ -7,38 +7,27 @@ meets the old one's keys. Every collective has the group's timeout.
 Failures: a blocked gloo collective ends with an error as soon as a peer leaves the group or exits (its connection
 closes) and otherwise at the timeout. A blocked NCCL collective ends only when the local communicator is aborted:
 torch's own NCCL watchdog would do that by tearing the whole process down (which would take ComfyUI with it), so
-its error handling is switched off here (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) and our watchdog aborts instead
-(pool.py, worker.py).
+its error handling is switched off (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) and our watchdog aborts instead (pool.py,
+worker.py). Torch has no option for it, only that variable, which ProcessGroupNCCL reads once, in its constructor: a
+worker gets it in the environment it starts with (pool.py), and rank 0, which is ComfyUI's process, holds it only
+while its group is constructed (`_nccl_error_handling_off`), so ComfyUI's environment is left as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "QWEN21_PARALLEL_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0  # a 2048^2 prefill with 16 reference images, or a first torch.compile, stays below it
-LOAD_TIMEOUT_ENV = "QWEN21_PARALLEL_LOAD_TIMEOUT"
-DEFAULT_LOAD_TIMEOUT_S = 1800.0  # a worker reading its DiT from a slow disk
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds > 0; set it to e.g. 300 or unset it")
-    return value
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's; "0": its watchdog never tears the process down
+_construction = threading.Lock()
 
 
 def backend_for(devices) -> str:
@@ -60,16 +49,31 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
          timeout_s: float) -> None:  # fmt: skip
     """Form group number `generation` (leaving any earlier one first). Blocks until every rank has joined."""
     leave()
-    if backend == "nccl":
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # read when the group is made; see the module docstring
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"qwen21-group-{generation}", store),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
-    )
+    with _nccl_error_handling_off() if backend == "nccl" else contextlib.nullcontext():
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"qwen21-group-{generation}", store),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,  # constructs the NCCL group now (eager init)
+        )
+
+
+@contextlib.contextmanager
+def _nccl_error_handling_off():
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=0 while the group is constructed, the value before restored after it (see the
+    module docstring): a worker already has it; ComfyUI's process keeps no trace of it."""
+    with _construction:
+        before = os.environ.get(NCCL_ERROR_HANDLING)
+        os.environ[NCCL_ERROR_HANDLING] = "0"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(NCCL_ERROR_HANDLING, None)
+            else:
+                os.environ[NCCL_ERROR_HANDLING] = before
 
 
 def leave() -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
 from ..errors import stable_name
 from . import group
 from .channel import TRUSTED_MODULES_ENV, Failure, python_command, receive, send, trusted_modules
@@ -136,9 +137,8 @@ class WorkerPool:
         self.backend = backend or group.backend_for([self.device] + [w.device for w in self.workers])
         if self.backend == "nccl" and not torch.distributed.is_nccl_available():
             raise RuntimeError("several GPUs need PyTorch with NCCL (its Linux CUDA builds); this one has none")
-        self.timeout_s = timeout_s or group.seconds_from_env(group.TIMEOUT_ENV, group.DEFAULT_TIMEOUT_S)
-        self.load_timeout_s = load_timeout_s or group.seconds_from_env(group.LOAD_TIMEOUT_ENV,
-                                                                       group.DEFAULT_LOAD_TIMEOUT_S)  # fmt: skip
+        self.timeout_s = timeout_s or settings.current().parallel_timeout_s
+        self.load_timeout_s = load_timeout_s or settings.current().parallel_load_timeout_s
         self.kept = KeptBranches()  # rank 0's sequence-parallel caches kept for a rerun (the workers keep theirs)
         self.generation = 0
         self.broken = True  # no group yet
@@ -187,7 +187,8 @@ class WorkerPool:
         return pool
 
     def _spawn(self, workers: list[_Worker]) -> None:
-        """Start these workers' processes and take their channels as they connect (each says its rank first)."""
+        """Start these workers' processes and take their channels as they connect (each says its rank first). Each
+        child's environment is this process's plus what its start needs (worker.py reads it)."""
         host, port = self._listener.address
         for worker in workers:
             env = dict(os.environ)
@@ -197,6 +198,7 @@ class WorkerPool:
                 RANK_ENV: str(worker.rank),
                 TRUSTED_MODULES_ENV: trusted_modules(self.recipe),  # a FunctionRecipe's builder, for its messages
                 "PYTHONPATH": worker_python_path(),
+                group.NCCL_ERROR_HANDLING: "0",  # our watchdog, not torch's, ends a failed run (group.py)
             })  # fmt: skip
             worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
                                               start_new_session=True)  # fmt: skip
@@ -227,7 +229,7 @@ class WorkerPool:
             raise RuntimeError(f"worker rank {worker.rank} ({worker.device}) did not start: its process exited with "
                                f"code {worker.process.poll()}; see its log lines above")  # fmt: skip
         raise RuntimeError(f"worker ranks {[w.rank for w in waiting]} did not connect within "
-                           f"{self.load_timeout_s:.0f} s ({group.LOAD_TIMEOUT_ENV})")  # fmt: skip
+                           f"{self.load_timeout_s:.0f} s ({settings.PARALLEL_LOAD_TIMEOUT})")  # fmt: skip
 
     def _load(self, workers: list[_Worker]) -> None:
         """Every worker builds its DiT (at once), then says so."""
@@ -290,7 +292,7 @@ class WorkerPool:
             busy = self.busy_since
             if busy is not None and time.monotonic() - busy > self.timeout_s and self.failure is None:
                 self._fail(Failure(0, str(self.device), "timeout", f"a step made no progress in {self.timeout_s:.0f} "
-                                   f"s (set {group.TIMEOUT_ENV} to wait longer)"))  # fmt: skip
+                                   f"s (set {settings.PARALLEL_TIMEOUT} to wait longer)"))  # fmt: skip
 
     def _fail(self, failure: Failure) -> None:
         """Record the first failure of a run and make every rank stop waiting on the others."""

@@ -18,11 +18,12 @@ from multiprocessing.connection import Client
 
 import torch
 
+from .. import settings
 from ..dit.decode_graphs import DecodeGraphs
 from ..lora.merge import LoraMerger, layer_shapes, originals_for
 from ..lora.reading import read_lora
 from . import group
-from .channel import Failure, receive, send
+from .channel import TRUSTED_MODULES_ENV, Failure, receive, send, trust_modules
 from .jobs import JobSpec, KeptBranches, ParallelJob
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"[qwen21 worker rank {rank}] %(levelname)s %(module)s: %(message)s")
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    trust_modules(os.environ.get(TRUSTED_MODULES_ENV, ""))
     torch.set_grad_enabled(False)
     Worker(connection, rank).run()
 
@@ -51,7 +53,7 @@ class Worker:
         self.commands: queue.Queue = queue.Queue()
         self.device = torch.device("cpu")
         self.transformer = self.graphs = self.merger = self.store = None
-        self.world, self.backend, self.timeout_s = 0, "gloo", group.DEFAULT_TIMEOUT_S
+        self.world, self.backend, self.timeout_s = 0, "gloo", settings.Settings.parallel_timeout_s  # until on_load
         self.kept = KeptBranches()
         self.loras: dict[str, object] = {}  # LoRA identity -> LoraFile read here
         self.job: ParallelJob | None = None

@@ -2,7 +2,7 @@
 
 The text encoder's QuantLinears always take the weight-only path, and the DiT's do where no W8A8 GEMM runs; both
 dequantise through the same kernel, one compile per (device, storage dtype, output dtype). One job per such key met
-in the given models: queued in the background warm-up (qwen21_core/warmup.py, part "text"), each key is marked
+in the given models: queued in the background warm-up (qwen21_core/startup/warmup.py, part "text"), each key is marked
 pending at once, so the layers use torch's expression (the same bits) until the job has compiled and checked the
 kernel, and the kernel from then on. The jobs need no weights, only the dtypes: the models may be anywhere meanwhile.
 """
@@ -34,10 +34,7 @@ def dequantize_keys(models: Iterable[tuple[nn.Module | None, torch.device]]) -> 
 
 
 def dequantize_warmup_jobs(models: Iterable[tuple[nn.Module | None, torch.device]]) -> list[Callable[[], None]]:
-    """One job per key of `dequantize_keys`, each marked pending now (call this only for a warm-up that starts);
-    none while the kernel is turned off (QWEN21_DEQUANT_KERNEL=0, kernels/dequantize_weight.py)."""
-    if not dequantize_weight.kernel_enabled():
-        return []
+    """One job per key of `dequantize_keys`, each marked pending now (call this only for a warm-up that starts)."""
     jobs = []
     for key in dequantize_keys(models):
         dequantize_weight.expect_warm_up(*key)

@@ -14,8 +14,8 @@ How it multiplies, per device (`gemm_backend`):
   (kernels/dequantize_weight.py: one read of the stored weight, one write in the activation dtype, bit-identical to
   torch's fp32 expression), used once the background warm-up compiled it (quant/kernel_warmup.py) so that no
   encode waits for the compile; torch's expression serves until then and on the CPU.
-`QWEN21_QUANT_GEMM=weight_only|emulate` overrides the choice; "emulate" computes the W8A8 arithmetic in fp32
-(quantised activations times quantised weights), so CPU tests see what the GPU path computes.
+`QWEN21_QUANT_GEMM=weight_only|emulate` (kernels/settings.py) overrides the choice; "emulate" computes the W8A8
+arithmetic in fp32 (quantised activations times quantised weights), so CPU tests see what the GPU path computes.
 
 The DiT's blocks call `quantize_input` / `project` themselves so the activation quantisation happens inside the
 op before (dit/quant_math.py); `forward` is the plain, unfused use (the text encoder, the tests).
@@ -24,7 +24,6 @@ op before (dit/quant_math.py); `forward` is the plain, unfused use (the text enc
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,16 +34,15 @@ from ...kernels.dequantize_weight import dequantize_for_linear, dequantize_weigh
 from ...kernels.int8_gemm import int8_linear
 from ...kernels.linear_epilogue import linear_epilogue
 from ...kernels.quantize_rows import quantize_rows, rotate
+from .. import settings
 from ..memory.planner import indexed_device
 from .weights import QuantFormat, dequantize_weight, quantize_weight
 
 log = logging.getLogger(__name__)
 
-GEMM_ENV = "QWEN21_QUANT_GEMM"
-FAST_ACCUM_ENV = "QWEN21_FP8_FAST_ACCUM"
 # FP8 GEMMs with Hopper's fast accumulation (fewer promotions of the partial sums). On the H200 it made the 1024^2
 # decode step 74.6 -> 69.7 ms and left the per-GEMM error at 3.75% (bench_quant fast_accum_rel_error 0.0375 vs
-# 0.0375; bench_dit dit_fp8_accumulation), so it is on; QWEN21_FP8_FAST_ACCUM=0 turns it off.
+# 0.0375; bench_dit dit_fp8_accumulation), so it is on; bench_dit sets it False to compare.
 FP8_FAST_ACCUM = True
 INT_MM_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
 _backends: dict[tuple[torch.device, str], str] = {}  # (device, kind) -> backend, probed once
@@ -110,11 +108,9 @@ class QuantLinear(nn.Module):
 
     def backend(self, rows: int) -> str:
         """How a GEMM of `rows` activation rows runs on this layer's device (see the module docstring)."""
-        forced = os.environ.get(GEMM_ENV, "").strip()
-        if forced in ("weight_only", "emulate"):
+        forced = settings.current().quant_gemm
+        if forced is not None:
             return forced
-        if forced:
-            raise ValueError(f"{GEMM_ENV}={forced!r}: expected weight_only, emulate or unset")
         backend = gemm_backend(self.qweight.device, self.fmt.kind)
         if backend == "int_mm" and rows < INT_MM_MIN_ROWS:
             return "weight_only"
@@ -130,7 +126,7 @@ class QuantLinear(nn.Module):
             return Projected(int8_linear(q, scale, self.qweight, self.weight_scale, out_dtype=self.compute_dtype))
         if backend == "scaled_mm":
             out = torch._scaled_mm(q, self.qweight.t(), scale_a=scale[:, None], scale_b=self.weight_scale[None, :],
-                                   out_dtype=self.compute_dtype, use_fast_accum=fp8_fast_accum())  # fmt: skip
+                                   out_dtype=self.compute_dtype, use_fast_accum=FP8_FAST_ACCUM)  # fmt: skip
             return Projected(out)
         if backend == "int_mm":
             return Projected(torch._int_mm(q, self.qweight.t()), scale, self.weight_scale)
@@ -213,11 +209,6 @@ class LowRankSidePath(nn.Module):
         h = x2d @ self.down.to(x2d.dtype).t()
         for index, (rows, columns) in enumerate(self.pieces):
             y[:, rows].addmm_(h[:, columns], getattr(self, f"up_{index}").to(y.dtype).t())
-
-
-def fp8_fast_accum() -> bool:
-    raw = os.environ.get(FAST_ACCUM_ENV, "").strip()
-    return FP8_FAST_ACCUM if not raw else raw == "1"
 
 
 def quantize_linears_(module: nn.Module, names, fmt: QuantFormat, quantize_activations: bool = True) -> nn.Module:

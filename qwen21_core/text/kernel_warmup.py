@@ -51,7 +51,7 @@ def image_encode_warmup_jobs(encoder: Qwen21TextEncoder | None, device: torch.de
 
 
 def text_prompt_priming() -> Callable[[torch.device, torch.dtype], None]:
-    """The step of qwen21_core/cuda_priming.py that runs a text-only prompt through a tiny Qwen3-VL, so the language
+    """The step of qwen21_core/startup/priming.py that runs a text-only prompt through a tiny Qwen3-VL, so the language
     model's torch kernels load before any encoder exists. Its tiny processor, inputs and config are made now, on the
     caller's thread: every import happens there and not in the priming thread, where an import racing one of the main
     thread's could deadlock Python's import locks."""

@@ -9,7 +9,7 @@ image's: without them its first decode compiled the norm kernel's tail again, 0.
 image (the first that decodes with the kernels; BENCHMARKS: Session).
 
 Like the DiT's, it runs on a copy (the VAE is small), so the model itself stays free to be used or moved, and as
-small jobs on the warm-up's thread pool (qwen21_core/warmup.py): the self-tests apart from the decodes.
+small jobs on the warm-up's thread pool (qwen21_core/startup/warmup.py): the self-tests apart from the decodes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ...kernels import bias_residual, rmsnorm_silu
-from ..warmup import shared_copy
+from ..startup.warmup import shared_copy
 from .model import QwenImage21VAE
 
 LATENT_SIDES = (2, 4, 16)

@@ -1,23 +1,22 @@
-"""Kernel warm-up in the background, from the moment a model is loaded.
+"""Kernel warm-up: compile (or load from disk) our Triton kernels in background threads, from the moment a model is
+loaded.
 
 The first image in a fresh process used to wait for every Triton kernel to compile on first use (68 s on a fresh
-H200 machine, notes/session_h200.md). `KernelWarmup` compiles them in background threads instead, while the user
-is still loading, typing or encoding: the quantised Linears' weight dequantisation, which the text encoder needs
-first (quant/kernel_warmup.py), an image prompt's encode on a tiny model (text/kernel_warmup.py), the DiT's kernels
-for every M bucket (dit/kernel_warmup.py) and the VAE's (vae/kernel_warmup.py). Triton's compiler releases the GIL
-for most of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only
-loads them.
+H200 machine, BENCHMARKS "Session"). `KernelWarmup` compiles them in background threads instead, while the user
+is still loading, typing or encoding; which jobs, in which parts, is model_warmup.py's choice, and each model's jobs
+are built beside the model (quant/, text/, dit/, vae/ kernel_warmup.py). Triton's compiler releases the GIL for most
+of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only loads them.
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
-compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it,
-kernels/launch_configs.py `compiles_pending`), the VAE for its own before decoding. Nobody waits for the text
-encoder's: its layers use torch's expression (the same bits) until the kernel is ready. Decode-graph captures are
-thread-local (dit/decode_graphs.py), so the VAE's warm-up may go on while the sampler captures. A job that fails
-is logged and the rest of its part skipped: those kernels then compile on first use, as before.
+compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it, model_warmup.py),
+the VAE for its own before a fast decode. It waits in slices of WAIT_SLICE_S and calls the host's interrupt check
+(`check_interrupted`, ComfyUI's through nodes/host.py) between them, so Cancel reaches a run that waits for a compile
+that hangs. A job that fails is logged and the rest of its part skipped: those kernels then compile on first use, as
+before.
 
-What a first image needs before it samples (the text encoder's and the DiT's parts) is queued first, the rest once
-that is done, and no job starts while an encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run
-Python, and the first encode and the sampler's wait were sharing the interpreter's lock with jobs they did not need.
+What a first image needs before it samples is queued first, the rest once that is done, and no job starts while an
+encode runs (`KernelWarmup.paused`): on a restart the jobs mostly run Python, and the first encode and the sampler's
+wait were sharing the interpreter's lock with jobs they did not need.
 """
 
 from __future__ import annotations
@@ -33,28 +32,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .. import settings
+from .streams import STARTUP, side_stream
+
 log = logging.getLogger(__name__)
 
-WARMUP_ENV = "QWEN21_KERNEL_WARMUP"  # "0" turns the warm-up off (kernels then compile on first use)
-THREADS_ENV = "QWEN21_KERNEL_WARMUP_THREADS"  # the pool's size instead of the default below
 MAX_THREADS = 8
+WAIT_SLICE_S = 0.1  # how often a wait asks whether the user cancelled
 
 
 def warmup_enabled() -> bool:
-    return os.environ.get(WARMUP_ENV, "").strip() != "0"
+    """QWEN21_KERNEL_WARMUP=0 turns the warm-up off (kernels then compile on first use)."""
+    return settings.current().kernel_warmup
 
 
 def warmup_threads() -> int:
-    """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set to a positive integer, else one thread per core but
-    one (the main thread's), at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run
-    Python, one thread at a time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS
-    "Session")."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        if raw.isdigit() and int(raw) > 0:
-            return int(raw)
-        log.warning("%s=%r is not a positive integer; using the default pool size", THREADS_ENV, raw)
-    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
+    """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set, else one thread per core but one (the main thread's),
+    at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run Python, one thread at a
+    time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS "Session")."""
+    chosen = settings.current().kernel_warmup_threads
+    return chosen if chosen is not None else max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
 
 
 def shared_copy(module: torch.nn.Module, device: torch.device) -> Callable[[], torch.nn.Module]:
@@ -83,16 +80,19 @@ class KernelWarmup:
     interpreter's lock with the main thread. With all parts queued at once, the parts a first image does not need
     before its sampling (the VAE's, an image prompt's) took the lock from the first encode and from the parts the
     sampler waits for. Those parts are needed seconds later, if at all (a first decode does not wait for the VAE's,
-    pipeline.py `_vae_kernels`), so they run during the sampling."""
+    model_warmup.py `vae_kernels`), so they run during the sampling."""
 
     def __init__(self, parts: dict[str, list[Callable[[], None]]], device: torch.device, threads: int | None = None,
-                 first: tuple[str, ...] = ()):  # fmt: skip
+                 first: tuple[str, ...] = (), on_part_done: Callable[[str], None] | None = None,
+                 check_interrupted: Callable[[], None] | None = None):  # fmt: skip
         self.device = device
         self.threads = threads or warmup_threads()
         self.jobs = {name: len(jobs) for name, jobs in parts.items()}
         self.seconds: dict[str, float] = {}
         self.failures: dict[str, str] = {}
         self.first = tuple(name for name in parts if name in first)
+        self._on_part_done = on_part_done  # called with a part's name once it is done, on the thread that ended it
+        self.check_interrupted = check_interrupted  # raises to stop a wait (a cancelled run); None: waits to the end
         self._parts = parts
         self._done: dict[str, threading.Event] = {name: threading.Event() for name in parts}
         self._left = dict(self.jobs)
@@ -157,7 +157,7 @@ class KernelWarmup:
         self._may_start.wait()
         try:
             if name not in self.failures:  # after a failure the part's kernels compile on first use instead
-                stream = _side_stream(self.device)
+                stream = side_stream(self.device, STARTUP)  # off the compute stream, one for every job
                 with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     job()
                 if stream is not None:
@@ -180,9 +180,12 @@ class KernelWarmup:
         failed = f", failed: {self.failures[name]}" if name in self.failures else ""
         log.info("kernel warm-up %s: %d jobs, done %.2f s after the start%s", name, self.jobs[name],
                  self.seconds[name], failed)  # fmt: skip
+        if self._on_part_done is not None:
+            self._on_part_done(name)
 
     def wait(self, *names: str) -> float:
-        """Block until the named parts (all when none are named) are done; returns the seconds waited."""
+        """Block until the named parts (all when none are named) are done; returns the seconds waited. Every
+        WAIT_SLICE_S meanwhile, `check_interrupted()` may raise to end the wait (the parts go on)."""
         if not self._started_at:
             return 0.0
         started = time.perf_counter()
@@ -192,8 +195,9 @@ class KernelWarmup:
         try:
             for name in names or tuple(self.jobs):
                 event = self._done.get(name)
-                if event is not None:
-                    event.wait()
+                while event is not None and not event.wait(WAIT_SLICE_S):
+                    if self.check_interrupted is not None:
+                        self.check_interrupted()
         finally:
             with self._lock:
                 self._waiters -= 1
@@ -214,19 +218,3 @@ class KernelWarmup:
     def finished(self, name: str) -> threading.Event:
         """The event set when part `name` is done (also when one of its jobs failed or was skipped)."""
         return self._done[name]
-
-
-_streams: dict[int, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """One stream per device for every warm-up job (off the compute stream; a stream per job would each keep a
-    cuBLAS workspace for the life of the process)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _streams_lock:
-        if index not in _streams:
-            _streams[index] = torch.cuda.Stream(index)
-        return _streams[index]
