@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..nodes import NODE_CLASS_MAPPINGS, host, memory_adapter
 from ..qwen21_core import settings
+from .comfyui_only import NODES as COMFYUI_ONLY_NODES
 from .core_nodes import make_core_nodes
 from .graph import NodeError, RunResult, WorkflowError, apply_overrides, execute, find_node, load_prompt
 from .ui_format import is_ui_workflow, ui_to_api
@@ -36,7 +37,8 @@ def node_classes(input_dir: str, output_dir: str) -> dict[str, type]:
     if not NODE_CLASS_MAPPINGS:
         raise RuntimeError("the Qwen21 node classes failed to import; the log above says why")
     host.set_output_dir(output_dir)  # where the pack's own save node writes, beside the stand-ins' SaveImage
-    return {**make_core_nodes(input_dir, output_dir, os.path.join(output_dir, "temp")), **NODE_CLASS_MAPPINGS}
+    stand_ins = make_core_nodes(input_dir, output_dir, os.path.join(output_dir, "temp"))
+    return {**COMFYUI_ONLY_NODES, **stand_ins, **NODE_CLASS_MAPPINGS}
 
 
 def run_workflow(
@@ -128,8 +130,10 @@ def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int 
             settings.append(f"{node_id}.lora_name={json.dumps(_only_file(models_dir / 'loras'))}")
         elif node["class_type"] == "Qwen21Encode":
             settings.append(f"{node_id}.output_resolution={resolution}")
-        elif node["class_type"] == "Qwen21Sampler":
+        elif node["class_type"] in ("Qwen21Sampler", "KSampler"):
             settings.append(f"{node_id}.steps={steps}")
+        elif node["class_type"] == "LoraLoaderModelOnly":
+            settings.append(f"{node_id}.lora_name={json.dumps(_only_file(models_dir / 'loras'))}")
     return settings
 
 

@@ -256,6 +256,12 @@ def validate(prompt: dict, node_classes: dict) -> list[str]:
     if problems:
         raise WorkflowError(problems)
     for node_id, node in sorted(prompt.items(), key=lambda item: _id_order(item[0])):
+        reason = getattr(node_classes[node["class_type"]], "COMFYUI_ONLY", None)  # declared, but ComfyUI's work
+        if reason:
+            problems.append(f"node {node_id}: {node['class_type']} {reason}")
+    if problems:
+        raise WorkflowError(problems)
+    for node_id, node in sorted(prompt.items(), key=lambda item: _id_order(item[0])):
         problems += _node_problems(node_id, node, prompt, node_classes)
     if problems:
         raise WorkflowError(problems)

@@ -361,7 +361,7 @@ def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(t
     assert all("Qwen21LoraLoader" not in p["cached"] and p["lora_s"] >= 0 for p in lora)
     assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] and p["sample_inner_s"] > 0 for p in prompts)
     assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
-    assert "Requested to load Qwen21Weights" in (tmp_path / "comfyui_session_server.txt").read_text()
+    assert "Requested to load Qwen21ComfyModel" in (tmp_path / "comfyui_session_server.txt").read_text()
 
 
 @pytest.mark.slow

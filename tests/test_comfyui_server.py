@@ -281,7 +281,44 @@ def test_ui_workflows_match_the_servers_node_definitions(server):
         assert check_ui_workflow(json.loads(path.read_text()), classes) == [], path.name
 
 
-@pytest.mark.parametrize("path", API_WORKFLOWS, ids=[p.stem for p in API_WORKFLOWS])
+KSAMPLER_WORKFLOWS = [path for path in API_WORKFLOWS if path.stem.startswith("ksampler_")]
+OUR_SAMPLER_WORKFLOWS = [path for path in API_WORKFLOWS if path not in KSAMPLER_WORKFLOWS]
+
+
+@pytest.mark.parametrize("path", KSAMPLER_WORKFLOWS, ids=[p.stem for p in KSAMPLER_WORKFLOWS])
+def test_ksampler_workflow_runs_on_our_model_and_images_come_back(server, path):
+    """KSampler (and LoraLoaderModelOnly, VAE Decode, Save Image) on the loader's MODEL and VAE: RGBA images come
+    back, the prefix computed once per conditioning (the log line our sampling wrapper writes)."""
+    prompt = tiny_prompt(path, server.models)
+    saver = find_node(prompt, "SaveImage")
+    prompt[saver]["inputs"]["filename_prefix"] = f"test_{path.stem}_{uuid.uuid4().hex[:6]}"
+    mark = len(server.log())
+    entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "success", failure_report(entry, server)
+    (image,) = entry["outputs"][saver]["images"]
+    with fetch_png(server, image) as picture:
+        assert picture.mode == "RGBA" and all(side % 32 == 0 for side in picture.size)
+    steps = prompt[find_node(prompt, "KSampler")]["inputs"]["steps"]
+    assert f"qwen21: {steps} model calls, 1 prefix computations" in server.log()[mark:], server.log()[mark:][-3000:]
+    assert "Requested to load Qwen21ComfyModel" in server.log()
+
+
+def test_a_model_patch_that_cannot_apply_is_named_and_the_next_ksampler_run_works(server):
+    """Perturbed-Attention Guidance (it replaces a UNet block's self-attention) on our MODEL: a node error naming
+    the patch, the server stays up, and the same workflow without it runs."""
+    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "ksampler_text_to_image.json", server.models)
+    sampler = find_node(prompt, "KSampler")
+    prompt["90"] = {"class_type": "PerturbedAttentionGuidance",
+                    "inputs": {"model": prompt[sampler]["inputs"]["model"], "scale": 3.0}}  # fmt: skip
+    prompt[sampler]["inputs"]["model"] = ["90", 0]
+    failure = run_to_error(server, prompt)
+    assert failure["node_type"] == "KSampler" and "cannot apply to our DiT" in failure["exception_message"]
+    assert "attn1" in failure["exception_message"]
+    good = tiny_prompt(WORKFLOWS_DIR / "api" / "ksampler_text_to_image.json", server.models, "KSampler.seed=11")
+    assert server.wait(server.queue(good))["status"]["status_str"] == "success"
+
+
+@pytest.mark.parametrize("path", OUR_SAMPLER_WORKFLOWS, ids=[p.stem for p in OUR_SAMPLER_WORKFLOWS])
 def test_api_workflow_runs_and_images_come_back(server, path):
     prompt = tiny_prompt(path, server.models)
     prefix = f"test_{path.stem}_{uuid.uuid4().hex[:6]}"
@@ -383,7 +420,7 @@ def test_sampler_reports_stats_in_its_ui_output(server):
     stats = entry["outputs"][find_node(prompt, "Qwen21Sampler")]["qwen21_stats"][0]
     assert stats["steps"] == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["steps"]
     assert "prefix_cache" in stats
-    assert "Requested to load Qwen21Weights" in server.log(), "weights were not registered with load_models_gpu"
+    assert "Requested to load Qwen21ComfyModel" in server.log(), "the DiT was not registered with load_models_gpu"
 
 
 def test_bad_input_is_a_node_error_not_a_crash(server):
@@ -514,7 +551,7 @@ def test_free_releases_models_and_the_next_run_loads_again(server):
     entry = server.wait(server.queue(tiny_prompt(TEXT_TO_IMAGE, server.models, "Qwen21Sampler.seed=12")))
     assert entry["status"]["status_str"] == "success"
     assert loader not in executed_nodes(entry) and sampler in executed_nodes(entry)
-    assert "Requested to load Qwen21Weights" in server.log()[mark:], "the unloaded weights were not loaded again"
+    assert "Requested to load Qwen21ComfyModel" in server.log()[mark:], "the unloaded DiT was not loaded again"
 
     # "Free model and node cache": the model handle goes, and with it everything built on the weights.
     mark = len(server.log())

@@ -410,6 +410,24 @@ def test_run_from_the_page_shows_the_status_lines_and_updates_them(server, page)
     screenshot(page, "status_after_second_run")
 
 
+@pytest.mark.parametrize("name", ["ksampler_text_to_image", "ksampler_lora"])
+def test_a_ksampler_workflow_runs_from_the_page_on_our_model(server, page, name):
+    """Dragged in like a template and queued from the canvas: ComfyUI's KSampler (and LoRA loader, VAE Decode, Save
+    Image) on the loader's MODEL and VAE; the run succeeds and saves an RGBA image."""
+    load_workflow(page, ui_workflow(name))
+    point_at_tiny_checkpoint(page, name, server.models)
+    with page.expect_response(is_prompt_post) as queued:
+        page.evaluate("() => { window.qwen21Errors.length = 0; return app.queuePrompt(0, 1); }")
+    assert queued.value.status == 200, f"the server refused the prompt: {queued.value.text()}"
+    entry = server.wait(queued.value.json()["prompt_id"])
+    assert entry["status"]["status_str"] == "success", comfy_server.failure_report(entry, server)
+    assert page.evaluate("() => window.qwen21Errors") == []
+    (images,) = [output["images"] for output in entry["outputs"].values() if "images" in output]
+    with comfy_server.fetch_png(server, images[0]) as picture:
+        assert picture.mode == "RGBA"
+    screenshot(page, f"{name}_after_run")
+
+
 @pytest.mark.parametrize(
     ("name", "loader", "saved", "shown"),
     [

@@ -13,16 +13,19 @@ import pytest
 from PIL import Image
 from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
 from qwen21_nodes.runner.cli import EXAMPLE_INPUTS, WORKFLOWS_DIR, ensure_tiny_models, run_workflow, tiny_overrides
+from qwen21_nodes.runner.comfyui_only import NODES as COMFYUI_ONLY
 from qwen21_nodes.runner.core_nodes import make_core_nodes
-from qwen21_nodes.runner.graph import find_node, load_prompt
+from qwen21_nodes.runner.graph import WorkflowError, find_node, load_prompt
 from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
 
 API_WORKFLOWS = sorted((WORKFLOWS_DIR / "api").glob("*.json"))
 UI_WORKFLOWS = sorted(WORKFLOWS_DIR.glob("*.json"))
 EXPECTED = {
     "text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode",
-    "turbo_lora",
+    "turbo_lora", "ksampler_text_to_image", "ksampler_edit_1_reference", "ksampler_lora",
 }  # fmt: skip
+KSAMPLER_WORKFLOWS = [p for p in API_WORKFLOWS if p.stem.startswith("ksampler_")]  # ComfyUI's KSampler: in ComfyUI
+OUR_SAMPLER_WORKFLOWS = [p for p in API_WORKFLOWS if p not in KSAMPLER_WORKFLOWS]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def tiny_models(tmp_path_factory):
 
 
 def node_classes():
-    return {**make_core_nodes(str(EXAMPLE_INPUTS), "", ""), **NODE_CLASS_MAPPINGS}
+    return {**COMFYUI_ONLY, **make_core_nodes(str(EXAMPLE_INPUTS), "", ""), **NODE_CLASS_MAPPINGS}
 
 
 def test_every_workflow_exists_in_both_formats():
@@ -68,11 +71,21 @@ def test_ui_workflow_is_valid_and_matches_its_api_version(path):
     assert ui_to_api(ui, node_classes()) == json.loads((WORKFLOWS_DIR / "api" / path.name).read_text())
     notes = [n for n in ui["nodes"] if n["type"] == "MarkdownNote"]
     assert notes and "models/" in notes[0]["widgets_values"][0], "needs a note saying which files go where"
-    sampler = next(n for n in ui["nodes"] if n["type"] == "Qwen21Sampler")
+    sampler = next(n for n in ui["nodes"] if n["type"] in ("Qwen21Sampler", "KSampler"))
     assert sampler["widgets_values"][1] in ("fixed", "randomize", "increment", "decrement")  # after the seed
 
 
-@pytest.mark.parametrize("path", API_WORKFLOWS, ids=[p.stem for p in API_WORKFLOWS])
+@pytest.mark.parametrize("path", KSAMPLER_WORKFLOWS, ids=[p.stem for p in KSAMPLER_WORKFLOWS])
+def test_the_runner_says_a_ksampler_workflow_needs_comfyui_before_running_anything(path, tiny_models, tmp_path):
+    prompt = load_prompt(path.read_text())
+    with pytest.raises(WorkflowError) as raised:
+        run_workflow(path, models_dir=tiny_models, output_dir=tmp_path, overrides=tiny_overrides(prompt, tiny_models))
+    message = str(raised.value)
+    assert "KSampler is ComfyUI's own node" in message and "Run this workflow in ComfyUI" in message
+    assert not any(tmp_path.rglob("*.png"))  # refused up front: nothing loaded or saved
+
+
+@pytest.mark.parametrize("path", OUR_SAMPLER_WORKFLOWS, ids=[p.stem for p in OUR_SAMPLER_WORKFLOWS])
 def test_api_workflow_runs_on_the_tiny_checkpoint(path, tiny_models, tmp_path):
     prompt = load_prompt(path.read_text())
     result = run_workflow(

@@ -109,6 +109,38 @@ def _load_image(name: str) -> dict:
     return {"class_type": "LoadImage", "inputs": {"image": name}}
 
 
+KSAMPLER_NOTE = f"""{MODEL_NOTE}
+
+**KSampler with our engine.** The loader's `MODEL` and `VAE` outputs are ComfyUI's own types on the same
+weights, and *Qwen21 Encode*'s `positive`, `negative` and `latent` outputs feed *KSampler* directly: the prompt and
+reference prefix is computed once per conditioning, decode steps replay from CUDA graphs, quantised weights stay
+quantised. Any sampler and scheduler works; for the released schedule at every size use *Qwen21 Scheduler* with
+*SamplerCustomAdvanced* (KSampler's `simple` matches it at 1024x1024 except the last steps). cfg 1 is the released
+default: the negative prompt is then never encoded. *VAE Decode* gives RGBA (4 channels)."""
+
+KSAMPLER_LORA_NOTE = f"""{KSAMPLER_NOTE}
+
+Plus a Qwen-Image-2.1 **turbo** LoRA in `ComfyUI/models/loras/` (this workflow names it `{TURBO_LORA}`): ComfyUI's
+*LoraLoaderModelOnly* puts it on the MODEL, and loading merges it into the weights through the pack's merge
+(requantised into fp8 / int8 / int8_convrot, taken out bit for bit when it changes), so steps cost what they cost
+without it. 8 steps: set the step count your LoRA was distilled for."""
+
+
+def _ksampler(model=("1", 1), steps: int = 40) -> dict:
+    inputs = {"model": list(model), "seed": 42, "steps": steps, "cfg": 1.0, "sampler_name": "euler",
+              "scheduler": "simple", "positive": ["2", 3], "negative": ["2", 4], "latent_image": ["2", 5],
+              "denoise": 1.0}  # fmt: skip
+    return {"class_type": "KSampler", "inputs": inputs}
+
+
+def _ksampler_tail(prefix: str) -> dict:
+    """VAE Decode with the loader's VAE, and ComfyUI's Save Image."""
+    return {
+        "4": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["1", 2]}},
+        "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": f"qwen21/{prefix}"}},
+    }
+
+
 def workflows() -> dict[str, tuple[dict, str]]:
     """name -> (API-format prompt, Markdown note)."""
     edit_4 = {f"image_{i}": [str(10 + i), 0] for i in range(1, 5)}
@@ -207,6 +239,34 @@ def workflows() -> dict[str, tuple[dict, str]]:
             },
             MODEL_NOTE + "\n\n`quality: fast` decodes with fused kernels, faster and not bit-identical to `exact`: "
             "at 1024x1024 42.5 ms instead of 68.7 ms, 50.9 dB PSNR against exact, on an H200 (BENCHMARKS: VAE).",
+        ),
+        "ksampler_text_to_image": (
+            {"1": _loader(), "2": _encode(T2I_PROMPT), "3": _ksampler(), **_ksampler_tail("ksampler_text_to_image")},
+            KSAMPLER_NOTE,
+        ),
+        "ksampler_edit_1_reference": (
+            {
+                "1": _loader(),
+                "11": _load_image("reference_1.png"),
+                "2": _encode("Make it a watercolor painting; keep the composition", image_1=["11", 0]),
+                "3": _ksampler(),
+                **_ksampler_tail("ksampler_edit_1_reference"),
+            },
+            KSAMPLER_NOTE,
+        ),
+        "ksampler_lora": (
+            {
+                "1": _loader(),
+                "6": {
+                    "class_type": "LoraLoaderModelOnly",
+                    "inputs": {"model": ["1", 1], "lora_name": TURBO_LORA, "strength_model": 1.0},
+                    "_meta": {"title": "Load turbo LoRA (ComfyUI)"},
+                },
+                "2": _encode(T2I_PROMPT),
+                "3": _ksampler(model=("6", 0), steps=8),
+                **_ksampler_tail("ksampler_lora"),
+            },
+            KSAMPLER_LORA_NOTE,
         ),
     }
 
@@ -384,7 +444,7 @@ LINK_COLORS = {
     "IMAGE": (100, 182, 245),
     "MASK": (120, 214, 136),
 }
-TITLE_WORDS = {"rgba": "RGBA", "vae": "VAE", "lora": "LoRA"}
+TITLE_WORDS = {"rgba": "RGBA", "vae": "VAE", "lora": "LoRA", "ksampler": "KSampler"}
 
 
 def _title(name: str) -> str:
@@ -409,6 +469,10 @@ def _summary(prompt: dict) -> str:
     parts = []
     if sampler:
         parts.append(f"{sampler['steps']} steps" + (" turbo" if sampler["schedule"] == "turbo" else ""))
+    if "KSampler" in inputs:
+        parts.append(f"KSampler, {inputs['KSampler']['steps']} steps")
+    if "LoraLoaderModelOnly" in inputs:
+        parts.append("ComfyUI LoRA loader")
     if encoder:
         images = sum(name.startswith("image_") for name in encoder)
         parts.append(f"{images} reference{'s' * (images != 1)}" if images else "text only")
@@ -423,7 +487,8 @@ def _summary(prompt: dict) -> str:
 
 def _label(node: dict) -> str:
     short = {"Qwen21ModelLoader": "Load", "Qwen21DiffusersLoader": "Load", "Qwen21Sampler": "Sample"}
-    short.update(Qwen21VAEDecode="Decode", Qwen21SaveImage="Save", JoinImageWithAlpha="Join")
+    short.update(Qwen21VAEDecode="Decode", Qwen21SaveImage="Save", JoinImageWithAlpha="Join", VAEDecode="Decode",
+                 SaveImage="Save", LoraLoaderModelOnly="LoRA")  # fmt: skip
     return short.get(node["type"], node["type"].removeprefix("Qwen21").removesuffix("Loader") or "Load")
 
 
@@ -524,9 +589,10 @@ def thumbnail_fingerprint(path: Path) -> str | None:
 def render_workflows() -> dict[Path, dict]:
     """Every workflow file, path -> JSON content."""
     from qwen21_nodes.nodes import NODE_CLASS_MAPPINGS
+    from qwen21_nodes.runner.comfyui_only import NODES as COMFYUI_ONLY
     from qwen21_nodes.runner.core_nodes import make_core_nodes
 
-    classes = {**make_core_nodes(str(HERE / "input"), "", ""), **NODE_CLASS_MAPPINGS}
+    classes = {**COMFYUI_ONLY, **make_core_nodes(str(HERE / "input"), "", ""), **NODE_CLASS_MAPPINGS}
     files = {}
     for name, (prompt, note) in workflows().items():
         files[HERE / "api" / f"{name}.json"] = prompt
