@@ -4,6 +4,7 @@
     ... python benchmarks/bench_comfyui_session.py --extra-args=--disable-cuda-malloc         # compare a flag
     ... python benchmarks/bench_comfyui_session.py --tiny --device cpu --tail 1              # smoke test
     ... python benchmarks/bench_comfyui_session.py --limit 3 --pack-dir /tmp/old             # a restart's first images
+    ... python benchmarks/bench_comfyui_session.py --samplers qwen21,ksampler                # KSampler on our MODEL
 
 bench_session.py measures the session through our node classes in one process; this one starts ComfyUI (its
 default flags on the GPU, so its default cudaMallocAsync allocator and its memory manager are in the measurement;
@@ -333,6 +334,37 @@ def with_files(prompt: dict, files: dict[str, str]) -> dict:
     return prompt
 
 
+# Our sampling wrapper's line after a run through the MODEL (nodes/comfy_patcher.py)
+MODEL_RUN_LINE = re.compile(r"qwen21: (\d+) model calls, (\d+) prefix computations, (\d+) replayed steps, prefix "
+                            r"cache (\S+), decode graphs (.*), peak ([\d.]+) GiB")  # fmt: skip
+
+
+def as_ksampler(prompt: dict) -> dict:
+    """bench_session's prompt (Qwen21 Sampler, Qwen21 VAE Decode, Qwen21 Load LoRA) as a user of ComfyUI's types
+    builds it: KSampler (euler, simple, cfg 1) on the loader's MODEL with Qwen21 Encode's positive, negative and
+    latent, VAE Decode with the loader's VAE, LoraLoaderModelOnly for a LoRA. The same seed, steps and size."""
+    by_type = {node["class_type"]: node_id for node_id, node in prompt.items()}
+    loader, encode = by_type["Qwen21ModelLoader"], by_type["Qwen21Encode"]
+    model = [loader, 1]
+    if "Qwen21LoraLoader" in by_type:
+        lora = prompt[by_type["Qwen21LoraLoader"]]
+        prompt[by_type["Qwen21LoraLoader"]] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": model, "lora_name": lora["inputs"]["lora_name"], "strength_model": lora["inputs"]["strength"]}}
+        model = [by_type["Qwen21LoraLoader"], 0]
+    encoder = prompt[encode]["inputs"]
+    encoder["model"] = [loader, 0]
+    sampler_id = by_type["Qwen21Sampler"]
+    ours = prompt[sampler_id]["inputs"]
+    encoder["output_resolution"] = max(ours["width"], ours["height"]) or encoder["output_resolution"]
+    prompt[sampler_id] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": ours["seed"], "steps": ours["steps"], "cfg": ours["true_cfg_scale"],
+        "sampler_name": "euler", "scheduler": "simple", "positive": [encode, 3], "negative": [encode, 4],
+        "latent_image": [encode, 5], "denoise": 1.0}}  # fmt: skip
+    decode_id = by_type["Qwen21VAEDecode"]
+    prompt[decode_id] = {"class_type": "VAEDecode", "inputs": {"samples": [sampler_id, 0], "vae": [loader, 2]}}
+    return prompt
+
+
 def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None:
     """Queue one prompt and wait for its end; fills `row` with its times, cache hits, stats and memory."""
     log_start = len(server.log())
@@ -370,6 +402,10 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
             row["prefill_graph"] = stats.get("prefill_graph")
             if stats.get("peak_vram_mib"):
                 row["sample_peak_gib"] = round(stats["peak_vram_mib"] / 1024, 2)
+    for found in MODEL_RUN_LINE.finditer(server.log()[log_start:]):  # a KSampler run on our MODEL
+        calls, prefills, replayed, cache, graphs, peak = found.groups()
+        row.update(model_calls=int(calls), prefix_computations=int(prefills), replayed_steps=int(replayed),
+                   prefix_cache=cache, decode_graph=graphs.strip(), sample_peak_gib=float(peak))  # fmt: skip
     device = server.get("/system_stats")["devices"][0]
     if device.get("type") == "cuda":
         row["allocated_after_gib"] = round((device["torch_vram_total"] - device["torch_vram_free"]) / GIB, 2)
@@ -378,11 +414,13 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
                          if MEMORY_LINE.search(line)][:12]  # fmt: skip
 
 
-def run_session(args, files: dict[str, str], flags: list[str]) -> int:
-    """One ComfyUI server, bench_session's prompts in order; -> the number of failed prompts."""
+def run_session(args, files: dict[str, str], flags: list[str]) -> tuple[int, dict]:
+    """One ComfyUI server, bench_session's prompts in order (through `args.sampler`); -> (failed prompts, the
+    session's summary)."""
     cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     found = "warm" if cache_dir.is_dir() and any(cache_dir.iterdir()) else "empty"
-    kind = dict(precision=PRECISION, cap_gib=None, kernel_cache=found, via="comfyui", comfyui_flags=flags)
+    kind = dict(precision=PRECISION, cap_gib=None, kernel_cache=found, via="comfyui", comfyui_flags=flags,
+                sampler=args.sampler)  # fmt: skip
     log_dir = Path(args.log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -401,6 +439,8 @@ def run_session(args, files: dict[str, str], flags: list[str]) -> int:
         for index, spec in enumerate(plan(args.tail)[: args.limit or None]):
             text_index = index if spec["changed"] else index - 1  # the rerun: the previous prompt's text
             prompt = with_files(session_prompt(spec, index, args, files["lora"], text_index), files)
+            if args.sampler == "ksampler":
+                prompt = as_ksampler(prompt)
             shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
             row = dict(what="session_prompt", **kind, i=index, label=shape, first_of_shape=shape not in seen,
                        changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
@@ -415,8 +455,9 @@ def run_session(args, files: dict[str, str], flags: list[str]) -> int:
             rows.append(row)
             if lost:
                 break
-        emit(**summary(rows, kind, rows[0].get("loader_s") if rows else None, None))
-        return sum("error" in row for row in rows)
+        result = summary(rows, kind, rows[0].get("loader_s") if rows else None, None)
+        emit(**result)
+        return sum("error" in row for row in rows), result
     finally:
         server.close()
 
@@ -455,6 +496,10 @@ def main() -> int:
     parser.add_argument("--comfyui-python", default=os.environ.get("COMFYUI_PYTHON", ""))
     parser.add_argument("--prompt-timeout", type=float, default=600, help="seconds one prompt may take")
     parser.add_argument("--log-dir", default="")
+    parser.add_argument("--samplers", default="qwen21",
+                        help="comma-separated, one server session each, in order: qwen21 (Qwen21 Sampler and our "
+                        "nodes) and/or ksampler (KSampler, VAE Decode, LoraLoaderModelOnly on the loader's MODEL "
+                        "and VAE); with both, a ksampler_vs_qwen21 line compares their steady images")  # fmt: skip
     parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -478,8 +523,23 @@ def main() -> int:
     if temporary:
         args.models_dir = tempfile.mkdtemp(prefix="qwen21_session_tiny_")
     args.models_dir = args.models_dir or FULL_SIZE_DIR
+    samplers = [name.strip() for name in args.samplers.split(",") if name.strip()]
+    if not samplers or set(samplers) - {"qwen21", "ksampler"}:
+        parser.error(f"--samplers takes qwen21 and/or ksampler, got {args.samplers!r}")
     try:
-        return 1 if run_session(args, model_files(args), comfyui_flags(args)) else 0
+        failures, summaries = 0, {}
+        for name in samplers:
+            args.sampler = name
+            failed, summaries[name] = run_session(args, model_files(args), comfyui_flags(args))
+            failures += failed
+        if {"qwen21", "ksampler"} <= summaries.keys():
+            ours, theirs = summaries["qwen21"], summaries["ksampler"]
+            ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
+                     if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
+            emit(what="ksampler_vs_qwen21", steady_ratio=ratio, qwen21_steady_s=ours.get("steady_image_s"),
+                 ksampler_steady_s=theirs.get("steady_image_s"), qwen21_first_s=ours.get("first_image_s"),
+                 ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip
+        return 1 if failures else 0
     finally:
         if temporary:
             shutil.rmtree(args.models_dir, ignore_errors=True)

@@ -58,7 +58,8 @@ GIB = 2**30
 SAVE_NODES = ("Qwen21SaveImage", "SaveImage")  # the pack's PNG writer, ComfyUI's (the runner's stand-in)
 # the field of a session_prompt line each node's seconds go to (bench_comfyui_session.py's lines too)
 NODE_PHASES = {"Qwen21Encode": "encode_s", "Qwen21Sampler": "sample_s", "Qwen21VAEDecode": "decode_s",
-               "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s",
+               "Qwen21LoraLoader": "lora_s", "Qwen21ModelLoader": "loader_s", "KSampler": "sample_s",
+               "VAEDecode": "decode_s", "LoraLoaderModelOnly": "lora_s",
                **dict.fromkeys(SAVE_NODES, "save_s")}  # fmt: skip
 BASE_PROMPT = "A cozy reading corner by a rain-streaked window at dusk, warm lamp light, a ginger cat asleep"
 DETAILS = ["on a knitted blanket", "beside a steaming teapot", "under a paper lantern", "next to a globe",

@@ -4,7 +4,7 @@
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
-#   attention-lengths save-png loader-node
+#   attention-lengths save-png loader-node session-comfyui-ksampler
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,6 +141,13 @@ for part in "$@"; do
       unpack_comfyui
       comfyui_run bench_comfyui_session "${SESSION_COMFYUI_LIMIT:-540}" \
         python3 benchmarks/bench_comfyui_session.py --tail 8 --log-dir "$OUT" ${SESSION_COMFYUI_ARGS:-} ;;
+    session-comfyui-ksampler)  # the same session through Qwen21 Sampler, then through KSampler on our MODEL (one
+      # server each, same host and files): ksampler_vs_qwen21's steady_ratio is the changed-prompt image's cost of
+      # the KSampler path; each KSampler line counts the prefix computations and replayed steps
+      unpack_comfyui
+      comfyui_run bench_comfyui_ksampler "${SESSION_COMFYUI_LIMIT:-560}" \
+        python3 benchmarks/bench_comfyui_session.py --tail 4 --samplers qwen21,ksampler --log-dir "$OUT" \
+        ${SESSION_COMFYUI_ARGS:-} ;;
     loader-node)  # the loader node's load on the full-size ComfyUI files, fresh processes (ComfyUI's tokenizer from
       # .carry/comfyui); LOADER_NODE_ARGS="--pack-dirs . /path/old" alternates two packages
       unpack_comfyui

@@ -164,9 +164,10 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
     finally:
         stats = diffusion.close_run()
         if stats:
-            log.info("qwen21: %d model calls, %d prefix computations, prefix cache %s, decode graphs %s",
-                     stats.get("steps", 0), stats.get("prefills", 0), stats.get("prefix_cache"),
-                     stats.get("decode_graph"))  # fmt: skip
+            log.info("qwen21: %d model calls, %d prefix computations, %d replayed steps, prefix cache %s, decode "
+                     "graphs %s, peak %.2f GiB", stats.get("steps", 0), stats.get("prefills", 0),
+                     stats.get("replayed_steps", 0), stats.get("prefix_cache"), stats.get("decode_graph"),
+                     stats.get("peak_vram_mib", 0) / 1024)  # fmt: skip
 
 
 # ---- ComfyUI's patches as our LoRA stack --------------------------------------------------------------------

@@ -429,6 +429,7 @@ class Qwen21Pipeline:
         elif sampler.decode_runner is not None:
             stats.decode_graph = self.decode_graphs.describe()
             stats.prefill_graph = self.prefill_graphs.describe()
+            stats.replayed_steps = self.decode_graphs.replays
         elif not sampler.options.decode_graphs:
             stats.decode_graph = "off: disabled"
         else:

@@ -73,6 +73,7 @@ class SampleStats:
     prefill_graph: str = "off"
     peak_vram_bytes: int = 0
     branch_setup_s: float = 0.0  # the host's time making the branches: K/V caches (pinned host RAM too), tables
+    replayed_steps: int = 0  # decode steps replayed from a CUDA graph
     parallel: str = "off"  # e.g. "sequence over 2 ranks" (parallel/)
     ranks: list = field(default_factory=list)  # each worker's part: cache, peak VRAM, decode graphs
 
@@ -93,6 +94,7 @@ class SampleStats:
             "prefix_cache_host_mib": round(self.cache_host_bytes / 2**20, 1),
             "kv_cache": self.kv_cache,
             "decode_graph": self.decode_graph,
+            "replayed_steps": self.replayed_steps,
             "prefill_graph": self.prefill_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
             "parallel": self.parallel,

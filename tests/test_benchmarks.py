@@ -365,6 +365,27 @@ def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(t
 
 
 @pytest.mark.slow
+@pytest.mark.comfyui
+@needs_comfyui_server
+def test_bench_comfyui_session_runs_ksampler_on_our_model_beside_our_sampler(tmp_path):
+    """--samplers qwen21,ksampler: the same prompts through Qwen21 Sampler and through KSampler on the loader's
+    MODEL (LoraLoaderModelOnly for the LoRA prompts), each line counting the model calls, the prefix computations
+    (one per conditioning at cfg 1) and the replayed steps, and a line comparing the two sessions' steady images."""
+    pytest.importorskip("websocket", reason="bench_comfyui_session needs websocket-client")
+    by_what = _bench("bench_comfyui_session.py", "--tiny", "--device", "cpu", "--tail", "1", "--limit", "5",
+                     "--samplers", "qwen21,ksampler", "--log-dir", str(tmp_path))  # fmt: skip
+    rows = {name: [p for p in by_what["session_prompt"] if p["sampler"] == name] for name in ("qwen21", "ksampler")}
+    assert [len(rows["qwen21"]), len(rows["ksampler"])] == [5, 5]
+    assert not [p for p in by_what["session_prompt"] if "error" in p]
+    for row in rows["ksampler"]:
+        assert row["model_calls"] == 2 and row["prefix_computations"] == 1 and row["replayed_steps"] == 0  # CPU
+        assert "KSampler" not in row["cached"] and row["sample_s"] > 0
+    assert all("model_calls" not in row for row in rows["qwen21"])
+    (compared,) = by_what["ksampler_vs_qwen21"]
+    assert compared["steady_ratio"] > 0
+
+
+@pytest.mark.slow
 def test_bench_cold_start_smoke_measures_each_child_and_the_launch_overhead():
     by_what = _bench("bench_cold_start.py", "--tiny", "--device", "cpu")
     rows = by_what["cold_start"]
