@@ -8,13 +8,6 @@ import os
 import torch
 
 from ..qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR, estimated_loaded_bytes, find_tokenizer
-from ..qwen21_core.memory.manager import (
-    TEXT_ENCODER_OFFLOAD,
-    evictable,
-    text_encoder_load_device,
-    text_encoder_offload,
-)
-from ..qwen21_core.memory.planner import device_free_bytes, indexed_device
 from ..qwen21_core.pipeline import Qwen21Pipeline
 from ..qwen21_core.quant.plan import WeightFormats
 from . import host, memory_adapter
@@ -94,7 +87,7 @@ def _common_inputs() -> dict:
             },
         ),
         "offload_text_encoder": (
-            list(TEXT_ENCODER_OFFLOAD),
+            list(memory_adapter.TEXT_ENCODER_OFFLOAD),
             {
                 "default": "auto",
                 "tooltip": OFFLOAD_TOOLTIP,
@@ -139,22 +132,6 @@ def _placement_inputs() -> dict:
     }
 
 
-ENCODER_ROOM_FACTOR = 1.25  # a GPU takes the text encoder under "auto" if it has this much room for its weights
-
-
-def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes: list[int], encoder_bytes: int = 0):
-    """(text encoder device, VAE device) for the loader's choices. "auto" puts the text encoder on the first GPU
-    other than the DiT's whose memory (gpu_bytes: each GPU's total) holds its weights with room to spare, else with
-    the DiT; the VAE with the DiT."""
-    others = [torch.device("cuda", i) for i, total in enumerate(gpu_bytes)
-              if (dit.type != "cuda" or i != dit.index) and total >= ENCODER_ROOM_FACTOR * encoder_bytes]  # fmt: skip
-    if text_encoder == "auto":
-        text_encoder_device = others[0] if dit.type == "cuda" and others else dit
-    else:
-        text_encoder_device = torch.device(text_encoder)
-    return text_encoder_device, dit if vae == "auto" else torch.device(vae)
-
-
 def _loaded_sizes(source, formats: WeightFormats, dtype: torch.dtype) -> tuple[int, int] | None:
     """(DiT bytes, text-encoder bytes) once loaded in the chosen formats, from the files' headers; None when a file
     cannot be read yet (the loading itself then reports it, with its name)."""
@@ -165,23 +142,6 @@ def _loaded_sizes(source, formats: WeightFormats, dtype: torch.dtype) -> tuple[i
     except (OSError, ValueError) as error:
         log.debug("no size estimate before loading (%s)", error)
         return None
-
-
-def _text_encoder_load_device(dit_device: torch.device, encoder_device: torch.device,
-                              sizes: tuple[int, int] | None) -> torch.device:  # fmt: skip
-    """Where to read the text encoder to (memory/manager.py decides): its GPU if it fits beside the DiT's weights
-    about to be read there, else the CPU."""
-    if encoder_device.type != "cuda" or sizes is None:
-        return encoder_device
-    dit, encoder = sizes
-    free = device_free_bytes(encoder_device, memory_adapter.LOCAL.budget)
-    if indexed_device(encoder_device) == indexed_device(dit_device):
-        free -= dit
-    chosen = text_encoder_load_device(encoder_device, free, encoder)
-    if chosen != encoder_device:
-        log.info("the text encoder (%.2f GiB) does not fit beside the DiT on %s (%.2f GiB free): read to the CPU, "
-                 "placed on first use", encoder / 2**30, encoder_device, max(free, 0) / 2**30)  # fmt: skip
-    return chosen
 
 
 def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.device]:
@@ -200,7 +160,7 @@ def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.
 
 def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", text_encoder_dtype: str = "same",
           text_encoder_device: str = "auto", vae_device: str = "auto", gpus: int = 1) -> Qwen21Model:  # fmt: skip
-    offload_text_encoder = text_encoder_offload(offload_text_encoder)  # an older workflow's boolean included
+    offload_text_encoder = memory_adapter.text_encoder_offload(offload_text_encoder)  # a saved workflow's boolean too
     target = host.torch_device() if device == "auto" else torch.device(device)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -216,9 +176,10 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
     sizes = _loaded_sizes(source, formats, dtype)  # read off the files' headers once, for both decisions
     cuda_count = torch.cuda.device_count()
     gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(cuda_count)]
-    te_device, vae_target = component_devices(target, text_encoder_device, vae_device, gpu_bytes,
-                                              sizes[1] if sizes else 0)  # fmt: skip
-    te_load = _text_encoder_load_device(target, te_device, sizes)
+    te_device, vae_target = memory_adapter.component_devices(target, text_encoder_device, vae_device, gpu_bytes,
+                                                             sizes[1] if sizes else 0)  # fmt: skip
+    te_load = te_device if sizes is None else memory_adapter.text_encoder_load_device(
+        target, te_device, *sizes, memory_adapter.LOCAL.budget)  # fmt: skip
     extra = worker_devices(target, gpus, cuda_count)
     names = [os.path.basename(str(part)) for key, part in source.items() if key != "tokenizer"] if isinstance(
         source, dict) else [os.path.basename(str(source))]  # fmt: skip
@@ -229,7 +190,7 @@ def _load(source, weight_dtype: str, device: str, offload_text_encoder="auto", t
         device=target,
         dtype=dtype,
         # a memory manager places the text encoder (ComfyUI's or ours, memory/manager.py), not the pipeline
-        text_encoder_offload=evictable(offload_text_encoder),
+        text_encoder_offload=memory_adapter.evictable(offload_text_encoder),
         weight_formats=formats,
         text_encoder_device=te_device,
         text_encoder_load_device=te_load,
@@ -280,7 +241,7 @@ class _PipelineLoader:
         """Accept a saved workflow's boolean for offload_text_encoder (the input was an on/off switch before it
         became a choice); ComfyUI then skips its own list check for this input, so the choices are checked here."""
         try:
-            text_encoder_offload(offload_text_encoder)
+            memory_adapter.text_encoder_offload(offload_text_encoder)
         except ValueError as error:
             return str(error)
         return True

@@ -17,7 +17,17 @@ from collections.abc import Callable
 
 import torch
 
-from ..qwen21_core.memory.manager import LocalMemoryManager
+from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door to the memory rules
+    TEXT_ENCODER_OFFLOAD,
+    LocalMemoryManager,
+    component_devices,
+    evictable,
+    expected_kv_placement,
+    offload_after_encode,
+    own_gpu,
+    text_encoder_load_device,
+    text_encoder_offload,
+)
 from ..qwen21_core.memory.planner import indexed_device
 from ..qwen21_core.memory.streaming import StreamableStack
 from . import host

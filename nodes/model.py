@@ -17,8 +17,6 @@ import weakref
 
 import torch
 
-from ..qwen21_core.memory.manager import evictable, offload_after_encode, text_encoder_offload
-from ..qwen21_core.memory.planner import indexed_device
 from . import host, memory_adapter
 from .memory_adapter import ManagedModules
 from .preview import fit_latent_rgb
@@ -36,7 +34,7 @@ class Qwen21Model:
 
     def __init__(self, pipe, offload_text_encoder="auto", device: torch.device | None = None):
         self.pipe = pipe
-        self.offload_text_encoder = text_encoder_offload(offload_text_encoder)
+        self.offload_text_encoder = memory_adapter.text_encoder_offload(offload_text_encoder)
         # where everything runs (the pipeline's, unless given); ComfyUI may park modules elsewhere between runs
         self.device = device = torch.device(device) if device is not None else pipe.device
         # its unloading frees what reads its weights by address (decode graphs), not the references or host buffers
@@ -49,13 +47,9 @@ class Qwen21Model:
         self.text_encoder = ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,
                                            streamable=pipe.text_encoder)  # fmt: skip
         self.vae = ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
-        encoder = pipe.text_encoder_device
-        self.text_encoder_own_gpu = encoder.type == "cuda" and indexed_device(encoder) != indexed_device(device)
-        self.text_encoder.evictable = evictable(self.offload_text_encoder)
+        self.text_encoder.evictable = memory_adapter.evictable(self.offload_text_encoder)
         # a memory manager places the weights (ComfyUI's, or the local one) and owns the one budget
         pipe.memory = memory_adapter.pipeline_memory()
-        # the encoder's weights may leave the device for the DiT: they count as free in the prefix-memory check
-        pipe.text_encoder_offload = evictable(self.offload_text_encoder) and not self.text_encoder_own_gpu
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
@@ -103,7 +97,8 @@ class Qwen21Model:
         try:
             yield
         finally:
-            if offload_after_encode(self.offload_text_encoder, own_gpu=self.text_encoder_own_gpu):
+            if memory_adapter.offload_after_encode(self.offload_text_encoder, self.pipe.text_encoder_device,
+                                                   self.device):  # fmt: skip
                 self.text_encoder.unload()
 
     def encode(self, **kwargs):
@@ -177,14 +172,10 @@ class Qwen21Model:
             local.budget = saved
 
     def _kv_estimate(self, cond, size, batch_size, true_cfg_scale, options) -> str:
-        """The K/V placement to ask the memory manager's room for: "auto" counts the GPU when the whole DiT and a
-        GPU cache fit the device at all (the manager then evicts other models for it), else host RAM."""
-        placement = getattr(options, "kv_placement", "auto")
-        if placement != "auto":
-            return placement
         gpu = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement="gpu")
-        capacity = memory_adapter.device_capacity_bytes(self.device)
-        return "gpu" if self.transformer.full_bytes + gpu <= capacity else "cpu"
+        return memory_adapter.expected_kv_placement(getattr(options, "kv_placement", "auto"),
+                                                    self.transformer.full_bytes, gpu,
+                                                    memory_adapter.device_capacity_bytes(self.device))  # fmt: skip
 
     def decode(self, latents: torch.Tensor, **kwargs):
         self.vae.load()

@@ -31,7 +31,7 @@ from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
-from .memory.manager import OwnPlacement
+from .memory.manager import OwnPlacement, own_gpu
 from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import (
     DECODE_HEADROOM_BYTES,
@@ -155,7 +155,7 @@ class Qwen21Pipeline:
         runs_on = indexed_device(text_encoder_device if text_encoder_device is not None else device)
         if encoder is not None:
             encoder.device = runs_on  # where it encodes, wherever its weights were read to
-        own_device = encoder is not None and runs_on != indexed_device(device)
+        own_device = encoder is not None and own_gpu(runs_on, device)
         pipe = cls(
             parts.transformer,
             parts.vae,

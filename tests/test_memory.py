@@ -528,13 +528,12 @@ def test_an_encode_that_runs_out_of_memory_is_retried_after_releasing_the_caches
     handle = Qwen21Model.__new__(Qwen21Model)
     handle.device = torch.device("cpu")
     handle.offload_text_encoder = "never"
-    handle.text_encoder_own_gpu = False
     idle = types.SimpleNamespace(load=lambda *a: calls.append("load"), unload=lambda: None)
     handle.vae = handle.text_encoder = idle
     text_encoder = types.SimpleNamespace(estimated_tokens=lambda prompt, images, resolution: 10,
                                          activation_bytes=lambda tokens: tokens * 1000)  # fmt: skip
     handle.pipe = types.SimpleNamespace(encode=encode, release=lambda: calls.append("release"), vram_budget=None,
-                                        text_encoder=text_encoder)  # fmt: skip
+                                        text_encoder=text_encoder, text_encoder_device=handle.device)  # fmt: skip
     monkeypatch.setattr(memory_adapter, "LOCAL", LocalMemoryManager())
     assert handle.encode(prompt="a cat", images=[]) == "conditioning"
     assert calls == ["load", "load", ("encode", "a cat"), "release", "load", "load", ("encode", "a cat")]

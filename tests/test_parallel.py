@@ -9,11 +9,12 @@ float weights read from the tiny checkpoint: both weight paths are covered with 
 import pytest
 import torch
 from qwen21_nodes.nodes import host
-from qwen21_nodes.nodes.loader import Qwen21ModelLoader, component_devices, worker_devices
+from qwen21_nodes.nodes.loader import Qwen21ModelLoader, worker_devices
 from qwen21_nodes.nodes.lora import Qwen21LoraLoader
 from qwen21_nodes.nodes.sample import Qwen21Sampler
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
+from qwen21_nodes.qwen21_core.memory.manager import component_devices, own_gpu
 from qwen21_nodes.qwen21_core.options import SampleOptions
 from qwen21_nodes.qwen21_core.parallel.pool import ParallelError, WorkerPool
 from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_transformer
@@ -220,7 +221,7 @@ def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches
         model, *_ = Qwen21ModelLoader().load(*files, weight_dtype="bf16", device="cuda:0", offload_text_encoder=True)
         pipe = model.pipe
         assert pipe.text_encoder_device == torch.device("cuda", 1) and pipe.vae_execution_device.index == 0
-        assert model.text_encoder_own_gpu and not pipe.text_encoder_offload
+        assert own_gpu(pipe.text_encoder_device, model.device) and not pipe.text_encoder_offload
         conditioning = encode(model)[0]
         assert conditioning.positive.embeds.device == torch.device("cuda", 1)
         assert next(pipe.text_encoder.model.parameters()).device == torch.device("cuda", 1)  # not offloaded

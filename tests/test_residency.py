@@ -247,13 +247,23 @@ def test_the_runner_accepts_an_older_workflows_boolean_and_names_a_bad_choice(tm
 # ---- where the loader reads the text encoder to -------------------------------------------------------------
 
 
-def test_the_encoder_is_read_to_the_cpu_only_when_it_does_not_fit_beside_the_dit():
-    from qwen21_nodes.qwen21_core.memory.manager import text_encoder_load_device
+def test_the_encoder_is_read_to_the_cpu_only_when_it_does_not_fit_beside_the_dit(monkeypatch):
+    from qwen21_nodes.qwen21_core.memory import manager
 
-    gpu = torch.device("cuda", 0)
-    assert text_encoder_load_device(gpu, 20 * GIB, 8 * GIB) == gpu
-    assert text_encoder_load_device(gpu, 9 * GIB, 8 * GIB) == torch.device("cpu")  # 8 x 1.15 + 0.5 > 9
-    assert text_encoder_load_device(torch.device("cpu"), 0, 8 * GIB) == torch.device("cpu")
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    budgets = []
+
+    def free(device, budget=None):
+        budgets.append(budget)
+        return 29 * GIB
+
+    monkeypatch.setattr(planner, "device_free_bytes", free)
+    assert manager.text_encoder_load_device(gpu, gpu, 9 * GIB, 8 * GIB) == gpu  # 29 - 9 >= 8 x 1.25 + 0.5
+    assert manager.text_encoder_load_device(gpu, gpu, 19 * GIB, 8 * GIB) == cpu  # 29 - 19 < 10.5
+    assert manager.text_encoder_load_device(gpu, torch.device("cuda", 1), 19 * GIB, 8 * GIB).index == 1  # its own
+    assert manager.text_encoder_load_device(gpu, gpu, 9 * GIB, 8 * GIB, budget=12 * GIB) == gpu
+    assert budgets[-1] == 12 * GIB  # the one budget (--vram-budget) is what the free memory is read under
+    assert manager.text_encoder_load_device(cpu, cpu, 0, 8 * GIB) == cpu
 
 
 @pytest.mark.parametrize("choice", ["auto", "none", "fp8"])
@@ -280,6 +290,7 @@ def test_the_loader_reads_the_encoder_to_the_cpu_on_a_card_too_small_for_both(mo
     """On a pretend 12 GB card with 8 GiB free after the DiT, the loader asks for the encoder to be read to the CPU
     while it still runs on the GPU (the memory manager places it at the first encode); with room, on the GPU."""
     from qwen21_nodes.nodes import loader
+    from qwen21_nodes.qwen21_core.memory import manager
     from qwen21_nodes.qwen21_core.tiny import make_tiny
 
     paths = make_tiny(tmp_path)
@@ -287,13 +298,12 @@ def test_the_loader_reads_the_encoder_to_the_cpu_on_a_card_too_small_for_both(mo
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(loader, "estimated_loaded_bytes", lambda path, component, choice, dtype: {
         "transformer": 7 * GIB, "text_encoder": 9 * GIB}[component])  # fmt: skip
-    for free, where in ((12 * GIB, torch.device("cpu")), (40 * GIB, gpu)):
-        monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None, free=free: free)
-        sizes = loader._loaded_sizes(source, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
-        chosen = loader._text_encoder_load_device(gpu, gpu, sizes)
-        assert chosen == where
-    # an encoder on a GPU of its own counts only that GPU's room
-    monkeypatch.setattr(loader, "device_free_bytes", lambda device, budget=None: 12 * GIB)
-    other = torch.device("cuda", 1)
     sizes = loader._loaded_sizes(source, loader.WeightFormats("fp8", "fp8"), torch.bfloat16)
-    assert loader._text_encoder_load_device(gpu, other, sizes) == other
+    assert sizes == (7 * GIB, 9 * GIB)
+    for free, where in ((12 * GIB, torch.device("cpu")), (40 * GIB, gpu)):
+        monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None, free=free: free)
+        assert manager.text_encoder_load_device(gpu, gpu, *sizes) == where
+    # an encoder on a GPU of its own counts only that GPU's room
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: 12 * GIB)
+    other = torch.device("cuda", 1)
+    assert manager.text_encoder_load_device(gpu, other, *sizes) == other

@@ -44,23 +44,64 @@ def text_encoder_offload(value) -> str:
                      f"older workflow), got {value!r}")  # fmt: skip
 
 
-ENCODE_ROOM_FACTOR = 1.15  # the weights plus an encode's activations and the allocator's slack, about
+# The room a text encoder needs on a GPU: its weights, an encode's activations and the allocator's slack, about.
+ENCODER_ROOM_FACTOR = 1.25
 
 
-def text_encoder_load_device(target: torch.device, free_bytes: int, encoder_bytes: int) -> torch.device:
+def component_devices(dit: torch.device, text_encoder: str, vae: str, gpu_bytes: list[int], encoder_bytes: int = 0):
+    """(text encoder device, VAE device) for the loaders' choices. "auto" puts the text encoder on the first GPU
+    other than the DiT's whose memory (gpu_bytes: each GPU's total) holds it with room to spare, else with the DiT;
+    the VAE with the DiT."""
+    others = [torch.device("cuda", i) for i, total in enumerate(gpu_bytes)
+              if (dit.type != "cuda" or i != dit.index) and total >= ENCODER_ROOM_FACTOR * encoder_bytes]  # fmt: skip
+    if text_encoder == "auto":
+        text_encoder_device = others[0] if dit.type == "cuda" and others else dit
+    else:
+        text_encoder_device = torch.device(text_encoder)
+    return text_encoder_device, dit if vae == "auto" else torch.device(vae)
+
+
+def text_encoder_load_device(dit_device: torch.device, encoder_device: torch.device, dit_bytes: int,
+                             encoder_bytes: int, budget: int | None = None) -> torch.device:  # fmt: skip
     """Where a loader reads the text encoder's weights to: the GPU it runs on when they fit there beside what is
-    loaded already, else the CPU, from where the memory manager brings the encoder on first use. A card too small
-    for the DiT and the encoder together (fp8: 6.76 + 8.71 GiB on a 12 or 16 GB card) would otherwise run out of
+    loaded already (and the DiT about to be read to the same GPU), else the CPU, from where the memory manager brings
+    the encoder on first use. A card too small for the DiT and the encoder together would otherwise run out of
     memory while loading, before any manager could decide anything."""
-    if target.type != "cuda" or free_bytes >= encoder_bytes * ENCODE_ROOM_FACTOR + planner.HEADROOM_BYTES:
-        return target
+    if encoder_device.type != "cuda":
+        return encoder_device
+    free = planner.device_free_bytes(encoder_device, budget)
+    if planner.same_device(encoder_device, dit_device):
+        free -= dit_bytes
+    if free >= encoder_bytes * ENCODER_ROOM_FACTOR + planner.HEADROOM_BYTES:
+        return encoder_device
+    log.info("the text encoder (%.2f GiB) does not fit beside the DiT on %s (%.2f GiB free): read to the CPU, "
+             "placed on first use", encoder_bytes / 2**30, encoder_device, max(free, 0) / 2**30)  # fmt: skip
     return torch.device("cpu")
 
 
-def offload_after_encode(choice: str, own_gpu: bool = False) -> bool:
+def own_gpu(encoder_device, dit_device) -> bool:
+    """Whether the text encoder runs on a GPU of its own (another than the DiT's): nothing else needs its room."""
+    return torch.device(encoder_device).type == "cuda" and not planner.same_device(encoder_device, dit_device)
+
+
+def leaves_for_sampling(choice: str, encoder_device, dit_device) -> bool:
+    """Whether the text encoder's weights may leave the DiT's GPU for sampling (they count as free when the prefix
+    memory is checked): any choice but "never", unless it has a GPU of its own."""
+    return evictable(choice) and not own_gpu(encoder_device, dit_device)
+
+
+def offload_after_encode(choice: str, encoder_device, dit_device) -> bool:
     """Whether the encoder leaves right after an encode: with "always", unless it runs on a GPU of its own (another
     than the DiT's, chosen in the loader), where nothing else needs its room."""
-    return choice == "always" and not own_gpu
+    return choice == "always" and not own_gpu(encoder_device, dit_device)
+
+
+def expected_kv_placement(option: str, dit_bytes: int, gpu_job_bytes: int, capacity: int) -> str:
+    """The K/V placement to ask a memory manager's room for before sampling: "auto" counts the GPU when the whole DiT
+    and a GPU cache fit the device at all (the manager then evicts other models for it), else host RAM."""
+    if option != "auto":
+        return option
+    return "gpu" if dit_bytes + gpu_job_bytes <= capacity else "cpu"
 
 
 def evictable(choice: str) -> bool:
