@@ -34,10 +34,10 @@ import comfy.supported_models_base
 import torch
 
 from ..qwen21_core.lora.merge import lora_layers
-from ..qwen21_core.memory.sizing import job_bytes
 from ..qwen21_core.options import SampleOptions
 from ..qwen21_core.scheduler import resolution_shift
 from ..qwen21_core.velocity import Part
+from . import memory_adapter
 from .comfy_conditioning import conditioning_from_entry
 
 log = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
         branches = sorted(prefixes, reverse=True)[: 2 if len(prefixes) > 1 else 1]
         batch = max(1, rows // len(branches))
         options = self.diffusion_model.options_for({})
-        caches, activations = job_bytes(self.pipe.transformer.config, self.pipe.dtype, branches, h * w, batch,
-                                        options.kv_cache, options.kv_layout)  # fmt: skip
+        caches, activations = memory_adapter.job_bytes(self.pipe.transformer.config, self.pipe.dtype, branches,
+                                                       h * w, batch, options.kv_cache, options.kv_layout)  # fmt: skip
         return caches["gpu"] + activations
 
     # ---- LoRAs ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door t
     text_encoder_offload,
 )
 from ..qwen21_core.memory.planner import indexed_device
+from ..qwen21_core.memory.sizing import job_bytes  # noqa: F401 - for the MODEL's memory_required
 from ..qwen21_core.memory.streaming import StreamableStack
 from . import host
 
