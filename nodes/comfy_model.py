@@ -176,18 +176,19 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
         """Bring the weights to `stack` through our merge (the patcher calls it when it loads)."""
         self.pipe.set_loras(stack)
 
-    def lora_layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every LoRA-addressable layer (checkpoint names, and the fused to_qkv / gate_up) -> its weight's shape."""
+    def lora_slots(self) -> dict:
+        """Every LoRA-addressable layer (checkpoint names, and the fused to_qkv / gate_up) -> where its weight lives
+        (lora/merge.py LayerSlot). Found once: the names and rows do not change with where the weights are."""
         if self._lora_view is None:
-            self._lora_view = {name: slot.shape for name, slot in lora_layers(self.pipe.transformer).items()}
+            self._lora_view = lora_layers(self.pipe.transformer)
         return self._lora_view
 
     def state_dict(self, *args, **kwargs):
         """A view for ComfyUI's LoRA key map (comfy/lora.py reads only the names): `diffusion_model.<layer>.weight`
         per LoRA-addressable layer, as meta tensors of its shape. The weights themselves stay ours (quantised ones
         have no single float tensor); ComfyUI's LoRA patches land in them through our merge."""
-        return {f"{DIFFUSION_PREFIX}{name}.weight": torch.empty(shape, device="meta", dtype=self.pipe.dtype)
-                for name, shape in self.lora_layer_shapes().items()}  # fmt: skip
+        return {f"{DIFFUSION_PREFIX}{name}.weight": torch.empty(slot.shape, device="meta", dtype=self.pipe.dtype)
+                for name, slot in self.lora_slots().items()}  # fmt: skip
 
     def state_dict_for_saving(self, *args, **kwargs):
         raise ValueError("a Qwen21 MODEL cannot be saved as a checkpoint (its weights are in our own layout and may "

@@ -23,7 +23,6 @@ from pathlib import Path
 import comfy.model_patcher
 import comfy.patcher_extension
 
-from ..qwen21_core.lora.merge import lora_layers
 from ..qwen21_core.lora.reading import LoraError, LoraFile, LoraLayer
 from .comfy_conditioning import resolve_pending
 
@@ -34,6 +33,7 @@ SAMPLING_WRAPPER_KEY = "qwen21"
 
 class Qwen21Patcher(comfy.model_patcher.ModelPatcher):
     qwen21_loras: tuple = ()  # (LoraFile, strength) pairs of our own LoRA node, merged before ComfyUI's patches
+    _converted: tuple = (None, ())  # (patches_uuid, ComfyUI's patches as our stack): converted once per patch set
 
     @property
     def managed(self):
@@ -119,8 +119,10 @@ class Qwen21Patcher(comfy.model_patcher.ModelPatcher):
                 raise ValueError(f"qwen21: the {self.managed.name} takes no weight patches (LoRAs apply to the "
                                  "diffusion model only)")  # fmt: skip
             return
-        apply((*self.qwen21_loras, *comfy_patches_as_stack(self.patches, self.model.pipe.transformer,
-                                                           self.patches_uuid)))  # fmt: skip
+        if self._converted[0] != self.patches_uuid:  # every load asks; a LoRA'd MODEL converts its patches once
+            self._converted = (self.patches_uuid, tuple(comfy_patches_as_stack(
+                self.patches, self.model.lora_slots(), self.patches_uuid)))  # fmt: skip
+        apply((*self.qwen21_loras, *self._converted[1]))
 
 
 def new_patcher(model, managed, load_device, offload_device) -> Qwen21Patcher:
@@ -173,13 +175,13 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
 # ---- ComfyUI's patches as our LoRA stack --------------------------------------------------------------------
 
 
-def comfy_patches_as_stack(patches: dict, transformer, patches_uuid) -> list[tuple[LoraFile, float]]:
+def comfy_patches_as_stack(patches: dict, layers: dict, patches_uuid) -> list[tuple[LoraFile, float]]:
     """ComfyUI's weight patches (`ModelPatcher.patches`: weight name -> [(strength, patch, strength_model, offset,
-    function)]) as (LoraFile, strength) pairs for our merge, one per strength. Patches our merge cannot apply
-    (LoHa, LoKr, DoRA, model merges, functions) are refused by name."""
+    function)]) as (LoraFile, strength) pairs for our merge, one per strength; `layers`: our LoRA-addressable layers
+    (lora/merge.py lora_layers). Patches our merge cannot apply (LoHa, LoKr, DoRA, model merges, functions) are
+    refused by name."""
     if not patches:
         return []
-    layers = lora_layers(transformer)
     groups: dict[float, list[LoraLayer]] = {}
     for key, entries in patches.items():
         name = key.removeprefix("diffusion_model.").removesuffix(".weight")
