@@ -6,6 +6,8 @@ run works. The core tests run the DiT with fp8 block weights (dequantised to fp3
 float weights read from the tiny checkpoint: both weight paths are covered with one worker start each.
 """
 
+import os
+
 import pytest
 import torch
 from qwen21_nodes.nodes import host
@@ -256,3 +258,49 @@ def test_the_command_channel_builds_only_what_the_pack_sends():
         receive(theirs)
     assert trusted_modules(FunctionRecipe(tiny_transformer)) == ""  # the pack's own builder needs no trust
     assert trusted_modules(FunctionRecipe(test_the_command_channel_builds_only_what_the_pack_sends)) == __name__
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses of the sockets listening on `port` (Linux: /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+def _other_addresses() -> list[str]:
+    """This host's IPv4 addresses other than loopback (none on a machine without a network)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return []
+    return sorted({info[4][0] for info in infos if not info[4][0].startswith("127.")})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux's /proc")
+def test_the_rendezvous_store_listens_on_loopback_only():
+    """Rank 0's store holds the group's keys unauthenticated: only this machine's own processes may reach it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from qwen21_nodes.qwen21_core.parallel import group
+
+    store = group.host_store(10.0)
+    try:
+        assert _listening_addresses(store.port) == ["0100007F"]  # 127.0.0.1, and no wildcard (0.0.0.0 or ::)
+        for address in _other_addresses():
+            with pytest.raises(OSError), socket.create_connection((address, store.port), timeout=2):
+                pass
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("qwen21-test", "ok")
+        assert store.get("qwen21-test") == b"ok"
+    finally:
+        del store

@@ -256,6 +256,7 @@ class WorkerPool:
                 worker.connection.close()
         self.kept.clear()
         group.leave()
+        self._store = None  # closes its listening socket
         self._listener.close()
         if self in _ACTIVE:
             _ACTIVE.remove(self)

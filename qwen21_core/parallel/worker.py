@@ -109,7 +109,7 @@ class Worker:
         self.transformer = recipe.build(self.device)
         self.graphs = DecodeGraphs(self.transformer)
         self.merger = LoraMerger(self.transformer, originals_for(recipe.source_path))
-        self.store = group.connect_store("127.0.0.1", store_port, timeout_s)
+        self.store = group.connect_store(group.LOOPBACK, store_port, timeout_s)
         weights = sum(p.numel() * p.element_size() for p in self.transformer.parameters())
         log.info("DiT on %s: %s, %.2f GiB of weights", self.device, self.transformer.quantization, weights / 2**30)
         send(self.connection, "ready", {"device": str(self.device), "weights_bytes": weights,
