@@ -1,10 +1,12 @@
 """The command channel between rank 0 and a worker: an authenticated local connection (multiprocessing.connection)
-carrying small pickled messages; tensors go over the process group, except the few a job starts with.
+carrying small messages; tensors go over the process group, except the few a job starts with.
 
-Only the pack's own processes hold the connection's key, and a message is read back with an unpickler that builds
-nothing but containers, torch's tensors, dtypes and devices, the pack's own classes, and the functions of modules
-rank 0 names when it starts a worker (a FunctionRecipe's, `TRUSTED_MODULES_ENV`): anything else in a message is
-refused instead of imported (the pack never unpickles a file; this keeps the channel from being a way around that).
+Only the pack's own processes hold the connection's key, and messages never go through pickle: wire.py writes and
+reads plain data, tensors (dtype, shape, bytes), dtypes and devices, and the instances and functions of an exact
+allowlist of (module, name) pairs: the pack's own message classes below, the pack's own DiT builder, and the
+functions rank 0 names when it starts a worker (a FunctionRecipe's, `TRUSTED_FUNCTIONS_ENV`, "module:name" each).
+Anything else in a message is refused, nothing is imported by a name a message carries (the pack never unpickles a
+file; this keeps the channel from being a way around that, even for a local process that learnt the key).
 
 Messages are tuples, the first item the message's kind. Rank 0 -> worker: load, join, job, step, end, release,
 fault, shutdown, abort. Worker -> rank 0: hello, ready, joined, done, released, error.
@@ -12,15 +14,19 @@ fault, shutdown, abort. Worker -> rank 0: hello, ready, joined, done, released, 
 
 from __future__ import annotations
 
-import io
+import functools
+import importlib
 import os
-import pickle
 import sys
 import traceback
+import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
+
+from . import wire
 
 # How a worker process starts: the package is registered under rank 0's name for it (a ComfyUI custom-node folder
 # has a path-made name) WITHOUT running its top-level __init__ (which imports the ComfyUI nodes), then the worker
@@ -32,38 +38,86 @@ BOOTSTRAP = (
 )
 
 
-TRUSTED_MODULES_ENV = "QWEN21_PARALLEL_MODULES"  # comma-separated modules beyond the pack a message may name
-PACKAGE_ROOT = __name__.removesuffix(".qwen21_core.parallel.channel")
-_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "slice", "range", "complex", "bytes", "bytearray", "str",
-             "int", "float", "bool"}  # fmt: skip
-_ROOTS = ("torch", "collections", "pathlib")
+TRUSTED_FUNCTIONS_ENV = "QWEN21_PARALLEL_FUNCTIONS"  # comma-separated "module:name" builders a message may name
 
 
 def send(connection: Connection, *message) -> None:
-    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    connection.send_bytes(wire.encode(message, _allowed()))
 
 
 def receive(connection: Connection) -> tuple:
-    return _MessageUnpickler(io.BytesIO(connection.recv_bytes())).load()
+    message = wire.decode(connection.recv_bytes(), _allowed())
+    if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
+        raise wire.MessageError("a message must be a tuple starting with its kind")
+    return message
 
 
-def trusted_modules(*objects) -> str:
-    """The value of TRUSTED_MODULES_ENV for messages carrying `objects`' functions (a FunctionRecipe's)."""
-    names = {getattr(getattr(o, "function", None), "__module__", None) for o in objects}
-    return ",".join(sorted(name for name in names if name and not _allowed_module(name, ())))
+def trusted_functions(*objects) -> str:
+    """The value of TRUSTED_FUNCTIONS_ENV for messages carrying `objects`' functions (a FunctionRecipe's): each
+    function that is not the pack's own, as "module:name"."""
+    own = _own_functions()
+    pairs = set()
+    for item in objects:
+        function = getattr(item, "function", None)
+        if isinstance(function, types.FunctionType):
+            pair = (function.__module__, function.__qualname__)
+            if pair not in own:
+                pairs.add(f"{pair[0]}:{pair[1]}")
+    return ",".join(sorted(pairs))
 
 
-def _allowed_module(module: str, trusted) -> bool:
-    root = module.split(".")[0]
-    return root in _ROOTS or module == PACKAGE_ROOT or module.startswith(PACKAGE_ROOT + ".") or module in trusted
+@functools.cache
+def _own_classes() -> dict[tuple[str, str], type]:
+    """The pack's message classes: what a job, a recipe or a failure is made of."""
+    from ..config import TransformerConfig
+    from ..dit.kv_cache import KVCacheSpec
+    from ..quant.plan import WeightFormats
+    from .jobs import BranchInput, JobSpec
+    from .recipes import FileRecipe, FunctionRecipe
+
+    classes = (Failure, JobSpec, BranchInput, KVCacheSpec, FileRecipe, FunctionRecipe, WeightFormats, TransformerConfig)
+    return {(cls.__module__, cls.__qualname__): cls for cls in classes}
 
 
-class _MessageUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        trusted = {m for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m}
-        if (module == "builtins" and name in _BUILTINS) or _allowed_module(module, trusted):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"the parallel channel refuses {module}.{name} in a message")
+@functools.cache
+def _own_functions() -> dict[tuple[str, str], types.FunctionType]:
+    from .recipes import tiny_transformer
+
+    return {(f.__module__, f.__qualname__): f for f in (tiny_transformer,)}
+
+
+class _TrustedFunctions(Mapping):
+    """The pack's own builders and the exact "module:name" pairs of TRUSTED_FUNCTIONS_ENV (a module is imported
+    only when a message names one of its listed functions; the name is looked up in it, never followed as a path)."""
+
+    def __init__(self, listed: str):
+        self.own = _own_functions()
+        self.listed = set()
+        for entry in filter(None, (part.strip() for part in listed.split(","))):
+            module, _, name = entry.partition(":")
+            if not module or not name.isidentifier():
+                raise ValueError(f"{TRUSTED_FUNCTIONS_ENV}: {entry!r} is not module:function_name")
+            self.listed.add((module, name))
+
+    def __getitem__(self, key):
+        if key in self.own:
+            return self.own[key]
+        if key not in self.listed:
+            raise KeyError(key)
+        function = vars(importlib.import_module(key[0])).get(key[1])
+        if not isinstance(function, types.FunctionType):
+            raise KeyError(key)
+        return function
+
+    def __iter__(self) -> Iterator:
+        return iter(self.own.keys() | self.listed)
+
+    def __len__(self) -> int:
+        return len(self.own.keys() | self.listed)
+
+
+def _allowed() -> wire.Allowed:
+    return wire.Allowed(_own_classes(), _TrustedFunctions(os.environ.get(TRUSTED_FUNCTIONS_ENV, "")))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import stable_name
 from . import group
-from .channel import TRUSTED_MODULES_ENV, Failure, python_command, receive, send, trusted_modules
+from .channel import TRUSTED_FUNCTIONS_ENV, Failure, python_command, receive, send, trusted_functions
 from .jobs import JobSpec, KeptBranches, ParallelJob
 from .worker import ADDRESS_ENV, AUTHKEY_ENV, RANK_ENV
 
@@ -195,7 +195,7 @@ class WorkerPool:
                 ADDRESS_ENV: f"{host}:{port}",
                 AUTHKEY_ENV: self._authkey.hex(),
                 RANK_ENV: str(worker.rank),
-                TRUSTED_MODULES_ENV: trusted_modules(self.recipe),  # a FunctionRecipe's builder, for its messages
+                TRUSTED_FUNCTIONS_ENV: trusted_functions(self.recipe),  # a FunctionRecipe's builder, for its messages
                 "PYTHONPATH": worker_python_path(),
             })  # fmt: skip
             worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,

@@ -24,6 +24,7 @@ from ..lora.reading import read_lora
 from . import group
 from .channel import Failure, receive, send
 from .jobs import JobSpec, KeptBranches, ParallelJob
+from .wire import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Worker:
             except (EOFError, OSError):  # rank 0 is gone: nobody will ever command this process again
                 group.abort()
                 os._exit(0)
+            except MessageError as error:  # reported by the main thread, which owns the replies
+                message = ("bad_message", str(error))
             if message[0] == "abort":
                 group.abort()
             else:
@@ -153,6 +156,9 @@ class Worker:
         if self.graphs is not None:
             self.graphs.clear()
         send(self.connection, "released")
+
+    def on_bad_message(self, why: str) -> None:
+        raise MessageError(f"rank 0 sent a message this worker cannot read: {why}")
 
     def on_fault(self, where: str, kind: str) -> None:
         if where not in FAULTS or kind not in FAULT_KINDS:
