@@ -24,6 +24,7 @@ from ..qwen21_core.errors import stable_name
 from ..qwen21_core.memory.manager import LocalMemoryManager
 from ..qwen21_core.memory.planner import indexed_device
 from ..qwen21_core.memory.streaming import StreamableStack
+from ..qwen21_core.paths import join_inside, relative_name
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,19 @@ def list_weight_files(kind: str) -> list[str]:
 
 
 def weight_file_path(kind: str, name: str) -> str:
-    """Absolute path of the weight file `name` listed by list_weight_files(kind)."""
-    for root in model_folders(kind):
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
+    """Absolute path of the weight file `name` listed by list_weight_files(kind). The name must stay inside the
+    folder (qwen21_core/paths.py: no absolute path, drive or '..'; a symlink placed inside the folder is followed):
+    a name arriving through a link skips ComfyUI's list check. Inside ComfyUI its own folder_paths finds the file."""
+    name = relative_name(name, f"{kind} name")
+    if IN_COMFYUI:
+        path = comfy_folder_paths.get_full_path(kind, name)
+        if path is not None:
             return path
+    else:
+        for root in model_folders(kind):
+            path = join_inside(root, name, f"{kind} name")
+            if os.path.isfile(path):
+                return path
     raise FileNotFoundError(
         f"model file {name!r} not found in the {kind} folder(s) {model_folders(kind) or '(none configured)'}; "
         f"put it there (or add a folder through extra_model_paths.yaml) and refresh"
@@ -114,10 +123,18 @@ def list_diffusers_folders() -> list[str]:
 
 
 def diffusers_folder_path(name: str) -> str:
-    for root in model_folders("diffusers"):
-        path = os.path.join(root, name)
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            return path
+    """The folder `name` (with a model_index.json) under the diffusers model folders, kept inside them as
+    weight_file_path keeps its names."""
+    name = relative_name(name, "diffusers folder name")
+    if IN_COMFYUI:
+        index = comfy_folder_paths.get_full_path("diffusers", f"{name.rstrip('/')}/model_index.json")
+        if index is not None:
+            return os.path.dirname(index)
+    else:
+        for root in model_folders("diffusers"):
+            path = join_inside(root, name, "diffusers folder name")
+            if os.path.isfile(os.path.join(path, "model_index.json")):
+                return path
     raise FileNotFoundError(
         f"diffusers folder {name!r} (with a model_index.json) not found under {model_folders('diffusers')}; "
         f"put the Qwen-Image-2.1 diffusers folder there and refresh"

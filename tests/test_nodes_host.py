@@ -82,6 +82,68 @@ def test_loader_and_lora_nodes_watch_their_files(models_dir):
     assert all(a != b for a, b in zip(after, before, strict=True))
 
 
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../../etc/passwd", "sub/../../outside.safetensors", "..",
+                                  "", "a\x00b", "C:\\Windows\\x.safetensors", "..\\x.safetensors"])  # fmt: skip
+def test_model_names_stay_inside_their_folders(models_dir, name):
+    """A name that arrives through a link (a third-party node, the runner) skips ComfyUI's list check: absolute
+    names and '..' are refused before any file is looked at, for weight files, LoRAs, diffusers folders and the
+    loaders' IS_CHANGED (which would otherwise stat any file)."""
+    from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader
+    from qwen21_nodes.nodes.lora import Qwen21LoraLoader
+
+    (models_dir.parent / "outside.safetensors").write_text("{}")
+    for call in (lambda: host.weight_file_path("diffusion_models", name), lambda: host.diffusers_folder_path(name),
+                 lambda: host.weight_file_path("loras", name),
+                 lambda: Qwen21LoraLoader.IS_CHANGED(lora_name=name, strength=1.0),
+                 lambda: Qwen21DiffusersLoader.IS_CHANGED(folder=name, device="auto")):  # fmt: skip
+        with pytest.raises(ValueError, match="must be a relative path inside"):
+            call()
+
+
+def test_a_link_placed_inside_a_model_folder_is_followed(models_dir, tmp_path_factory):
+    """Where a name leads is decided by the name, lexically: a symlink the user put inside a model folder (a file or
+    a folder kept on another disk) is a normal setup and loads."""
+    elsewhere = tmp_path_factory.mktemp("other_disk")
+    (elsewhere / "big.safetensors").write_text("{}")
+    (elsewhere / "pipeline").mkdir()
+    (elsewhere / "pipeline" / "model_index.json").write_text("{}")
+    (models_dir / "diffusion_models" / "big.safetensors").symlink_to(elsewhere / "big.safetensors")
+    (models_dir / "diffusers" / "linked").symlink_to(elsewhere / "pipeline", target_is_directory=True)
+    assert host.weight_file_path("diffusion_models", "big.safetensors") == str(
+        models_dir / "diffusion_models" / "big.safetensors"
+    )
+    assert host.diffusers_folder_path("linked") == str(models_dir / "diffusers" / "linked")
+    assert "big.safetensors" in host.list_weight_files("diffusion_models")
+    assert "linked" in host.list_diffusers_folders()
+
+
+def test_inside_comfyui_names_go_through_folder_paths(monkeypatch):
+    """Inside ComfyUI the file is found by folder_paths.get_full_path (its folders, extra_model_paths.yaml), after
+    the same name check."""
+    asked = []
+
+    class FolderPaths:
+        @staticmethod
+        def get_full_path(kind, name):
+            asked.append((kind, name))
+            return f"/comfy/models/{kind}/{name}" if name.startswith("ok") else None
+
+        @staticmethod
+        def get_folder_paths(kind):
+            return [f"/comfy/models/{kind}"]
+
+    monkeypatch.setattr(host, "IN_COMFYUI", True)
+    monkeypatch.setattr(host, "comfy_folder_paths", FolderPaths)
+    assert host.weight_file_path("loras", "ok/l.safetensors") == "/comfy/models/loras/ok/l.safetensors"
+    assert host.diffusers_folder_path("ok_pipe") == "/comfy/models/diffusers/ok_pipe"
+    with pytest.raises(FileNotFoundError, match="'missing.safetensors' not found"):
+        host.weight_file_path("loras", "missing.safetensors")
+    with pytest.raises(ValueError, match="must be a relative path inside"):
+        host.weight_file_path("loras", "../ok.safetensors")
+    assert asked == [("loras", "ok/l.safetensors"), ("diffusers", "ok_pipe/model_index.json"),
+                     ("loras", "missing.safetensors")]  # fmt: skip
+
+
 def test_no_models_dir_means_no_files():
     host.set_models_dir(None)
     assert host.model_folders("vae") == [] and host.list_weight_files("vae") == []
