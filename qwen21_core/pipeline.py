@@ -31,7 +31,7 @@ from .dit.kv_cache import CacheShape
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
-from .images import masks_at_image_size
+from .images import check_output_size, masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
 from .memory.pinned_buffers import HOST_KV_BUFFERS
@@ -426,6 +426,7 @@ class Qwen21Pipeline:
             raise ValueError("sample needs at least one conditioning")
         height = height or conds[0].height
         width = width or conds[0].width
+        check_output_size(width=width, height=height)  # before the memory plan and any weights move
         if true_cfg_scale > 1:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
