@@ -82,7 +82,7 @@ def list_weight_files(kind: str) -> list[str]:
         return sorted(f for f in comfy_folder_paths.get_filename_list(kind) if f.endswith(WEIGHT_EXTENSIONS))
     found = set()
     for root in model_folders(kind):
-        for dirpath, _dirs, files in os.walk(root, followlinks=True):
+        for dirpath, _dirs, files in _walk(root):
             for name in files:
                 if name.endswith(WEIGHT_EXTENSIONS):
                     found.add(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
@@ -115,7 +115,7 @@ def list_diffusers_folders() -> list[str]:
     for root in model_folders("diffusers"):
         if not os.path.isdir(root):
             continue
-        for dirpath, dirs, files in os.walk(root, followlinks=True):
+        for dirpath, dirs, files in _walk(root):
             if "model_index.json" in files:
                 found.add(os.path.relpath(dirpath, root).replace(os.sep, "/"))
                 dirs.clear()  # a pipeline folder's components are not pipelines themselves
@@ -147,8 +147,23 @@ def file_identity(path: str) -> str:
     if not os.path.isdir(path):
         stat = os.stat(path)
         return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
-    files = sorted(os.path.join(root, name) for root, _dirs, names in os.walk(path, followlinks=True) for name in names)
+    files = sorted(os.path.join(root, name) for root, _dirs, names in _walk(path) for name in names)
     return "\n".join(file_identity(file) for file in files)
+
+
+def _walk(root: str):
+    """os.walk following links (model folders often link to other disks), entering each real folder once: a link
+    back up the tree (two made the listing, which runs on every /object_info, walk for minutes) ends at once."""
+    seen = {os.path.realpath(root)}
+    for dirpath, dirs, files in os.walk(root, followlinks=True):
+        kept = []
+        for name in sorted(dirs):
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if real not in seen:
+                seen.add(real)
+                kept.append(name)
+        dirs[:] = kept
+        yield dirpath, dirs, files
 
 
 def comfyui_root() -> str | None:

@@ -144,6 +144,38 @@ def test_inside_comfyui_names_go_through_folder_paths(monkeypatch):
                      ("loras", "missing.safetensors")]  # fmt: skip
 
 
+_CHILD_LISTING = """
+import json, sys
+from qwen21_nodes.nodes import host
+host.set_models_dir(sys.argv[1])
+print(json.dumps([host.list_weight_files("diffusion_models"), host.list_diffusers_folders(),
+                  host.file_identity(host.diffusers_folder_path("Qwen-Image-2.1")).count(chr(10)) + 1]))
+"""
+
+
+def test_folder_walks_end_quickly_on_symlink_loops(models_dir):
+    """Two links back up the tree in each folder made the listing (it runs on every /object_info) walk for minutes:
+    every walk remembers the real folders it has been in. In a child process, so a regression cannot hang the run."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    for link, target in (("diffusion_models/loop", "."), ("diffusion_models/sub/up", ".."), ("diffusers/loop", "."),
+                         ("diffusers/Qwen-Image-2.1/transformer/up", ".."),
+                         ("diffusers/Qwen-Image-2.1/transformer/loop", ".")):  # fmt: skip
+        (models_dir / link).symlink_to(target, target_is_directory=True)
+    started = time.perf_counter()
+    child = subprocess.run([sys.executable, "-P", "-c", _CHILD_LISTING, str(models_dir)], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    weights, pipelines, identity_lines = json.loads(child.stdout.strip().splitlines()[-1])
+    assert weights == ["qwen_image_2.1_bf16.safetensors", "sub/other.safetensors"]
+    assert pipelines == ["Qwen-Image-2.1"]
+    assert identity_lines == 2  # model_index.json and transformer/config.json, each once
+    assert time.perf_counter() - started < 60
+
+
 def test_no_models_dir_means_no_files():
     host.set_models_dir(None)
     assert host.model_folders("vae") == [] and host.list_weight_files("vae") == []
