@@ -285,6 +285,51 @@ def test_a_failed_merge_leaves_the_original_weights(tmp_path):
     assert model.weights_id == () and merger.merged == {}
 
 
+def test_a_failed_restore_never_leaves_the_old_stack_named_over_changed_weights(tmp_path, monkeypatch):
+    """A change to stack B fails half way and so does the restore after it: the weights are then neither the
+    originals nor stack A. Nothing may still name stack A (the next apply of A would be skipped, and kept prefix
+    caches keyed on it reused); the next apply starts from the originals and gives exactly A, then nothing."""
+    from qwen21_nodes.qwen21_core.lora import merge
+
+    model = tiny_model()
+    before = snapshot(model)
+    a_factors, b_factors = random_factors(model, seed=1), random_factors(model, seed=2)
+    lora_a = read_lora(write(tmp_path / "a.safetensors", *lora_state_dict(a_factors, "comfyui")), layer_shapes(model))
+    lora_b = read_lora(write(tmp_path / "b.safetensors", *lora_state_dict(b_factors, "comfyui")), layer_shapes(model))
+    merger = LoraMerger(model, MemoryOriginals())
+    merger.apply([(lora_a, 1.0)])
+    with_a = snapshot(model)
+    a_id = stack_identity([(lora_a, 1.0)])
+    assert model.weights_id == a_id
+
+    real_merge, merges = merge.merge_into_weight, []
+
+    def merge_then_fail(*args):
+        merges.append(args)
+        if len(merges) == 3:
+            raise RuntimeError("injected: merge failed")
+        return real_merge(*args)
+
+    real_restore = merger.originals.restore
+
+    def restore_fails(*args):  # after the failed merge: the restore that should undo it fails too
+        if len(merges) >= 3:
+            raise RuntimeError("injected: restore failed")
+        return real_restore(*args)
+
+    monkeypatch.setattr(merge, "merge_into_weight", merge_then_fail)
+    monkeypatch.setattr(merger.originals, "restore", restore_fails)
+    with pytest.raises(RuntimeError, match="injected: restore failed"):
+        merger.apply([(lora_b, 1.0)])
+    assert any(not torch.equal(p, with_a[n]) for n, p in model.named_parameters())  # half merged
+    assert merger.stack_id != a_id and model.weights_id != a_id
+    monkeypatch.undo()
+    merger.apply([(lora_a, 1.0)])
+    assert all(torch.equal(p, with_a[n]) for n, p in model.named_parameters()) and model.weights_id == a_id
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and model.weights_id == ()
+
+
 def test_file_originals_refuse_a_checkpoint_that_changed(tmp_path):
     model = tiny_model()
     checkpoint = tmp_path / "dit.safetensors"
