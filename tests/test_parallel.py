@@ -112,6 +112,32 @@ def test_a_failing_worker_is_reported_with_its_rank_and_the_next_run_works(pool,
     assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
+def test_the_watchdog_reports_any_error_and_keeps_watching(pool, dit, monkeypatch):
+    """A worker's message that rank 0 cannot read (any exception, not only a closed channel) is a failure of that
+    rank, reported to the caller; the watchdog thread goes on, and the worker is restarted for the next run."""
+    from qwen21_nodes.qwen21_core.parallel import pool as pool_module
+
+    expected, _ = _sample(dit, None)
+    if pool.broken:
+        pool._regroup()
+    real_receive, garbled = pool_module.receive, []
+
+    def receive_garbled(connection):
+        message = real_receive(connection)
+        if not garbled:
+            garbled.append(message)
+            raise ValueError("injected: an unreadable message")
+        return message
+
+    monkeypatch.setattr(pool_module, "receive", receive_garbled)
+    with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): .*injected: an unreadable message"):
+        pool.release()
+    assert pool._reader.is_alive() and garbled
+    monkeypatch.undo()
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+
 def test_parallel_mode_resolution_and_its_errors():
     class Two:
         world = 2
@@ -437,3 +463,39 @@ def test_the_rendezvous_store_listens_on_loopback_only():
         assert store.get("qwen21-test") == b"ok"
     finally:
         del store
+
+
+def _listener_address(pool) -> tuple[str, int]:
+    listener = pool._listener
+    return listener.address if hasattr(listener, "address") else listener.getsockname()
+
+
+@pytest.mark.slow
+def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
+    """Before the workers connect, a local process connects to the channel and says nothing, another sends garbage:
+    each is dropped after the handshake timeout, and the workers are taken as they come (the start used to wait for
+    the whole load timeout)."""
+    import socket
+    import time
+
+    real_spawn, rogues = WorkerPool._spawn, []
+
+    def spawn_after_rogues(self, workers):
+        address = _listener_address(self)
+        rogues.append(socket.create_connection(address))  # connects and stays silent
+        noisy = socket.create_connection(address)
+        noisy.sendall(b"\xff" * 64)
+        rogues.append(noisy)
+        real_spawn(self, workers)
+
+    monkeypatch.setattr(WorkerPool, "_spawn", spawn_after_rogues)
+    started = time.perf_counter()
+    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,)), "cpu", timeout_s=60,
+                               load_timeout_s=90)  # fmt: skip
+    try:
+        assert time.perf_counter() - started < 75
+        assert workers.workers[0].info["device"] == "cpu"
+    finally:
+        workers.shutdown()
+        for rogue in rogues:
+            rogue.close()

@@ -1,5 +1,6 @@
-"""The command channel between rank 0 and a worker: an authenticated local connection (multiprocessing.connection)
-carrying small messages; tensors go over the process group, except the few a job starts with.
+"""The command channel between rank 0 and a worker: a loopback socket on which both ends first prove the pool's
+32-byte key (an HMAC of the other's nonce, within HANDSHAKE_TIMEOUT_S), then a multiprocessing Connection carrying
+small messages; tensors go over the process group, except the few a job starts with.
 
 Only the pack's own processes hold the connection's key, and messages never go through pickle: wire.py writes and
 reads plain data, tensors (dtype, shape, bytes), dtypes and devices, and the instances and functions of an exact
@@ -15,9 +16,14 @@ fault, shutdown, abort. Worker -> rank 0: hello, ready, joined, done, released, 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import importlib
 import os
+import secrets
+import socket
 import sys
+import time
 import traceback
 import types
 from collections.abc import Iterator, Mapping
@@ -27,6 +33,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from . import wire
+from .group import LOOPBACK
 
 # How a worker process starts: the package is registered under rank 0's name for it (a ComfyUI custom-node folder
 # has a path-made name) WITHOUT running its top-level __init__ (which imports the ComfyUI nodes), then the worker
@@ -39,6 +46,82 @@ BOOTSTRAP = (
 
 
 TRUSTED_FUNCTIONS_ENV = "QWEN21_PARALLEL_FUNCTIONS"  # comma-separated "module:name" builders a message may name
+# A connection must prove the key within this long: a worker answers at once, and a local process that connects
+# and stays silent must not hold up the start (which otherwise waits up to the load timeout for the workers).
+HANDSHAKE_TIMEOUT_S = 10.0
+_NONCE = 32
+
+
+class HandshakeError(ConnectionError):
+    """A connection to the channel that did not prove the key in time."""
+
+
+def listen() -> socket.socket:
+    """Rank 0's listening socket on a free loopback port; accept() on it gives up after a short wait (the caller
+    watches its workers between tries)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    listener.settimeout(0.2)
+    return listener
+
+
+def accept(sock: socket.socket, authkey: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Connection:
+    """Rank 0's side of a new connection: both ends prove the key (HMAC of the other's nonce) within timeout_s in
+    all, then the socket becomes the channel. HandshakeError (the socket closed) otherwise."""
+    return _handshake(sock, authkey, timeout_s, rank0=True)
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Connection:
+    """A worker's side: connect to rank 0 and prove the key (and check that rank 0 holds it too)."""
+    return _handshake(socket.create_connection(address, timeout=timeout_s), authkey, timeout_s, rank0=False)
+
+
+def _handshake(sock: socket.socket, authkey: bytes, timeout_s: float, rank0: bool) -> Connection:
+    deadline = time.monotonic() + timeout_s
+
+    def proof(role: bytes, nonce: bytes) -> bytes:
+        return hmac.new(authkey, role + nonce, hashlib.sha256).digest()
+
+    try:
+        mine = secrets.token_bytes(_NONCE)
+        if rank0:
+            sock.sendall(mine)
+            answer = _receive_exactly(sock, 2 * _NONCE, deadline)
+            if not hmac.compare_digest(answer[:_NONCE], proof(b"worker", mine)):
+                raise HandshakeError("the peer does not hold the key")
+            sock.sendall(proof(b"rank0", answer[_NONCE:]))
+        else:
+            theirs = _receive_exactly(sock, _NONCE, deadline)
+            sock.sendall(proof(b"worker", theirs) + mine)
+            if not hmac.compare_digest(_receive_exactly(sock, _NONCE, deadline), proof(b"rank0", mine)):
+                raise HandshakeError("rank 0 does not hold the key")
+        sock.settimeout(None)
+        return Connection(sock.detach())
+    except HandshakeError:
+        sock.close()
+        raise
+    except OSError as error:  # a timeout or a reset
+        sock.close()
+        raise HandshakeError(f"{type(error).__name__}: {error}") from None
+
+
+def _receive_exactly(sock: socket.socket, count: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HandshakeError("no answer in time")
+        sock.settimeout(left)
+        piece = sock.recv(count - len(data))
+        if not piece:
+            raise HandshakeError("the peer closed the connection")
+        data += piece
+    return data
 
 
 def send(connection: Connection, *message) -> None:

@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import threading
-from multiprocessing.connection import Client
 
 import torch
 
@@ -22,7 +21,7 @@ from ..dit.decode_graphs import DecodeGraphs
 from ..lora.merge import LoraMerger, layer_shapes, originals_for
 from ..lora.reading import read_lora
 from . import group
-from .channel import Failure, receive, send
+from .channel import Failure, connect, receive, send
 from .jobs import JobSpec, KeptBranches, ParallelJob
 from .wire import MessageError
 
@@ -41,7 +40,7 @@ def main() -> None:
     # The module's part of the logger name only: inside ComfyUI the package's name is its folder's path.
     logging.basicConfig(level=logging.INFO, format=f"[qwen21 worker rank {rank}] %(levelname)s %(module)s: %(message)s")
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
-    connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    connection = connect((host, int(port)), bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     torch.set_grad_enabled(False)
     Worker(connection, rank).run()
 
