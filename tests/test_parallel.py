@@ -465,11 +465,6 @@ def test_the_rendezvous_store_listens_on_loopback_only():
         del store
 
 
-def _listener_address(pool) -> tuple[str, int]:
-    listener = pool._listener
-    return listener.address if hasattr(listener, "address") else listener.getsockname()
-
-
 @pytest.mark.slow
 def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
     """Before the workers connect, a local process connects to the channel and says nothing, another sends garbage:
@@ -481,7 +476,7 @@ def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
     real_spawn, rogues = WorkerPool._spawn, []
 
     def spawn_after_rogues(self, workers):
-        address = _listener_address(self)
+        address = self._listener.getsockname()
         rogues.append(socket.create_connection(address))  # connects and stays silent
         noisy = socket.create_connection(address)
         noisy.sendall(b"\xff" * 64)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 
+from ..errors import stable_name
+
 MAX_KEY_CHARS = 256
 MAX_KEYS = 10_000
 MAX_STATES = 2_000  # automaton states of one key, after {m,n} is expanded
@@ -36,6 +38,7 @@ _CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
 _ANY = (frozenset(), (), True)  # `.`: every character (layer names hold no newline)
 
 
+@stable_name
 class PatternError(ValueError):
     """A key this matcher does not read, or keys that need more work than the budget allows."""
 

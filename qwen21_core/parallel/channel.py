@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from ..errors import stable_name
 from . import wire
 from .group import LOOPBACK
 
@@ -52,6 +53,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 _NONCE = 32
 
 
+@stable_name
 class HandshakeError(ConnectionError):
     """A connection to the channel that did not prove the key in time."""
 

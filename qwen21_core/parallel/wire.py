@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import stable_name
+
 MAX_DEPTH = 64
 MAX_INT_BYTES = 64
 MAX_DIMS = 32
@@ -33,6 +35,7 @@ _COUNT = struct.Struct("<Q")
 _FLOAT = struct.Struct("<d")
 
 
+@stable_name
 class MessageError(ValueError):
     """A message that is not in this format, or that names something the reader does not allow."""
 
