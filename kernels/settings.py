@@ -16,7 +16,7 @@ same way) instead of running on a default the user did not choose.
 Why here: kernels/ read some of these switches and import nothing above them (nodes -> qwen21_core -> kernels), so
 the module lives in the lowest layer and qwen21_core/settings.py re-exports it for the layers above.
 
-The pack also passes variables of its own to its worker processes (QWEN21_WORKER_*, QWEN21_PARALLEL_MODULES:
+The pack also passes variables of its own to its worker processes (QWEN21_WORKER_*, QWEN21_PARALLEL_FUNCTIONS:
 qwen21_core/parallel/pool.py builds the child's environment, worker.py reads it at the child's start). They are not
 settings: nobody sets them by hand.
 """

@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..qwen21_core.errors import stable_name
+from ..qwen21_core.paths import join_inside, relative_name
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def list_weight_files(kind: str) -> list[str]:
         return sorted(f for f in comfy_folder_paths.get_filename_list(kind) if f.endswith(WEIGHT_EXTENSIONS))
     found = set()
     for root in model_folders(kind):
-        for dirpath, _dirs, files in os.walk(root, followlinks=True):
+        for dirpath, _dirs, files in _walk(root):
             for name in files:
                 if name.endswith(WEIGHT_EXTENSIONS):
                     found.add(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
@@ -82,11 +83,19 @@ def list_weight_files(kind: str) -> list[str]:
 
 
 def weight_file_path(kind: str, name: str) -> str:
-    """Absolute path of the weight file `name` listed by list_weight_files(kind)."""
-    for root in model_folders(kind):
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
+    """Absolute path of the weight file `name` listed by list_weight_files(kind). The name must stay inside the
+    folder (qwen21_core/paths.py: no absolute path, drive or '..'; a symlink placed inside the folder is followed):
+    a name arriving through a link skips ComfyUI's list check. Inside ComfyUI its own folder_paths finds the file."""
+    name = relative_name(name, f"{kind} name")
+    if IN_COMFYUI:
+        path = comfy_folder_paths.get_full_path(kind, name)
+        if path is not None:
             return path
+    else:
+        for root in model_folders(kind):
+            path = join_inside(root, name, f"{kind} name")
+            if os.path.isfile(path):
+                return path
     raise FileNotFoundError(
         f"model file {name!r} not found in the {kind} folder(s) {model_folders(kind) or '(none configured)'}; "
         f"put it there (or add a folder through extra_model_paths.yaml) and refresh"
@@ -99,7 +108,7 @@ def list_diffusers_folders() -> list[str]:
     for root in model_folders("diffusers"):
         if not os.path.isdir(root):
             continue
-        for dirpath, dirs, files in os.walk(root, followlinks=True):
+        for dirpath, dirs, files in _walk(root):
             if "model_index.json" in files:
                 found.add(os.path.relpath(dirpath, root).replace(os.sep, "/"))
                 dirs.clear()  # a pipeline folder's components are not pipelines themselves
@@ -107,10 +116,18 @@ def list_diffusers_folders() -> list[str]:
 
 
 def diffusers_folder_path(name: str) -> str:
-    for root in model_folders("diffusers"):
-        path = os.path.join(root, name)
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            return path
+    """The folder `name` (with a model_index.json) under the diffusers model folders, kept inside them as
+    weight_file_path keeps its names."""
+    name = relative_name(name, "diffusers folder name")
+    if IN_COMFYUI:
+        index = comfy_folder_paths.get_full_path("diffusers", f"{name.rstrip('/')}/model_index.json")
+        if index is not None:
+            return os.path.dirname(index)
+    else:
+        for root in model_folders("diffusers"):
+            path = join_inside(root, name, "diffusers folder name")
+            if os.path.isfile(os.path.join(path, "model_index.json")):
+                return path
     raise FileNotFoundError(
         f"diffusers folder {name!r} (with a model_index.json) not found under {model_folders('diffusers')}; "
         f"put the Qwen-Image-2.1 diffusers folder there and refresh"
@@ -123,8 +140,23 @@ def file_identity(path: str) -> str:
     if not os.path.isdir(path):
         stat = os.stat(path)
         return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
-    files = sorted(os.path.join(root, name) for root, _dirs, names in os.walk(path, followlinks=True) for name in names)
+    files = sorted(os.path.join(root, name) for root, _dirs, names in _walk(path) for name in names)
     return "\n".join(file_identity(file) for file in files)
+
+
+def _walk(root: str):
+    """os.walk following links (model folders often link to other disks), entering each real folder once: a link
+    back up the tree (two made the listing, which runs on every /object_info, walk for minutes) ends at once."""
+    seen = {os.path.realpath(root)}
+    for dirpath, dirs, files in os.walk(root, followlinks=True):
+        kept = []
+        for name in sorted(dirs):
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if real not in seen:
+                seen.add(real)
+                kept.append(name)
+        dirs[:] = kept
+        yield dirpath, dirs, files
 
 
 def comfyui_root() -> str | None:

@@ -28,6 +28,7 @@ from .dit.sequence import check_rotary_range, prefix_rotary_range
 from .errors import stable_name
 from .images import (
     MAX_CONDITION_IMAGES,
+    MAX_SIDE,
     SIZE_MULTIPLE,
     ConditionImage,
     calculate_dimensions,
@@ -81,8 +82,14 @@ def _check_inputs(prompt, negative_prompt, output_resolution, max_images) -> Non
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise TypeError(f"negative_prompt must be a str or None, got {type(negative_prompt).__name__}")
-    if isinstance(output_resolution, bool) or not isinstance(output_resolution, int) or output_resolution < 32:
-        raise ValueError(f"output_resolution must be an int >= 32 (pixels per side), got {output_resolution!r}")
+    if (
+        isinstance(output_resolution, bool)
+        or not isinstance(output_resolution, int)
+        or not SIZE_MULTIPLE <= output_resolution <= MAX_SIDE
+        or output_resolution % SIZE_MULTIPLE
+    ):
+        raise ValueError(f"output_resolution must be an int multiple of {SIZE_MULTIPLE} from {SIZE_MULTIPLE} to "
+                         f"{MAX_SIDE} (pixels per side), got {output_resolution!r:.40}")  # fmt: skip
     if isinstance(max_images, bool) or not isinstance(max_images, int) or not 1 <= max_images <= MAX_CONDITION_IMAGES:
         raise ValueError(f"max_images must be an int from 1 to {MAX_CONDITION_IMAGES}, got {max_images!r}")
 

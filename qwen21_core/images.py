@@ -38,6 +38,9 @@ import torch
 from PIL import Image
 
 SIZE_MULTIPLE = 32
+# The largest side (width, height, output_resolution) the core accepts: the nodes' widgets allow the same. A value
+# can also come through a link or a LATENT's size, so the core checks it before it allocates anything.
+MAX_SIDE = 4096
 MAX_CONDITION_IMAGES = 16  # per prompt (encoding.py says why 16)
 
 
@@ -97,10 +100,13 @@ def _nearest_valid(value: int) -> int:
 
 
 def check_output_size(width: int, height: int) -> None:
-    """Raise ValueError unless width and height are positive multiples of 32 (naming the nearest valid one)."""
+    """Raise ValueError unless width and height are positive multiples of 32 up to MAX_SIDE (naming the nearest
+    valid one)."""
     for name, value in (("width", width), ("height", height)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int number of pixels, got {type(value).__name__}")
+        if value > MAX_SIDE:
+            raise ValueError(f"{name} {value} is more than {MAX_SIDE} pixels, the largest side qwen21-nodes samples")
         if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
             raise ValueError(
                 f"{name} {value} is not a positive multiple of {SIZE_MULTIPLE} (the VAE downsamples 16x and the "

@@ -28,7 +28,7 @@ from .dit.decode_graphs import DecodeGraphs
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
-from .images import masks_at_image_size
+from .images import check_output_size, masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
 from .memory.manager import OwnPlacement, own_gpu
@@ -370,6 +370,7 @@ class Qwen21Pipeline:
             raise ValueError("sample needs at least one conditioning")
         height = height or conds[0].height
         width = width or conds[0].width
+        check_output_size(width=width, height=height)  # before the memory plan and any weights move
         if true_cfg_scale > 1:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)

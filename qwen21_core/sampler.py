@@ -26,6 +26,7 @@ from .scheduler import euler_step, partial_schedule
 log = logging.getLogger(__name__)
 
 LATENT_SCALE = 16  # pixels per latent token side
+MAX_BATCH = 16  # images per conditioning and run: the Sampler node's maximum, checked before the noise is drawn
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -169,28 +170,30 @@ class Sampler:
         denoise: float = 1.0,
         callback: Callable | None = None,
     ) -> torch.Tensor:
+        # every size and the schedule are checked before anything is allocated (values may come through links)
         check_output_size(width=width, height=height)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r:.40}")
+        if batch_size > MAX_BATCH:
+            raise ValueError(f"batch_size must be from 1 to {MAX_BATCH} (the Sampler node's maximum), got {batch_size}")
         if true_cfg_scale < 1.0:
             raise ValueError(f"true_cfg_scale must be >= 1 (1 = no guidance), got {true_cfg_scale}")
         h, w = height // LATENT_SCALE, width // LATENT_SCALE
         channels = self.transformer.config.in_channels
         rows = len(conditionings) * batch_size
         shape = (rows, channels, h, w)
-        if noise is None:
-            noise = make_noise(seed, shape)
-        elif tuple(noise.shape) != shape:
+        if noise is not None and tuple(noise.shape) != shape:
             raise ValueError(f"noise must have the latent shape {list(shape)}, got {list(noise.shape)}")
         if start_latents is not None and start_latents.shape[-2:] != (h, w):
             raise ValueError(
                 f"the input LATENT is {start_latents.shape[-2] * 16}x{start_latents.shape[-1] * 16} px but the "
                 f"sampler is set to {height}x{width}; set width/height to 0 to follow the LATENT"
             )
-
         schedule_sigmas, timesteps = partial_schedule(
             self.scheduler_config, h * w, steps, denoise if start_latents is not None else 1.0, sigmas
         )
+        if noise is None:
+            noise = make_noise(seed, shape)
         device = self.transformer.device
         self.stats = SampleStats(steps=len(timesteps), prefix_cache="on" if self.prefix_cache else "off")
         if device.type == "cuda":

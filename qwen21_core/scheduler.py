@@ -16,6 +16,12 @@ import torch
 
 from .config import SchedulerConfig
 
+# At most MAX_STEPS steps run (the Sampler node's widget maximum; every step is a DiT pass, so the count is the
+# run's cost). A denoise < 1 takes its steps from the tail of a longer grid: at most MAX_GRID_STEPS long, which
+# is MAX_STEPS at the node's smallest denoise 0.01. Both are checked before a grid is built.
+MAX_STEPS = 200
+MAX_GRID_STEPS = 100 * MAX_STEPS
+
 
 def resolution_shift(image_seq_len: int, config: SchedulerConfig) -> float:
     """mu: linear in the target's token count between (base_seq, base_shift) and (max_seq, max_shift)."""
@@ -56,13 +62,15 @@ def flow_schedule(
     sigmas:  a custom base grid (turbo `sample_sigmas`, or the user's), excluding the terminal sigma.
     """
     if sigmas is None:
-        if steps is None or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_GRID_STEPS:
+            raise ValueError(f"steps must be a positive integer, at most {MAX_GRID_STEPS}, got {steps!r:.40}")
         base = np.linspace(1.0, 1 / steps, steps)
     else:
         base = list(sigmas)
         if not base:
             raise ValueError("sigmas must hold at least one value")
+        if len(base) > MAX_GRID_STEPS:
+            raise ValueError(f"{len(base)} sigmas; a schedule holds at most {MAX_GRID_STEPS}")
         if any(not (0.0 < float(s) <= 1.0) for s in base):
             raise ValueError(f"sigmas must lie in (0, 1], got {base}")
     grid = np.array(base).astype(np.float32)
@@ -78,6 +86,14 @@ def partial_schedule(config, image_seq_len, steps, denoise, sigmas=None):
     """KSampler-style denoise < 1: the last `steps` sigmas of a schedule of int(steps / denoise) steps."""
     if not 0.0 < denoise <= 1.0:
         raise ValueError(f"denoise must be in (0, 1], got {denoise}")
+    if sigmas is not None and len(sigmas) > MAX_STEPS:
+        raise ValueError(f"{len(sigmas)} sigmas given; at most {MAX_STEPS} steps run (the Sampler node's maximum)")
+    if sigmas is None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
+        raise ValueError(f"steps must be from 1 to {MAX_STEPS}: at most {MAX_STEPS} steps run (the Sampler node's "
+                         f"maximum), got {steps!r:.40}")  # fmt: skip
+    if sigmas is None and denoise < 1.0 and steps / denoise > MAX_GRID_STEPS:
+        raise ValueError(f"denoise {denoise} with {steps} steps takes them from a schedule of {int(steps / denoise)} "
+                         f"steps; at most {MAX_GRID_STEPS}: raise denoise (0.01 or more)")  # fmt: skip
     if denoise >= 1.0 or sigmas is not None:
         if sigmas is not None and denoise < 1.0:
             count = max(1, round(len(sigmas) * denoise))

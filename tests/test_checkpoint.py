@@ -164,6 +164,73 @@ def test_corrupt_header_entry(tmp_path):
         Checkpoint.open(path)
 
 
+def _raw_safetensors(path, header: dict, data_bytes: int = 64):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * data_bytes)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}, "data_offsets"),  # a read of 64 GiB before
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 16]}, "data_offsets"),
+        ({"dtype": "U8", "shape": [10**30], "data_offsets": [0, 10**30]}, "truncated"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 10**30]}, "claims shape"),
+        ({"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}, "dtype"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "claims shape"),
+        ({"dtype": "F32", "shape": [2]}, "data_offsets"),
+        ("not an object", "entry"),
+    ],
+)
+def test_every_bad_header_field_is_a_checkpoint_error(tmp_path, entry, message):
+    """Offsets and shapes must be non-negative integers, offsets inside the file, sizes dtype x shape; anything else
+    is a CheckpointError naming the file and the tensor, never a TypeError or a huge allocation."""
+    path = _raw_safetensors(tmp_path / "bad.safetensors", {"ok": {"dtype": "U8", "shape": [4],
+                                                                  "data_offsets": [0, 4]}, "w": entry})  # fmt: skip
+    with pytest.raises(CheckpointError, match=rf"bad.safetensors: .*({message}.*'w'|\bw\b.*{message})"):
+        ckpt = Checkpoint.open(path)
+        ckpt.read("w")
+
+
+@pytest.mark.parametrize("metadata", [["a"], {"format": 1}, "text"])
+def test_bad_header_metadata_is_a_checkpoint_error(tmp_path, metadata):
+    path = _raw_safetensors(tmp_path / "bad.safetensors", {"__metadata__": metadata})
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: .*__metadata__"):
+        Checkpoint.open(path)
+
+
+@pytest.mark.parametrize("metadata", ['{"layers": [1]}', "not json", '["x"]', '{"layers": {"w": {"format": [1]}}}'])
+def test_malformed_quantisation_markers_are_checkpoint_errors(tmp_path, metadata):
+    path = tmp_path / "q.safetensors"
+    save_file({"w.weight": torch.zeros(2, 2)}, path, metadata={"_quantization_metadata": metadata})
+    with Checkpoint.open(path) as ckpt, pytest.raises(CheckpointError, match=r"q.safetensors: .*_quantization_meta"):
+        quantization.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../outside.safetensors"])
+def test_a_sharded_index_names_shards_inside_its_folder_only(tmp_path, shard):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"a": torch.zeros(2)}, tmp_path / "outside.safetensors")
+    index = folder / "x.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(CheckpointError, match=r"x.safetensors.index.json: shard .* must be a relative path inside"):
+        Checkpoint.open(index)
+    index.write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(CheckpointError, match="weight_map"):
+        Checkpoint.open(index)
+
+
 # ---- identification -----------------------------------------------------------------------------------
 
 

@@ -442,11 +442,63 @@ def test_bad_input_is_a_node_error_not_a_crash(server):
     assert server.get("/system_stats").status_code == 200
 
 
-def run_to_error(server: Server, prompt: dict) -> dict:
-    """Queue a prompt that must fail while running; its execution_error message."""
-    entry = server.wait(server.queue(prompt))
+def run_to_error(server: Server, prompt: dict | None = None, prompt_id: str | None = None) -> dict:
+    """Queue a prompt (or take one queued) that must fail while running; its execution_error message."""
+    entry = server.wait(prompt_id or server.queue(prompt))
     assert entry["status"]["status_str"] == "error", [event for event, _ in entry["status"]["messages"]]
     return dict(entry["status"]["messages"])["execution_error"]
+
+
+def _crafted_loras(folder: Path) -> dict[str, str]:
+    """Two hostile LoRAs for the tiny DiT, written into `folder` (a sub-folder of the server's loras: the tiny
+    workflows' overrides expect one LoRA at the top): file name -> what the error must say. A regex bomb in the
+    PEFT metadata (alpha_pattern keys that a backtracking engine matches for ever while holding the interpreter
+    lock: the whole server froze) and a rank-0 LoRA (a ZeroDivisionError before)."""
+    import torch
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.lora.merge import layer_shapes
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    shapes = layer_shapes(QwenImage21Transformer(TINY_TRANSFORMER))
+    layers = sorted(name for name, shape in shapes.items() if len(shape) == 2 and name.startswith("transformer_"))[:8]
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in layers:
+        out, inp = shapes[layer]
+        tensors[f"transformer.{layer}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+        tensors[f"transformer.{layer}.lora_B.weight"] = torch.randn(out, 4, generator=g)
+    patterns = {"(.|.)*Q": 4, **{f"(.*){{1,50}}[0-9]*x{i}": 4 for i in range(200)}}
+    config = {"transformer.r": 4, "transformer.lora_alpha": 4, "transformer.alpha_pattern": patterns}
+    metadata = {"lora_adapter_metadata": json.dumps(config)}
+    save_file(tensors, folder / "crafted_regex_bomb.safetensors", metadata=metadata)
+    out, inp = shapes[layers[0]]
+    empty = {f"diffusion_model.{layers[0]}.lora_down.weight": torch.zeros(0, inp),
+             f"diffusion_model.{layers[0]}.lora_up.weight": torch.zeros(out, 0)}  # fmt: skip
+    save_file(empty, folder / "crafted_rank_0.safetensors")
+    return {"crafted_regex_bomb.safetensors": "too complex", "crafted_rank_0.safetensors": "rank 0"}
+
+
+def test_a_crafted_lora_is_a_node_error_and_the_server_stays_up(server):
+    crafted = _crafted_loras(server.models / "loras" / "crafted")
+    for name, says in crafted.items():
+        seed = random.randrange(2**32)
+        prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "turbo_lora.json", server.models,
+                             f"Qwen21LoraLoader.lora_name=crafted/{name}", f"Qwen21Sampler.seed={seed}")  # fmt: skip
+        prompt_id = server.queue(prompt)
+        started = time.monotonic()
+        while prompt_id not in server.get(f"/history/{prompt_id}").json():  # the server answers throughout
+            assert server.get("/system_stats").status_code == 200
+            assert time.monotonic() - started < 120, f"{name}: no result in 120 s\n" + server.log()[-3000:]
+            time.sleep(0.25)
+        failure = run_to_error(server, prompt_id=prompt_id)
+        assert failure["node_type"] == "Qwen21LoraLoader", failure
+        assert failure["exception_type"] == "qwen21_nodes.qwen21_core.lora.reading.LoraError", failure
+        assert name in failure["exception_message"] and says in failure["exception_message"], failure
+    prompt = tiny_prompt(TEXT_TO_IMAGE, server.models, f"Qwen21Sampler.seed={random.randrange(2**32)}")
+    entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "success", failure_report(entry, server)
 
 
 def test_our_errors_carry_the_package_name_not_the_pack_folder_path(server):

@@ -414,13 +414,22 @@ def test_prefix_memory_precheck_passes_when_it_fits(encoder, vae):
     assert cond.negative.length == cond.extra["prefix_tokens"]["negative"]  # "" is encoded as " "
 
 
-def test_wrong_argument_types_get_clear_errors(encoder, vae):
+def test_wrong_argument_types_get_clear_errors(encoder, vae, monkeypatch):
     with pytest.raises(TypeError, match="prompt must be a str, got NoneType"):
         encode_conditioning(encoder, vae, None)
     with pytest.raises(TypeError, match="negative_prompt must be a str or None, got list"):
         encode_conditioning(encoder, vae, "a cat", negative_prompt=["x"])
-    with pytest.raises(ValueError, match="output_resolution must be an int >= 32"):
-        encode_conditioning(encoder, vae, "a cat", output_resolution=16)
+    for resolution in (16, 100, 8192, 10**9, 1024.0, True):
+        with pytest.raises(ValueError, match=rf"output_resolution must be an int multiple of 32 from 32 to 4096.*"
+                                             rf"got {resolution}"):  # fmt: skip
+            encode_conditioning(encoder, vae, "a cat", output_resolution=resolution)
+    tokenized = []
+    monkeypatch.setattr(encoder.processor, "tokenizer", lambda *args, **kwargs: tokenized.append(args))
+    with pytest.raises(ValueError, match="prompt has 1000000 characters; at most 100000"):
+        encode_conditioning(encoder, vae, "a" * 10**6)
+    with pytest.raises(ValueError, match="prompt has 1000000 characters; at most 100000"):
+        check_prompt_length(encoder, "a" * 10**6)
+    assert tokenized == []  # refused before the tokenizer saw it
     with pytest.raises(TypeError, match=r"images\[1\] must be a ComfyUI IMAGE tensor, a PIL image or a numpy array"):
         encode_conditioning(encoder, vae, "a cat", [Image.new("RGB", (32, 32)), "photo.png"])
 

@@ -285,6 +285,51 @@ def test_a_failed_merge_leaves_the_original_weights(tmp_path):
     assert model.weights_id == () and merger.merged == {}
 
 
+def test_a_failed_restore_never_leaves_the_old_stack_named_over_changed_weights(tmp_path, monkeypatch):
+    """A change to stack B fails half way and so does the restore after it: the weights are then neither the
+    originals nor stack A. Nothing may still name stack A (the next apply of A would be skipped, and kept prefix
+    caches keyed on it reused); the next apply starts from the originals and gives exactly A, then nothing."""
+    from qwen21_nodes.qwen21_core.lora import merge
+
+    model = tiny_model()
+    before = snapshot(model)
+    a_factors, b_factors = random_factors(model, seed=1), random_factors(model, seed=2)
+    lora_a = read_lora(write(tmp_path / "a.safetensors", *lora_state_dict(a_factors, "comfyui")), layer_shapes(model))
+    lora_b = read_lora(write(tmp_path / "b.safetensors", *lora_state_dict(b_factors, "comfyui")), layer_shapes(model))
+    merger = LoraMerger(model, MemoryOriginals())
+    merger.apply([(lora_a, 1.0)])
+    with_a = snapshot(model)
+    a_id = stack_identity([(lora_a, 1.0)])
+    assert model.weights_id == a_id
+
+    real_merge, merges = merge.merge_into_weight, []
+
+    def merge_then_fail(*args):
+        merges.append(args)
+        if len(merges) == 3:
+            raise RuntimeError("injected: merge failed")
+        return real_merge(*args)
+
+    real_restore = merger.originals.restore
+
+    def restore_fails(*args):  # after the failed merge: the restore that should undo it fails too
+        if len(merges) >= 3:
+            raise RuntimeError("injected: restore failed")
+        return real_restore(*args)
+
+    monkeypatch.setattr(merge, "merge_into_weight", merge_then_fail)
+    monkeypatch.setattr(merger.originals, "restore", restore_fails)
+    with pytest.raises(RuntimeError, match="injected: restore failed"):
+        merger.apply([(lora_b, 1.0)])
+    assert any(not torch.equal(p, with_a[n]) for n, p in model.named_parameters())  # half merged
+    assert merger.stack_id != a_id and model.weights_id != a_id
+    monkeypatch.undo()
+    merger.apply([(lora_a, 1.0)])
+    assert all(torch.equal(p, with_a[n]) for n, p in model.named_parameters()) and model.weights_id == a_id
+    merger.apply([])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and model.weights_id == ()
+
+
 def test_file_originals_refuse_a_checkpoint_that_changed(tmp_path):
     model = tiny_model()
     checkpoint = tmp_path / "dit.safetensors"
@@ -427,6 +472,102 @@ def test_peft_alpha_pattern_and_rslora(tmp_path):
     config = {"transformer.lora_alpha": 8, "transformer.use_rslora": True}
     lora = _read(tmp_path, tensors, model, {"lora_adapter_metadata": json.dumps(config)})
     assert {layer.scale for layer in lora.layers} == {8 / RANK**0.5}
+
+
+_CHILD_READ = """
+import json, sys
+from qwen21_nodes.qwen21_core.lora.reading import read_lora
+lora = read_lora(sys.argv[1], {k: tuple(v) for k, v in json.loads(sys.argv[2]).items()})
+print(json.dumps({layer.layer: layer.scale for layer in lora.layers}))
+"""
+
+
+def test_a_regex_bomb_in_alpha_pattern_is_matched_quickly(tmp_path):
+    """alpha_pattern keys are PEFT's regular expressions; a key that makes a backtracking engine run for ever on a
+    30-character layer name is matched by a linear-time automaton instead (in a child process, so that a regression
+    cannot freeze the test run: Python's re holds the interpreter lock while it backtracks)."""
+    import subprocess
+    import sys
+    import time
+
+    shapes = {"transformer_blocks.0.attn.to_q": (32, 32), "transformer_blocks.0.attn.to_k": (32, 32),
+              "proj_out": (16, 32)}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer, (out, inp) in shapes.items():
+        tensors[f"transformer.{layer}.lora_B.weight"] = torch.randn(out, RANK, generator=g)
+        tensors[f"transformer.{layer}.lora_A.weight"] = torch.randn(RANK, inp, generator=g)
+    # the bomb comes first: it must be tried (and not match: no layer ends in an upper-case Q) before the next keys
+    patterns = {"(.|.)*Q": 99, "attn\\.to_[k]": 12, "proj_out": 16}
+    config = {"transformer.r": RANK, "transformer.lora_alpha": 2, "transformer.alpha_pattern": patterns}
+    path = write(tmp_path / "bomb.safetensors", tensors, {"lora_adapter_metadata": json.dumps(config)})
+    started = time.perf_counter()
+    child = subprocess.run([sys.executable, "-P", "-c", _CHILD_READ, str(path), json.dumps(shapes)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    scales = json.loads(child.stdout.strip().splitlines()[-1])
+    assert scales == {"transformer_blocks.0.attn.to_q": 2 / RANK, "transformer_blocks.0.attn.to_k": 12 / RANK,
+                      "proj_out": 16 / RANK}  # fmt: skip
+    assert time.perf_counter() - started < 60  # a child's start and torch import included; the match is microseconds
+
+
+def test_alpha_patterns_match_like_peft(tmp_path):
+    """PEFT's rule (a key matches a whole layer name or its end after a dot, the first key wins) on module names,
+    on regular expressions, and on keys no safe matcher takes (refused naming the file and the key)."""
+    from qwen21_nodes.qwen21_core.lora.patterns import LayerPatterns
+
+    patterns = LayerPatterns(["0.attn.to_q", "transformer_blocks\\.1\\d*\\.attn\\.to_(q|k)$", "to_q", "img_in"])
+    assert patterns.find("transformer_blocks.0.attn.to_q") == "0.attn.to_q"
+    assert patterns.find("transformer_blocks.10.attn.to_q") == "transformer_blocks\\.1\\d*\\.attn\\.to_(q|k)$"
+    assert patterns.find("transformer_blocks.2.attn.to_q") == "to_q"
+    assert patterns.find("transformer_blocks.2.attn.to_qkv") is None  # the end of the name, not a prefix of it
+    assert patterns.find("ximg_in") is None and patterns.find("a.img_in") == "img_in"  # after a dot only
+    model = tiny_model()
+    tensors, _ = lora_state_dict(random_factors(model, ("img_in",)), "peft")
+    for key, what in (("(?=x)img_in", "lookaround"), ("(a)\\1", "escape"), ("(" + "a?" * 40 + "){1,99}", "states")):
+        config = {"transformer.lora_alpha": 2, "transformer.alpha_pattern": {key: 4}}
+        with pytest.raises(LoraError, match=rf"LoRA x.safetensors: .*alpha_pattern.*{what}"):
+            _read(tmp_path, tensors, model, {"lora_adapter_metadata": json.dumps(config)})
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"lora_alpha": float("inf")}, "lora_alpha"),
+        ({"lora_alpha": -8}, "lora_alpha"),
+        ({"lora_alpha": "8"}, "lora_alpha"),
+        ({"lora_alpha": True}, "lora_alpha"),
+        ({"lora_alpha": 10**400}, "lora_alpha"),
+        ({"alpha_pattern": {"img_in": float("nan")}}, "alpha_pattern\\['img_in'\\]"),
+        ({"alpha_pattern": {"img_in": [1]}}, "alpha_pattern\\['img_in'\\]"),
+        ({"alpha_pattern": ["img_in"]}, "alpha_pattern"),
+        ({"r": 0}, "'r'"),
+        ({"rank_pattern": {"img_in": 0}}, "rank_pattern\\['img_in'\\]"),
+        ({"rank_pattern": {"img_in": 2.5}}, "rank_pattern\\['img_in'\\]"),
+    ],
+)
+def test_bad_alpha_or_rank_in_metadata_is_a_lora_error(tmp_path, config, named):
+    model = tiny_model()
+    tensors, _ = lora_state_dict(random_factors(model, ("img_in",)), "peft")
+    metadata = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+    with pytest.raises(LoraError, match=rf"LoRA x.safetensors: .*{named}"):
+        _read(tmp_path, tensors, model, metadata)
+
+
+def test_rank_zero_and_bad_alpha_tensors_are_lora_errors(tmp_path):
+    model = tiny_model()
+    zero_rank = {"img_in.lora_A.weight": torch.zeros(0, 16), "img_in.lora_B.weight": torch.zeros(64, 0)}
+    with pytest.raises(LoraError, match=r"LoRA x.safetensors .*img_in: rank 0"):
+        _read(tmp_path, zero_rank, model)
+    for alpha in (float("nan"), float("inf"), -4.0):
+        tensors, _ = lora_state_dict(random_factors(model, ("img_in",)), "kohya", alpha=alpha)
+        with pytest.raises(LoraError, match=r"LoRA x.safetensors: lora_unet_img_in.alpha is .*, expected a finite"):
+            _read(tmp_path, tensors, model)
+    for metadata in ('["not", "a", "dict"]', "{not json"):
+        with pytest.raises(LoraError, match="LoRA x.safetensors: .*lora_adapter_metadata"):
+            _read(tmp_path, lora_state_dict(random_factors(model, ("img_in",)), "peft")[0], model,
+                  {"lora_adapter_metadata": metadata})  # fmt: skip
 
 
 def test_a_full_difference_on_a_norm_weight_merges_and_comes_off(tmp_path):

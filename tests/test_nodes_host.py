@@ -82,6 +82,100 @@ def test_loader_and_lora_nodes_watch_their_files(models_dir):
     assert all(a != b for a, b in zip(after, before, strict=True))
 
 
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../../etc/passwd", "sub/../../outside.safetensors", "..",
+                                  "", "a\x00b", "C:\\Windows\\x.safetensors", "..\\x.safetensors"])  # fmt: skip
+def test_model_names_stay_inside_their_folders(models_dir, name):
+    """A name that arrives through a link (a third-party node, the runner) skips ComfyUI's list check: absolute
+    names and '..' are refused before any file is looked at, for weight files, LoRAs, diffusers folders and the
+    loaders' IS_CHANGED (which would otherwise stat any file)."""
+    from qwen21_nodes.nodes.loader import Qwen21DiffusersLoader
+    from qwen21_nodes.nodes.lora import Qwen21LoraLoader
+
+    (models_dir.parent / "outside.safetensors").write_text("{}")
+    for call in (lambda: host.weight_file_path("diffusion_models", name), lambda: host.diffusers_folder_path(name),
+                 lambda: host.weight_file_path("loras", name),
+                 lambda: Qwen21LoraLoader.IS_CHANGED(lora_name=name, strength=1.0),
+                 lambda: Qwen21DiffusersLoader.IS_CHANGED(folder=name, device="auto")):  # fmt: skip
+        with pytest.raises(ValueError, match="must be a relative path inside"):
+            call()
+
+
+def test_a_link_placed_inside_a_model_folder_is_followed(models_dir, tmp_path_factory):
+    """Where a name leads is decided by the name, lexically: a symlink the user put inside a model folder (a file or
+    a folder kept on another disk) is a normal setup and loads."""
+    elsewhere = tmp_path_factory.mktemp("other_disk")
+    (elsewhere / "big.safetensors").write_text("{}")
+    (elsewhere / "pipeline").mkdir()
+    (elsewhere / "pipeline" / "model_index.json").write_text("{}")
+    (models_dir / "diffusion_models" / "big.safetensors").symlink_to(elsewhere / "big.safetensors")
+    (models_dir / "diffusers" / "linked").symlink_to(elsewhere / "pipeline", target_is_directory=True)
+    assert host.weight_file_path("diffusion_models", "big.safetensors") == str(
+        models_dir / "diffusion_models" / "big.safetensors"
+    )
+    assert host.diffusers_folder_path("linked") == str(models_dir / "diffusers" / "linked")
+    assert "big.safetensors" in host.list_weight_files("diffusion_models")
+    assert "linked" in host.list_diffusers_folders()
+
+
+def test_inside_comfyui_names_go_through_folder_paths(monkeypatch):
+    """Inside ComfyUI the file is found by folder_paths.get_full_path (its folders, extra_model_paths.yaml), after
+    the same name check."""
+    asked = []
+
+    class FolderPaths:
+        @staticmethod
+        def get_full_path(kind, name):
+            asked.append((kind, name))
+            return f"/comfy/models/{kind}/{name}" if name.startswith("ok") else None
+
+        @staticmethod
+        def get_folder_paths(kind):
+            return [f"/comfy/models/{kind}"]
+
+    monkeypatch.setattr(host, "IN_COMFYUI", True)
+    monkeypatch.setattr(host, "comfy_folder_paths", FolderPaths)
+    assert host.weight_file_path("loras", "ok/l.safetensors") == "/comfy/models/loras/ok/l.safetensors"
+    assert host.diffusers_folder_path("ok_pipe") == "/comfy/models/diffusers/ok_pipe"
+    with pytest.raises(FileNotFoundError, match="'missing.safetensors' not found"):
+        host.weight_file_path("loras", "missing.safetensors")
+    with pytest.raises(ValueError, match="must be a relative path inside"):
+        host.weight_file_path("loras", "../ok.safetensors")
+    assert asked == [("loras", "ok/l.safetensors"), ("diffusers", "ok_pipe/model_index.json"),
+                     ("loras", "missing.safetensors")]  # fmt: skip
+
+
+_CHILD_LISTING = """
+import json, sys
+from qwen21_nodes.nodes import host
+host.set_models_dir(sys.argv[1])
+print(json.dumps([host.list_weight_files("diffusion_models"), host.list_diffusers_folders(),
+                  host.file_identity(host.diffusers_folder_path("Qwen-Image-2.1")).count(chr(10)) + 1]))
+"""
+
+
+def test_folder_walks_end_quickly_on_symlink_loops(models_dir):
+    """Two links back up the tree in each folder made the listing (it runs on every /object_info) walk for minutes:
+    every walk remembers the real folders it has been in. In a child process, so a regression cannot hang the run."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    for link, target in (("diffusion_models/loop", "."), ("diffusion_models/sub/up", ".."), ("diffusers/loop", "."),
+                         ("diffusers/Qwen-Image-2.1/transformer/up", ".."),
+                         ("diffusers/Qwen-Image-2.1/transformer/loop", ".")):  # fmt: skip
+        (models_dir / link).symlink_to(target, target_is_directory=True)
+    started = time.perf_counter()
+    child = subprocess.run([sys.executable, "-P", "-c", _CHILD_LISTING, str(models_dir)], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    weights, pipelines, identity_lines = json.loads(child.stdout.strip().splitlines()[-1])
+    assert weights == ["qwen_image_2.1_bf16.safetensors", "sub/other.safetensors"]
+    assert pipelines == ["Qwen-Image-2.1"]
+    assert identity_lines == 2  # model_index.json and transformer/config.json, each once
+    assert time.perf_counter() - started < 60
+
+
 def test_no_models_dir_means_no_files():
     host.set_models_dir(None)
     assert host.model_folders("vae") == [] and host.list_weight_files("vae") == []

@@ -6,6 +6,8 @@ run works. The core tests run the DiT with fp8 block weights (dequantised to fp3
 float weights read from the tiny checkpoint: both weight paths are covered with one worker start each.
 """
 
+import os
+
 import pytest
 import torch
 from qwen21_nodes.nodes import host
@@ -108,6 +110,32 @@ def test_a_failing_worker_is_reported_with_its_rank_and_the_next_run_works(pool,
     pool.inject_fault(1, "in_block", "exit")  # the worker process dies: it is restarted for the next run
     with pytest.raises(ParallelError, match="rank 1 .*process exited.*exit code 17"):
         _sample(dit, pool, "sequence")
+    assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_watchdog_reports_any_error_and_keeps_watching(pool, dit, monkeypatch):
+    """A worker's message that rank 0 cannot read (any exception, not only a closed channel) is a failure of that
+    rank, reported to the caller; the watchdog thread goes on, and the worker is restarted for the next run."""
+    from qwen21_nodes.qwen21_core.parallel import pool as pool_module
+
+    expected, _ = _sample(dit, None)
+    if pool.broken:
+        pool._regroup()
+    real_receive, garbled = pool_module.receive, []
+
+    def receive_garbled(connection):
+        message = real_receive(connection)
+        if not garbled:
+            garbled.append(message)
+            raise ValueError("injected: an unreadable message")
+        return message
+
+    monkeypatch.setattr(pool_module, "receive", receive_garbled)
+    with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): .*injected: an unreadable message"):
+        pool.release()
+    assert pool._reader.is_alive() and garbled
+    monkeypatch.undo()
     assert (_sample(dit, pool, "sequence")[0] - expected).abs().max().item() <= 1e-5
 
 
@@ -231,29 +259,239 @@ def test_text_encoder_on_the_second_gpu_stays_there_and_its_conditioning_reaches
         host.set_models_dir(None)
 
 
-def test_the_command_channel_builds_only_what_the_pack_sends():
-    """A message is read back with an unpickler that takes containers, torch's tensors and dtypes and the pack's own
-    classes, and refuses any other global (os.system here) instead of importing it."""
+def _call(module: str, name: str, *args) -> bytes:
+    """Pickle opcodes that make an unpickler call module.name(*args) (GLOBAL; under protocol 4 a dotted name is
+    followed attribute by attribute). args: str, bytes, or another _call."""
+    out = b"c" + module.encode() + b"\n" + name.encode() + b"\n" + b"("
+    for arg in args:
+        if isinstance(arg, str):
+            out += b"X" + len(arg.encode()).to_bytes(4, "little") + arg.encode()
+        elif isinstance(arg, bytes) and arg.startswith(b"c"):
+            out += arg  # a nested call
+        else:
+            out += b"B" + len(arg).to_bytes(4, "little") + arg
+    return out + b"tR"
+
+
+def _pickle_gadgets(marker) -> dict[str, bytes]:
+    """The review's gadgets against a channel that unpickled with a module-prefix allowlist, each creating `marker`."""
+    import io
     import os
-    import pickle
-    from multiprocessing import Pipe
-
-    from qwen21_nodes.qwen21_core.parallel.channel import Failure, receive, send, trusted_modules
-    from qwen21_nodes.qwen21_core.parallel.recipes import FunctionRecipe, tiny_transformer
-
-    ours, theirs = Pipe()
-    failure = Failure(1, "cpu", "out of memory", "CUDA out of memory")
-    send(ours, "job", {"x": torch.arange(4.0), "dtype": torch.bfloat16, "device": torch.device("cpu")}, failure)
-    kind, payload, back = receive(theirs)
-    assert kind == "job" and torch.equal(payload["x"], torch.arange(4.0)) and back == failure
-    assert payload["dtype"] is torch.bfloat16 and payload["device"] == torch.device("cpu")
 
     class Exploit:
         def __reduce__(self):
-            return (os.system, ("echo owned",))
+            return (os.system, (f"touch {marker}",))
 
-    ours.send_bytes(pickle.dumps(("job", Exploit())))
-    with pytest.raises(pickle.UnpicklingError, match="refuses (posix|nt|os).system"):
+    saved = io.BytesIO()
+    torch.save(Exploit(), saved)  # what torch.load(weights_only=False) would run
+    touch, pool = f"touch {marker}", "qwen21_nodes.qwen21_core.parallel.pool"
+    gadgets = {
+        "torch + os.system": _call("torch", "os.system", touch),
+        "pathlib + os.system": _call("pathlib", "os.system", touch),
+        "the pool's subprocess.getoutput": _call(pool, "subprocess.getoutput", touch),
+        "Path.write_text": _call("pathlib", "Path.write_text", _call("pathlib", "Path", str(marker)), "owned"),
+        "torch.storage._load_from_bytes": _call("torch.storage", "_load_from_bytes", saved.getvalue()),
+    }
+    return {what: b"\x80\x04" + body + b"." for what, body in gadgets.items()}
+
+
+@pytest.mark.parametrize("gadget", ["torch + os.system", "pathlib + os.system", "the pool's subprocess.getoutput",
+                                    "Path.write_text", "torch.storage._load_from_bytes"])  # fmt: skip
+def test_the_command_channel_refuses_pickle_gadgets(tmp_path, gadget):
+    """A message read back never runs what it names: every gadget that got through the old unpickler is refused
+    with an error, and nothing it would have done happens."""
+    from multiprocessing import Pipe
+
+    from qwen21_nodes.qwen21_core.parallel.channel import receive
+
+    marker = tmp_path / "owned"
+    ours, theirs = Pipe()
+    ours.send_bytes(_pickle_gadgets(marker)[gadget])
+    with pytest.raises(Exception, match="unknown tag|refuses"):
         receive(theirs)
-    assert trusted_modules(FunctionRecipe(tiny_transformer)) == ""  # the pack's own builder needs no trust
-    assert trusted_modules(FunctionRecipe(test_the_command_channel_builds_only_what_the_pack_sends)) == __name__
+    assert not marker.exists()
+
+
+def test_the_command_channel_carries_no_pickle():
+    """A tensor pickled the plain way (which unpickles through torch.load) is refused too: the channel has a format
+    of its own, and what it names must be in its exact allowlist."""
+    import pickle
+    from multiprocessing import Pipe
+
+    from qwen21_nodes.qwen21_core.parallel import wire
+    from qwen21_nodes.qwen21_core.parallel.channel import receive
+
+    ours, theirs = Pipe()
+    ours.send_bytes(pickle.dumps(("job", torch.arange(3))))
+    with pytest.raises(wire.MessageError, match="unknown tag"):
+        receive(theirs)
+
+    def reference(tag: bytes, module: str, name: str) -> bytes:
+        out = bytearray(tag)
+        wire._write_text(out, b"s", module)
+        wire._write_text(out, b"s", name)
+        return bytes(out) + (b"d" + wire._COUNT.pack(0) if tag == b"o" else b"")
+
+    recipes = "qwen21_nodes.qwen21_core.parallel.recipes"
+    named = [
+        (b"g", "posix", "system"),
+        (b"g", "torch", "os.system"),
+        (b"g", "pathlib", "os.system"),
+        (b"g", "qwen21_nodes.qwen21_core.parallel.pool", "subprocess.getoutput"),
+        (b"g", "qwen21_nodes.qwen21_core.parallel.pool", "worker_python_path"),  # the pack's, but not a builder
+        (b"g", "torch.storage", "_load_from_bytes"),
+        (b"g", recipes, "tiny_transformer.__globals__"),
+        (b"o", "pathlib", "Path"),
+        (b"o", "collections", "OrderedDict"),
+        (b"o", "torch", "Tensor"),
+    ]
+    for tag, module, name in named:
+        kind = b"s" + wire._COUNT.pack(3) + b"job"
+        ours.send_bytes(b"t" + wire._COUNT.pack(2) + kind + reference(tag, module, name))
+        with pytest.raises(wire.MessageError, match=f"refuses (function|class) {module}.{name}"):
+            receive(theirs)
+
+
+def _test_builder(device):
+    """A test's own DiT builder (what a FunctionRecipe names)."""
+    return tiny_transformer(device, SEED)
+
+
+def test_the_command_channel_round_trips_the_pack_s_messages(monkeypatch):
+    """What the pack sends comes back equal: containers, tensors of every dtype (bytes and shapes), dtypes, devices,
+    its message classes; a test's own DiT builder travels only when rank 0 lists it exactly (module:name)."""
+    from multiprocessing import Pipe
+
+    from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
+    from qwen21_nodes.qwen21_core.parallel import wire
+    from qwen21_nodes.qwen21_core.parallel.channel import (
+        TRUSTED_FUNCTIONS_ENV,
+        Failure,
+        receive,
+        send,
+        trust_functions,
+        trusted_functions,
+    )
+    from qwen21_nodes.qwen21_core.parallel.jobs import BranchInput, JobSpec
+    from qwen21_nodes.qwen21_core.parallel.recipes import FileRecipe, FunctionRecipe, tiny_transformer
+    from qwen21_nodes.qwen21_core.quant.plan import WeightFormats
+
+    ours, theirs = Pipe()
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=g).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16,
+               torch.float8_e4m3fn)] + [torch.arange(6).reshape(2, 3), torch.tensor([True, False]),
+               torch.zeros(0, 4), torch.tensor(2.5), torch.randn(4, 4, generator=g).t()]  # fmt: skip
+    branch = BranchInput("positive", torch.randn(9, 8, generator=g), torch.ones(9, dtype=torch.bool),
+                         ("hash", "positive", "torch.float32", None))  # fmt: skip
+    spec = JobSpec("sequence", [branch], [(4, 4)], None, (2, 3), 1, KVCacheSpec("fp8", "cpu"),
+                   loras=(("/x.safetensors", "id", 0.5),))  # fmt: skip
+    failure = Failure(1, "cpu", "out of memory", "CUDA out of memory")
+    recipe = FileRecipe("/models/dit.safetensors", torch.bfloat16, WeightFormats("fp8", keep=("img_mlp.out",)))
+    payload = {"tensors": tensors, "dtype": torch.bfloat16, "device": torch.device("cuda", 1), "big": 2**70,
+               "neg": -(2**63), "floats": (float("inf"), -0.0), "bytes": b"\x00\xff", ("a", 1): None,
+               "size": torch.Size([2, 3])}  # fmt: skip
+    send(ours, "job", payload, spec, failure, recipe, FunctionRecipe(tiny_transformer, (3,), {"weights": "fp8"}))
+    kind, back, spec_back, failure_back, recipe_back, builder = receive(theirs)
+    assert kind == "job" and failure_back == failure and recipe_back == recipe
+    for sent, got in zip(tensors, back["tensors"], strict=True):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8))  # bit for bit
+    assert back["dtype"] is torch.bfloat16 and back["device"] == torch.device("cuda", 1)
+    assert back["big"] == 2**70 and back["neg"] == -(2**63) and back["floats"] == (float("inf"), -0.0)
+    assert back["bytes"] == b"\x00\xff" and back[("a", 1)] is None and back["size"] == (2, 3)
+    assert spec_back.kv == KVCacheSpec("fp8", "cpu") and spec_back.loras == spec.loras
+    assert torch.equal(spec_back.branches[0].embeds, spec.branches[0].embeds)
+    assert spec_back.branches[0].prefix_id == spec.branches[0].prefix_id
+    assert builder.function is tiny_transformer and builder.args == (3,) and builder.kwargs == {"weights": "fp8"}
+
+    assert trusted_functions(FunctionRecipe(tiny_transformer)) == ""  # the pack's own builder needs no listing
+    assert trusted_functions(FunctionRecipe(_test_builder)) == f"{__name__}:_test_builder"
+    send(ours, "load", FunctionRecipe(_test_builder))
+    with pytest.raises(wire.MessageError, match=f"refuses function {__name__}._test_builder"):
+        receive(theirs)
+    trust_functions(trusted_functions(FunctionRecipe(_test_builder)))  # what a worker's start does with the env
+    send(ours, "load", FunctionRecipe(_test_builder))
+    assert receive(theirs)[1].function is _test_builder
+    with pytest.raises(ValueError, match=f"{TRUSTED_FUNCTIONS_ENV}: .* is not module:function_name"):
+        trust_functions(f"{__name__}:_test_builder.__globals__")
+    trust_functions("")
+    for bad in (object(), {1, 2}, lambda: 0):
+        with pytest.raises(wire.MessageError):
+            send(ours, "job", bad)
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses of the sockets listening on `port` (Linux: /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+def _other_addresses() -> list[str]:
+    """This host's IPv4 addresses other than loopback (none on a machine without a network)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return []
+    return sorted({info[4][0] for info in infos if not info[4][0].startswith("127.")})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux's /proc")
+def test_the_rendezvous_store_listens_on_loopback_only():
+    """Rank 0's store holds the group's keys unauthenticated: only this machine's own processes may reach it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+    from qwen21_nodes.qwen21_core.parallel import group
+
+    store = group.host_store(10.0)
+    try:
+        assert _listening_addresses(store.port) == ["0100007F"]  # 127.0.0.1, and no wildcard (0.0.0.0 or ::)
+        for address in _other_addresses():
+            with pytest.raises(OSError), socket.create_connection((address, store.port), timeout=2):
+                pass
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("qwen21-test", "ok")
+        assert store.get("qwen21-test") == b"ok"
+    finally:
+        del store
+
+
+@pytest.mark.slow
+def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
+    """Before the workers connect, a local process connects to the channel and says nothing, another sends garbage:
+    each is dropped after the handshake timeout, and the workers are taken as they come (the start used to wait for
+    the whole load timeout)."""
+    import socket
+    import time
+
+    real_spawn, rogues = WorkerPool._spawn, []
+
+    def spawn_after_rogues(self, workers):
+        address = self._listener.getsockname()
+        rogues.append(socket.create_connection(address))  # connects and stays silent
+        noisy = socket.create_connection(address)
+        noisy.sendall(b"\xff" * 64)
+        rogues.append(noisy)
+        real_spawn(self, workers)
+
+    monkeypatch.setattr(WorkerPool, "_spawn", spawn_after_rogues)
+    started = time.perf_counter()
+    workers = WorkerPool.start(["cpu"], FunctionRecipe(tiny_transformer, (SEED,)), "cpu", timeout_s=60,
+                               load_timeout_s=90)  # fmt: skip
+    try:
+        assert time.perf_counter() - started < 75
+        assert workers.workers[0].info["device"] == "cpu"
+    finally:
+        workers.shutdown()
+        for rogue in rogues:
+            rogue.close()

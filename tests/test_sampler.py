@@ -251,12 +251,26 @@ def test_img2img_starts_from_sigma0_noise_plus_the_rest_of_the_normalised_start(
         (dict(height=64, width=64, noise=torch.zeros(1, Z, 2, 2)), r"noise must have the latent shape \[1, 16, 4, 4\]"),
         (dict(height=64, width=64, true_cfg_scale=0.5), "true_cfg_scale must be >= 1"),
         (dict(height=64, width=64, batch_size=0), "batch_size must be >= 1"),
+        (dict(height=64, width=8192), "width 8192 is more than 4096"),
+        (dict(height=10**6 * 32, width=64), "height 32000000 is more than 4096"),
+        (dict(height=64, width=64, batch_size=10**6), "batch_size must be from 1 to 16"),
+        (dict(height=64, width=64, sigmas=[0.5] * 201), "201 sigmas.*at most 200"),
+        (dict(height=64, width=64, steps=10**9), "steps must be .* at most 200"),
+        (dict(height=64, width=64, start_latents=torch.zeros(1, Z, 4, 4), denoise=1e-9), "denoise 1e-09"),
     ],
 )
-def test_bad_inputs_are_clear_errors(parts, kwargs, message):
+def test_bad_inputs_are_clear_errors(parts, kwargs, message, monkeypatch):
+    """Sizes, batch and schedule length are checked in the core (a value may arrive through a link, not a widget),
+    before the noise is allocated."""
+    from qwen21_nodes.qwen21_core import sampler as sampler_module
+
+    def no_noise(*args):
+        raise AssertionError("the noise was allocated before the inputs were checked")
+
+    monkeypatch.setattr(sampler_module, "make_noise", no_noise)
     _, ours, vae = parts
     with pytest.raises(ValueError, match=message):
-        _sampler(ours, vae).sample([Conditioning(_prompt(4, 0))], steps=2, **kwargs)
+        _sampler(ours, vae).sample([Conditioning(_prompt(4, 0))], **{"steps": 2, **kwargs})
 
 
 def test_sampling_bytes_counts_what_the_caches_really_hold(parts):

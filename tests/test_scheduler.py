@@ -76,11 +76,25 @@ def test_denoise_takes_the_tail_of_a_longer_schedule():
 @pytest.mark.parametrize(
     "kwargs, message",
     [(dict(steps=0), "steps must be a positive integer"), (dict(sigmas=[]), "at least one"),
-     (dict(sigmas=[1.0, 1.5]), r"in \(0, 1\]")],
+     (dict(sigmas=[1.0, 1.5]), r"in \(0, 1\]"), (dict(steps=10**9), "at most 20000"),
+     (dict(sigmas=[0.5] * 100_000), "100000 sigmas.*at most 20000")],
 )  # fmt: skip
 def test_bad_schedules_are_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         flow_schedule(QWEN21_SCHEDULER, 1024, **kwargs)
+
+
+def test_the_steps_a_run_takes_are_bounded_before_any_grid_is_built():
+    """At most 200 steps run (the Sampler node's maximum); a denoise < 1 slices them from a longer grid, at most
+    the 20000 steps of 200 at the node's smallest denoise 0.01."""
+    part, _ = partial_schedule(QWEN21_SCHEDULER, 1024, steps=200, denoise=0.01)
+    assert part.shape == (201,)
+    with pytest.raises(ValueError, match="steps must be .* at most 200"):
+        partial_schedule(QWEN21_SCHEDULER, 1024, steps=201, denoise=1.0)
+    with pytest.raises(ValueError, match="201 sigmas.*at most 200"):
+        partial_schedule(QWEN21_SCHEDULER, 1024, steps=1, denoise=1.0, sigmas=[0.5] * 201)
+    with pytest.raises(ValueError, match="denoise 1e-06 .* 2000000 steps"):
+        partial_schedule(QWEN21_SCHEDULER, 1024, steps=2, denoise=1e-6)
 
 
 def test_unsupported_scheduler_options_are_errors():

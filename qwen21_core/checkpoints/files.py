@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import stable_name
+from ..paths import join_inside
 from ..quant.slots import QuantSlot, StoredQuant
 from . import formats
 
@@ -124,18 +125,23 @@ class Checkpoint:
     def _open_sharded(cls, index_path: Path) -> Checkpoint:
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index_path}: not a safetensors index (needs a 'weight_map'): {err}") from err
-        tensors, metadata = {}, {}
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: its weight_map must map tensor names to shard file names")
+        tensors, metadata, shards = {}, {}, {}
         for shard_name in sorted(set(weight_map.values())):
-            shard = index_path.parent / shard_name
+            try:  # an index names files beside it, never elsewhere (a shard "/etc/passwd" would be opened)
+                shard = shards[shard_name] = Path(join_inside(index_path.parent, shard_name, "shard"))
+            except ValueError as err:
+                raise CheckpointError(f"{index_path}: {err}") from None
             if not shard.exists():
                 raise FileNotFoundError(f"{index_path}: shard {shard_name} is missing (incomplete download?)")
             shard_tensors, shard_metadata = _read_header(shard)
             tensors.update(shard_tensors)
             metadata = metadata or shard_metadata
         misplaced = [key for key, shard in weight_map.items() if tensors.get(key, None) is None]
-        misplaced += [key for key, shard in weight_map.items() if key in tensors and tensors[key].file.name != shard]
+        misplaced += [key for key, shard in weight_map.items() if key in tensors and tensors[key].file != shards[shard]]
         if misplaced:
             raise CheckpointError(
                 f"{index_path}: the index lists {len(misplaced)} tensors that are not in the shard it names, "
@@ -257,26 +263,51 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise CheckpointError(f"{path}: {_not_safetensors_reason(path, head)} ({err})") from err
 
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ must map names to strings, got {metadata!r:.200}")
     data_start, data_size = 8 + header_len, size - 8 - header_len
-    tensors, data_end = {}, 0
-    for key, entry in header.items():
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {entry}") from err
-        dtype = _DTYPES.get(dtype_name, dtype_name)
-        if isinstance(dtype, torch.dtype) and end - begin != _numel(shape) * dtype.itemsize:
-            raise CheckpointError(
-                f"{path}: corrupt header: {key} claims shape {list(shape)} {dtype_name} but {end - begin} bytes"
-            )
-        tensors[key] = TensorInfo(path, dtype, shape, data_start + begin, end - begin)
-        data_end = max(data_end, end)
+    tensors = {key: _tensor_info(path, key, entry, data_start) for key, entry in header.items()}
+    data_end, last = max(((info.start - data_start + info.nbytes, key) for key, info in tensors.items()),
+                         default=(0, None))  # fmt: skip
     if data_end > data_size:
         raise CheckpointError(
-            f"{path}: truncated: its header describes {data_end} bytes of tensor data but only {data_size} are "
-            f"present ({data_end - data_size} missing). The download or copy is incomplete; fetch the file again."
+            f"{path}: truncated: its header describes {data_end} bytes of tensor data (tensor {last!r} ends there) "
+            f"but only {data_size} are present ({data_end - data_size} missing). The download or copy is "
+            "incomplete; fetch the file again."
         )
     return tensors, metadata
+
+
+def _tensor_info(path: Path, key: str, entry, data_start: int) -> TensorInfo:
+    """One header entry, checked: a dtype name, a shape of integers >= 0, two integer offsets in order (the caller
+    checks that they lie within the file), and (for dtypes torch knows) as many bytes as dtype x shape. A file is
+    downloaded from strangers: a negative offset or a float must not reach a read or an allocation."""
+
+    def corrupt(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: corrupt safetensors header entry for tensor {key!r}: {what}")
+
+    if not isinstance(entry, dict):
+        raise corrupt(f"the entry is {entry!r:.100}, not an object with dtype, shape and data_offsets")
+    dtype_name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype_name, str):
+        raise corrupt(f"dtype {dtype_name!r:.100} is not a name")
+    if not isinstance(shape, list) or not all(_is_size(n) for n in shape):
+        raise corrupt(f"shape {shape!r:.100} is not a list of integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(n) for n in offsets):
+        raise corrupt(f"data_offsets {offsets!r:.100} is not two integers >= 0")
+    begin, end = offsets
+    if begin > end:
+        raise corrupt(f"data_offsets {offsets} end before they begin")
+    dtype = _DTYPES.get(dtype_name, dtype_name)
+    if isinstance(dtype, torch.dtype) and end - begin != _numel(shape) * dtype.itemsize:
+        raise CheckpointError(
+            f"{path}: corrupt header: {key} claims shape {list(shape)} {dtype_name} but {end - begin} bytes"
+        )
+    return TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _not_safetensors_reason(path: Path, head: bytes) -> str:

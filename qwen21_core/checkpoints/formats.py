@@ -113,7 +113,7 @@ def inspect(
     keys = list(keys)
     key_set = set(keys)
     # ComfyUI's own format names first: they say more than the raw dtypes (NVFP4, W4A8, ...).
-    markers = _comfy_layer_markers(keys, metadata, read)
+    markers = _comfy_layer_markers(path, keys, metadata, read)
     unsupported = sorted({m.get("format", "?") for m in markers.values()} - set(_FP8_FORMATS) - {_INT8_FORMAT})
     if unsupported:
         count = sum(m.get("format", "?") in unsupported for m in markers.values())
@@ -153,7 +153,11 @@ def _int8_layer(path: str, key: str, scale_key: str | None, marker: dict | None)
         raise UnsupportedQuantizationError(path, f"int8 weight {key} without its weight_scale")
     params = marker.get("params") if isinstance(marker.get("params"), dict) else {}
     convrot = marker.get("convrot", params.get("convrot", False))
-    group = int(marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if convrot else 0
+    try:
+        group = int(marker.get("convrot_groupsize", params.get("convrot_groupsize", 256))) if convrot else 0
+    except (TypeError, ValueError, OverflowError):
+        size = marker.get("convrot_groupsize", params.get("convrot_groupsize"))
+        raise _malformed(path, key, f"convrot_groupsize {size!r:.40} is not a number") from None
     if group not in (0, *ROTATION_GROUPS):
         supported = ", ".join(map(str, ROTATION_GROUPS))
         raise UnsupportedQuantizationError(
@@ -202,18 +206,49 @@ def _reject_foreign(path, keys, dtype_of, metadata) -> None:
             raise UnsupportedQuantizationError(path, f"{dtype} weights (e.g. {key}), an integer-quantised format")
 
 
-def _comfy_layer_markers(keys, metadata, read) -> dict[str, dict]:
-    """layer -> ComfyUI marker dict ({"format": ..., ...}), from `.comfy_quant` tensors and `_quantization_metadata`."""
+def _comfy_layer_markers(path, keys, metadata, read) -> dict[str, dict]:
+    """layer -> ComfyUI marker dict ({"format": ..., ...}), from `.comfy_quant` tensors and `_quantization_metadata`.
+    Markers come from the file: anything but JSON objects with a string format is a checkpoint error."""
     markers = {}
     if "_quantization_metadata" in metadata:
-        layers = json.loads(metadata["_quantization_metadata"]).get("layers", {})
+        where = "metadata _quantization_metadata"
+        config = _json(path, metadata["_quantization_metadata"], where)
+        layers = config.get("layers", {}) if isinstance(config, dict) else None
+        if not isinstance(layers, dict):
+            raise _malformed(path, where, "expected an object with 'layers': {layer: marker}")
         for layer, conf in layers.items():
-            markers[layer] = conf if isinstance(conf, dict) else {"format": str(conf)}
+            markers[layer] = _marker(path, conf, f"{where}, layer {layer}")
     for key in keys:
         if key.endswith(".comfy_quant"):
-            conf = json.loads(bytes(read(key).tolist()).decode("utf-8"))
-            markers[key[: -len(".comfy_quant")]] = conf if isinstance(conf, dict) else {"format": str(conf)}
+            tensor = read(key)
+            if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+                raise _malformed(path, key, f"a {tensor.dtype} tensor of shape {list(tensor.shape)}, not uint8 bytes")
+            try:
+                text = bytes(tensor.tolist()).decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise _malformed(path, key, f"not UTF-8 ({error})") from None
+            markers[key[: -len(".comfy_quant")]] = _marker(path, _json(path, text, key), key)
     return markers
+
+
+def _json(path, text: str, where: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise _malformed(path, where, f"not JSON ({error})") from None
+
+
+def _marker(path, conf, where: str) -> dict:
+    marker = conf if isinstance(conf, dict) else {"format": str(conf)}
+    if not isinstance(marker.get("format", "?"), str):
+        raise _malformed(path, where, f"its format is {marker['format']!r:.80}, not a name")
+    return marker
+
+
+def _malformed(path, where: str, what: str) -> ValueError:
+    from .files import CheckpointError  # files.py imports this module: the error class is fetched when needed
+
+    return CheckpointError(f"{path}: malformed ComfyUI quantisation marker in {where}: {what}")
 
 
 def _describe(keys, dtype_of, layers: Mapping[str, StoredLayer]) -> str:

@@ -155,6 +155,11 @@ def layer_shapes(transformer: QwenImage21Transformer) -> dict[str, tuple[int, ..
     return {name: slot.shape for name, slot in lora_layers(transformer).items()}
 
 
+# The weights id while a stack change is under way, and after one whose undo failed: no stack's identity (a tuple of
+# tuples) equals it, so nothing keyed on the weights matches half-merged ones, and the next apply restores first.
+CHANGING = ("qwen21: weights being changed",)
+
+
 def stack_identity(stack: Stack) -> tuple:
     """What a merged stack is, for caches keyed on the weights: file identities, strengths and modes, in order."""
     return tuple((lora.identity, float(strength), lora.side_path) for lora, strength in stack if strength != 0)
@@ -544,6 +549,9 @@ class LoraMerger:
         stack_id = stack_identity(stack)
         if stack_id == self.stack_id:
             return
+        if self.stack_id == CHANGING:  # an earlier change and its undo both failed: start from the originals
+            self._restore_all()
+            self._set_id(())
         started = time.perf_counter()
         plan = self._plan(stack)
         wanted = {target: tuple((lora_id, s, layer.layer, side) for _, s, layer, side, lora_id in pieces)
@@ -552,6 +560,7 @@ class LoraMerger:
         counts = {"weights_merged": 0, "side_paths": 0}
         clock = _PhaseClock(self.transformer.device)
         was_changed = set(self.changed)
+        self._set_id(CHANGING)  # until the change is complete no stack's id names these weights
         try:
             with self.originals.reading(), full_fp32_matmul():
                 for names, place in self._groups(changed):
@@ -559,7 +568,7 @@ class LoraMerger:
                         self._bring(names, plan, wanted, counts, clock, vram_budget)
             self.originals.keep_only(p for target in self.changed for p in parameters_of(target))
         except BaseException:
-            self._restore_all()  # never leave a half-merged model behind
+            self._restore_all()  # never leave a half-merged model behind (if this fails too, CHANGING stays)
             self._set_id(())
             raise
         self._set_id(stack_id)

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from ..checkpoints.files import Checkpoint, CheckpointError, describe
 from ..errors import stable_name
 from . import keys
+from .patterns import LayerPatterns, PatternError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def read_lora(path: str | os.PathLike, layer_shapes: Mapping[str, tuple[int, ...
         raise LoraError(f"LoRA {path.name}: {error}") from error
     with ckpt:
         groups, formats = _group(ckpt)
-        layers = _layers(ckpt, groups, layer_shapes, _peft_alphas(ckpt.metadata))
+        layers = _layers(ckpt, groups, layer_shapes, _peft_alphas(ckpt.metadata, path.name))
     identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else str(path.resolve())
     lora = LoraFile(path, tuple(layers), ", ".join(sorted(formats)), identity)
     log.info("read %r (%.1f MB)", lora, lora.nbytes / 1e6)
@@ -184,6 +184,8 @@ def _check_shapes(ckpt, stem, roles, layer, weight_shape) -> str | None:
         return f"{layer}: up {list(up)} and down {list(down)} are not [out, rank] and [rank, in]"
     if (up[0], down[1]) != weight_shape:
         return f"{layer}: up {list(up)} @ down {list(down)} gives {[up[0], down[1]]}, weight is {list(weight_shape)}"
+    if up[1] == 0:
+        return f"{layer}: rank 0 (up {list(up)}, down {list(down)}): an empty LoRA layer"
     if "alpha" in roles and math.prod(ckpt.shape(roles["alpha"])) != 1:
         return f"{layer}: alpha has shape {list(ckpt.shape(roles['alpha']))}, expected one number"
     for key in roles.values():
@@ -199,34 +201,75 @@ def _read_layer(ckpt, roles, layer, peft_alpha) -> LoraLayer:
     up, down = ckpt.read(roles["up"]), ckpt.read(roles["down"])
     rank = down.shape[0]
     if "alpha" in roles:
-        scale = float(ckpt.read(roles["alpha"]).float().reshape(())) / rank
+        alpha = float(ckpt.read(roles["alpha"]).float().reshape(()))
+        if not (math.isfinite(alpha) and alpha >= 0):
+            raise LoraError(f"LoRA {ckpt.path.name}: {roles['alpha']} is {alpha}, expected a finite alpha >= 0")
+        scale = alpha / rank
     else:
         scale = peft_alpha(layer, rank)
     return LoraLayer(layer, up, down, None, scale)
 
 
-def _peft_alphas(metadata: Mapping[str, str]):
-    """layer, rank -> alpha / rank from diffusers / PEFT adapter metadata; 1 when a file has none."""
+def _peft_alphas(metadata: Mapping[str, str], name: str):
+    """layer, rank -> alpha / rank from diffusers / PEFT adapter metadata; 1 when a file has none. Every number in
+    it is checked here (a NaN, infinite or negative alpha, a rank that is not a positive integer: a LoraError naming
+    the file and the key), and alpha_pattern keys are matched by patterns.py, never by `re`. rank_pattern only says
+    what shapes PEFT would build: the factors' own shapes are the ranks used, so its keys are not matched."""
     raw = metadata.get(_METADATA_KEY)
     if not raw:
         return lambda layer, rank: 1.0
+    where = f"LoRA {name}: metadata {_METADATA_KEY}"
     try:
         config = json.loads(raw)
     except json.JSONDecodeError as error:
-        raise LoraError(f"LoRA metadata {_METADATA_KEY} is not JSON: {error}") from error
+        raise LoraError(f"{where} is not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise LoraError(f"{where} is a JSON {type(config).__name__}, expected an object")
     config = {k.removeprefix("transformer."): v for k, v in config.items()}
     if config.get("use_dora"):
-        raise LoraError("the LoRA's metadata says use_dora: DoRA (weight-decomposed LoRA) cannot be applied")
-    default_alpha = config.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
-    patterns = config.get("alpha_pattern") or {}
+        raise LoraError(f"{where} says use_dora: DoRA (weight-decomposed LoRA) cannot be applied")
+    alpha = config.get("lora_alpha")
+    default_alpha = _alpha(_PEFT_DEFAULT_ALPHA if alpha is None else alpha, f"{where}: 'lora_alpha'")
+    if config.get("r") is not None:
+        _rank(config["r"], f"{where}: 'r'")
+    for field, check in (("alpha_pattern", _alpha), ("rank_pattern", _rank)):
+        entries = config.get(field) or {}
+        if not isinstance(entries, dict):
+            raise LoraError(f"{where}: {field} is a {type(entries).__name__}, expected an object of layer -> number")
+        for key, value in entries.items():
+            check(value, f"{where}: {field}[{key!r}]")
+    alphas = config.get("alpha_pattern") or {}
+    try:
+        patterns = LayerPatterns(alphas)
+    except PatternError as error:
+        raise LoraError(f"{where}: alpha_pattern: {error}") from error
     rslora = bool(config.get("use_rslora"))
 
     def scale(layer: str, rank: int) -> float:
-        # PEFT matches pattern keys against the end of a module name
-        alpha = next((v for p, v in patterns.items() if re.match(rf"(.*\.)?({p})$", layer)), default_alpha)
-        return float(alpha) / (math.sqrt(rank) if rslora else rank)
+        try:
+            key = patterns.find(layer)
+        except PatternError as error:
+            raise LoraError(f"{where}: alpha_pattern: {error}") from error
+        alpha = default_alpha if key is None else float(alphas[key])
+        return alpha / (math.sqrt(rank) if rslora else rank)
 
     return scale
+
+
+def _alpha(value, what: str) -> float:
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond float range
+        number = math.inf
+    if not (math.isfinite(number) and number >= 0):
+        raise LoraError(f"{what} is {str(value)[:40]}, expected a finite number >= 0")
+    return number
+
+
+def _rank(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LoraError(f"{what} is {str(value)[:40]}, expected an integer >= 1")
+    return value
 
 
 def _listing(label: str, items: list[str]) -> str:

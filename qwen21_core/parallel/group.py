@@ -4,6 +4,10 @@ torch.distributed's default group, NCCL between GPUs and gloo on CPU. Rank 0 hos
 TCPStore on a free port); each (re)formed group uses a fresh prefix in it, so a group rebuilt after a failure never
 meets the old one's keys. Every collective has the group's timeout.
 
+The store has no authentication, so it listens on the loopback address only. A TCPStore told to host on
+"127.0.0.1" still binds every interface (the host name only tells clients where to connect), so rank 0 binds the
+listening socket itself and hands it to the store (`master_listen_fd`); the store owns and closes it.
+
 Failures: a blocked gloo collective ends with an error as soon as a peer leaves the group or exits (its connection
 closes) and otherwise at the timeout. A blocked NCCL collective ends only when the local communicator is aborted:
 torch's own NCCL watchdog would do that by tearing the whole process down (which would take ComfyUI with it), so
@@ -19,6 +23,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import threading
 
 import torch
@@ -35,10 +40,24 @@ def backend_for(devices) -> str:
     return "nccl" if all(torch.device(d).type == "cuda" for d in devices) else "gloo"
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def host_store(timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free local port (store.port says which)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    """Rank 0's rendezvous store on a free port of the loopback address only (store.port says which)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=listener.fileno())  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store closes the socket when it goes
+    return store
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

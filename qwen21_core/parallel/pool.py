@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -35,7 +35,18 @@ import torch
 from .. import settings
 from ..errors import stable_name
 from . import group
-from .channel import TRUSTED_MODULES_ENV, Failure, python_command, receive, send, trusted_modules
+from .channel import (
+    HANDSHAKE_TIMEOUT_S,
+    TRUSTED_FUNCTIONS_ENV,
+    Failure,
+    HandshakeError,
+    accept,
+    listen,
+    python_command,
+    receive,
+    send,
+    trusted_functions,
+)
 from .jobs import JobSpec, KeptBranches, ParallelJob
 from .worker import ADDRESS_ENV, AUTHKEY_ENV, RANK_ENV
 
@@ -148,7 +159,7 @@ class WorkerPool:
         self.running = False  # a run is in progress (a failure then aborts every rank's collectives)
         self._lock = threading.Lock()
         self._authkey = secrets.token_bytes(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._listener = listen()
         self._store = group.host_store(self.timeout_s)
         self._reader: threading.Thread | None = None
 
@@ -189,14 +200,14 @@ class WorkerPool:
     def _spawn(self, workers: list[_Worker]) -> None:
         """Start these workers' processes and take their channels as they connect (each says its rank first). Each
         child's environment is this process's plus what its start needs (worker.py reads it)."""
-        host, port = self._listener.address
+        host, port = self._listener.getsockname()
         for worker in workers:
             env = dict(os.environ)
             env.update({
                 ADDRESS_ENV: f"{host}:{port}",
                 AUTHKEY_ENV: self._authkey.hex(),
                 RANK_ENV: str(worker.rank),
-                TRUSTED_MODULES_ENV: trusted_modules(self.recipe),  # a FunctionRecipe's builder, for its messages
+                TRUSTED_FUNCTIONS_ENV: trusted_functions(self.recipe),  # a FunctionRecipe's builder, for its messages
                 "PYTHONPATH": worker_python_path(),
                 group.NCCL_ERROR_HANDLING: "0",  # our watchdog, not torch's, ends a failed run (group.py)
             })  # fmt: skip
@@ -208,21 +219,30 @@ class WorkerPool:
         deadline = time.monotonic() + self.load_timeout_s
         while any(worker.connection is None for worker in workers):
             connection = self._accept_one(workers, deadline)
-            kind, rank = receive(connection)
+            if not connection.poll(HANDSHAKE_TIMEOUT_S):
+                connection.close()
+                raise RuntimeError(f"a worker process connected but sent nothing in {HANDSHAKE_TIMEOUT_S:.0f} s")
+            message = receive(connection)
+            kind, rank = (message + (None,))[:2]
             if kind != "hello" or rank not in by_rank or by_rank[rank].connection is not None:
+                connection.close()
                 raise RuntimeError(f"a worker process sent {kind!r} for rank {rank} as its first message")
             by_rank[rank].connection = connection
 
     def _accept_one(self, workers: list[_Worker], deadline: float):
-        """The next connection; fails if a worker that has not connected exits first, or at the deadline."""
-        accepted: list = []
-        thread = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
-        thread.start()
+        """The next connection that proves the key (each has HANDSHAKE_TIMEOUT_S: one that connects and stays
+        silent, or cannot prove it, is dropped and the wait goes on); fails if a worker that has not connected
+        exits first, or at the deadline."""
         waiting = [worker for worker in workers if worker.connection is None]
-        while thread.is_alive() and all(worker.alive for worker in waiting) and time.monotonic() < deadline:
-            thread.join(WATCH_INTERVAL_S)
-        if accepted:
-            return accepted[0]
+        while all(worker.alive for worker in waiting) and time.monotonic() < deadline:
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                return accept(sock, self._authkey)
+            except HandshakeError as error:
+                log.warning("dropped a connection to the worker channel from %s: %s", peer, error)
         dead = [worker for worker in waiting if not worker.alive]
         if dead:
             worker = dead[0]
@@ -258,6 +278,7 @@ class WorkerPool:
                 worker.connection.close()
         self.kept.clear()
         group.leave()
+        self._store = None  # closes its listening socket
         self._listener.close()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
@@ -266,33 +287,53 @@ class WorkerPool:
     # ---- the reader thread: replies, failures, the watchdog ----------------------------------------------------
 
     def _read(self) -> None:
+        """The watchdog thread: it must outlive anything that goes wrong in one round, or every later failure would
+        go unnoticed and rank 0 would wait for each reply until its timeout."""
         while not self.closed:
-            connections = {w.connection: w for w in self.workers if w.reachable}
             try:
-                ready = wait(list(connections), timeout=WATCH_INTERVAL_S)
-            except OSError:  # a connection closed while waiting (a restart or the shutdown)
-                continue
-            for connection in ready:
-                worker = connections[connection]
-                if connection is not worker.connection:
-                    continue  # replaced meanwhile (a restart)
+                self._read_once()
+            except Exception as error:  # noqa: BLE001 - reported, and the watch goes on
+                log.exception("the multi-GPU watchdog hit an error; it carries on")
                 try:
-                    message = receive(connection)
-                except (EOFError, OSError):
-                    if not self.closed and connection is worker.connection:
-                        connection.close()
-                        code = _exit_code(worker.process)
-                        self._fail(Failure(worker.rank, str(worker.device), "process exited",
-                                           f"the worker process ended (exit code {code})"))  # fmt: skip
-                    continue
-                if message[0] == "error":
-                    self._fail(message[1])
-                else:
-                    worker.replies.put(message)
-            busy = self.busy_since
-            if busy is not None and time.monotonic() - busy > self.timeout_s and self.failure is None:
-                self._fail(Failure(0, str(self.device), "timeout", f"a step made no progress in {self.timeout_s:.0f} "
-                                   f"s (set {settings.PARALLEL_TIMEOUT} to wait longer)"))  # fmt: skip
+                    self._fail(Failure(0, str(self.device), "watchdog", f"{type(error).__name__}: {error}"))
+                except Exception:  # noqa: BLE001 - already logged above
+                    pass
+                time.sleep(WATCH_INTERVAL_S)
+
+    def _read_once(self) -> None:
+        """One round: the replies and failure reports that arrived, then the progress check."""
+        connections = {w.connection: w for w in self.workers if w.reachable}
+        try:
+            ready = wait(list(connections), timeout=WATCH_INTERVAL_S)
+        except OSError:  # a connection closed while waiting (a restart or the shutdown)
+            return
+        for connection in ready:
+            worker = connections[connection]
+            if connection is not worker.connection:
+                continue  # replaced meanwhile (a restart)
+            try:
+                message = receive(connection)
+            except (EOFError, OSError):
+                if not self.closed and connection is worker.connection:
+                    connection.close()
+                    code = _exit_code(worker.process)
+                    self._fail(Failure(worker.rank, str(worker.device), "process exited",
+                                       f"the worker process ended (exit code {code})"))  # fmt: skip
+                continue
+            except Exception as error:  # noqa: BLE001 - an unreadable message: the channel is out of step
+                if not self.closed and connection is worker.connection:
+                    connection.close()  # the worker is restarted before the next run
+                    self._fail(Failure(worker.rank, str(worker.device), type(error).__name__,
+                                       f"rank 0 could not read its message: {error}"))  # fmt: skip
+                continue
+            if message[0] == "error":
+                self._fail(message[1])
+            else:
+                worker.replies.put(message)
+        busy = self.busy_since
+        if busy is not None and time.monotonic() - busy > self.timeout_s and self.failure is None:
+            self._fail(Failure(0, str(self.device), "timeout", f"a step made no progress in {self.timeout_s:.0f} "
+                               f"s (set {settings.PARALLEL_TIMEOUT} to wait longer)"))  # fmt: skip
 
     def _fail(self, failure: Failure) -> None:
         """Record the first failure of a run and make every rank stop waiting on the others."""

@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import threading
-from multiprocessing.connection import Client
 
 import torch
 
@@ -23,8 +22,9 @@ from ..dit.decode_graphs import DecodeGraphs
 from ..lora.merge import LoraMerger, layer_shapes, originals_for
 from ..lora.reading import read_lora
 from . import group
-from .channel import TRUSTED_MODULES_ENV, Failure, receive, send, trust_modules
+from .channel import TRUSTED_FUNCTIONS_ENV, Failure, connect, receive, send, trust_functions
 from .jobs import JobSpec, KeptBranches, ParallelJob
+from .wire import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def main() -> None:
     # The module's part of the logger name only: inside ComfyUI the package's name is its folder's path.
     logging.basicConfig(level=logging.INFO, format=f"[qwen21 worker rank {rank}] %(levelname)s %(module)s: %(message)s")
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
-    connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
-    trust_modules(os.environ.get(TRUSTED_MODULES_ENV, ""))
+    connection = connect((host, int(port)), bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    trust_functions(os.environ.get(TRUSTED_FUNCTIONS_ENV, ""))
     torch.set_grad_enabled(False)
     Worker(connection, rank).run()
 
@@ -68,6 +68,8 @@ class Worker:
             except (EOFError, OSError):  # rank 0 is gone: nobody will ever command this process again
                 group.abort()
                 os._exit(0)
+            except MessageError as error:  # reported by the main thread, which owns the replies
+                message = ("bad_message", str(error))
             if message[0] == "abort":
                 group.abort()
             else:
@@ -111,7 +113,7 @@ class Worker:
         self.transformer = recipe.build(self.device)
         self.graphs = DecodeGraphs(self.transformer)
         self.merger = LoraMerger(self.transformer, originals_for(recipe.source_path))
-        self.store = group.connect_store("127.0.0.1", store_port, timeout_s)
+        self.store = group.connect_store(group.LOOPBACK, store_port, timeout_s)
         weights = sum(p.numel() * p.element_size() for p in self.transformer.parameters())
         log.info("DiT on %s: %s, %.2f GiB of weights", self.device, self.transformer.quantization, weights / 2**30)
         send(self.connection, "ready", {"device": str(self.device), "weights_bytes": weights,
@@ -155,6 +157,9 @@ class Worker:
         if self.graphs is not None:
             self.graphs.clear()
         send(self.connection, "released")
+
+    def on_bad_message(self, why: str) -> None:
+        raise MessageError(f"rank 0 sent a message this worker cannot read: {why}")
 
     def on_fault(self, where: str, kind: str) -> None:
         if where not in FAULTS or kind not in FAULT_KINDS:

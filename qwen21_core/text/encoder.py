@@ -49,6 +49,10 @@ IMAGE_PAD = "<|image_pad|>"
 # encoder runs but count_tokens leaves out (12 tokens with the Qwen tokenizer).
 ACTIVATION_VECTORS_PER_TOKEN = 36
 SYSTEM_TURN_TOKENS = 32
+# Prompt tokens are bounded by the DiT's rotary table (dit/sequence.py ROPE_MAX_POSITION, checked from the token
+# count before any model runs); this bounds the text the tokenizer reads to count them. Far above what fits: English
+# takes 3 to 4 characters per token, and the test suite's 50,000-character prompt still gets the rotary message.
+MAX_PROMPT_CHARS = 100_000
 
 # The released text encoder, Qwen3-VL-8B (its config.json), written down as facts so benchmarks can
 # build a full-size random-weight copy without downloading anything.
@@ -123,6 +127,9 @@ def build_prompt_text(prompt: str, num_images: int) -> str:
 def _check_prompt(prompt, what: str) -> str:
     if not isinstance(prompt, str):
         raise TypeError(f"{what} must be a str, got {type(prompt).__name__}")
+    if len(prompt) > MAX_PROMPT_CHARS:  # before the tokenizer spends time and memory on it
+        raise ValueError(f"{what} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are read (the DiT's "
+                         "rotary table holds about 8,000 tokens, a few characters each); shorten it")  # fmt: skip
     # Qwen has no BOS token: an empty user turn would leave nothing to read, so the reference uses " ".
     return prompt or " "
 
