@@ -1,11 +1,11 @@
 """The one place that says whether a Triton kernel can run for a tensor, and the plumbing the kernel modules
 share (the pixel view of [B, C, H, W] strides, and the per-device self-test results).
 
-Triton is optional (DESIGN 4): without it, or for CPU tensors, every dispatcher uses its torch reference.
-CUDA tensors run the compiled kernels. CPU tensors run them through the Triton interpreter when
-TRITON_INTERPRET=1 was set before Triton was first imported: Triton decides compiled-or-interpreted when a
-function is decorated, its own library functions (tl.sum, tl.cdiv, ...) included, so the variable must be
-in the environment of the whole process from its start (the kernel tests run in a child process for this).
+Triton is optional (the pack must run where it is missing): without it, or for CPU tensors, every dispatcher uses its
+torch reference. CUDA tensors run the compiled kernels. CPU tensors run them through the Triton interpreter when
+TRITON_INTERPRET=1 was set before Triton was first imported: Triton decides compiled-or-interpreted when a function is
+decorated, its own library functions (tl.sum, tl.cdiv, ...) included, so the variable must be in the environment of the
+whole process from its start (the kernel tests run in a child process for this).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def triton_runs_on(device: torch.device) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids. Plain Python: Triton's `triton.cdiv` is a constexpr function whose host call
-    costs about 1.8 us (it unwraps its arguments), and a DiT block computes a dozen grids per step."""
+    is slow for what it does (it unwraps its arguments), and a DiT block computes a dozen grids per step."""
     return -(-a // b)
 
 

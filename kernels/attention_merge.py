@@ -30,7 +30,8 @@ def merge_reference(out_p, lse_p, out_t, lse_t) -> torch.Tensor:
 
 
 # Token counts vary, and so do the log-sum-exps' strides, which are products of them ([B, H, N] permuted): none
-# is specialised on, so a new size compiles nothing (the H200 warm-up test found a new variant per stride class).
+# is specialised on, so a new size compiles nothing (with them specialised, the GPU warm-up test found a new variant
+# compiled per stride class).
 @jit(do_not_specialize=("N", "lp_sb", "lp_sn", "lp_sh", "lt_sb", "lt_sn", "lt_sh"))
 def _merge_kernel(
     op_ptr, lp_ptr, ot_ptr, lt_ptr, out_ptr, N, H, D,

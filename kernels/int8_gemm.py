@@ -4,8 +4,8 @@
         value = (q @ weight^T) * scale[m] * weight_scale[n]        (int32 accumulation, exact)
         out   = value                                             or residual + gate[row's batch] * value
 
-Why ours: on the H200 `torch._int_mm` (cuBLAS) runs an Ampere-generation int8 kernel at about 850 TOP/s, barely
-above bf16's 787 TFLOP/s (bench_quant), and returns int32 that a second pass must read back (4 bytes per
+Why ours: on Hopper `torch._int_mm` (cuBLAS) runs an Ampere-generation int8 kernel, barely faster than bf16
+(benchmarks/bench_quant.py measures both), and returns int32 that a second pass must read back (4 bytes per
 output). This Triton kernel reads both operands K-major (the activation row-major [M, K], the weight row-major
 [N, K], as Hopper's 8-bit tensor-core instructions want them), accumulates in int32 and writes bf16 once, with
 the dequantisation and the gated residual fused. Numerics are exactly `linear_epilogue_reference` of the int32

@@ -3,8 +3,8 @@
 `launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's own path
 (JITFunction.run) binds every argument again, derives the specialisation, looks the variant up, builds launch
 metadata and calls the (empty) profiler hook chains, and asks the driver of every pointer whether it is device
-memory: per launch, on every call. A quantised DiT block launches 8 to 10 of our kernels, so at 512^2 the host's
-launches, not the GPU, bounded the eager quantised step (BENCHMARKS "Kernel launch configurations").
+memory: per launch, on every call. A quantised DiT block launches several of our kernels, so at small images the
+host's launches, not the GPU, bounded the eager quantised step.
 
 Here a launch derives its own variant key from what Triton specialises on (each tensor's dtype and 16-byte
 alignment; each integer's class: 1, a multiple of 16, 32- or 64-bit; the constexprs and compile options) and
@@ -35,8 +35,8 @@ from ._triton import INTERPRETER_ACTIVE, triton
 log = logging.getLogger(__name__)
 
 # Triton versions whose launcher takes every parameter, constexprs included, in signature order after the grid,
-# stream, function, metadata and hooks (JITFunction.run's own call of CompiledKernel.run): 3.6 runs the GPU tests on
-# the H200 (tests/test_launch.py); 3.8's JITFunction.run makes the same call (read in its source; CI has no GPU); 3.7
+# stream, function, metadata and hooks (JITFunction.run's own call of CompiledKernel.run): 3.6 runs the GPU tests
+# (tests/test_launch.py); 3.8's JITFunction.run makes the same call (read in its source; CI has no GPU); 3.7
 # lies between them
 TESTED_TRITON = ((3, 6), (3, 7), (3, 8))
 _INT32 = range(-(2**31), 2**31)
@@ -191,10 +191,10 @@ def _compile(fn, kernel: _Kernel, key: tuple, grid, args, kwargs):
     follow the call-site rules. One thread compiles a variant; others meeting it meanwhile wait for that compile.
 
     Per variant, not per kernel: a lock per kernel made the sampler's first launch of one variant wait behind the
-    warm-up threads' compiles of others (the first int8_convrot image on a fresh H200: 15.7 s with it, 10.9 s on
-    Triton's path). Without any, the warm-up's threads compiled one variant up to six times at once (Triton has no
-    such guard), each copy taking compile time and the interpreter's lock from the compiles the first image waits
-    for (bench_cold_start's compile timeline)."""
+    warm-up threads' compiles of others, and the first image came later than on Triton's own path. Without any, the
+    warm-up's threads compiled one variant up to six times at once (Triton has no such guard), each copy taking compile
+    time and the interpreter's lock from the compiles the first image waits for (bench_cold_start's compile
+    timeline)."""
     if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
         return None
     if len(args) > len(kernel.names):

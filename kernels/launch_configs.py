@@ -1,12 +1,12 @@
 """Launch configurations (tile shapes, warps, stages) of the kernels that have more than one good one, looked up
 instead of tuned on the user's time.
 
-Autotuning at run time cost a user 8 s (fp8) to 15 s (int8_convrot) of the first 1024^2 image in every new process,
-and again for every new shape (notes/native_anchor_h200.md): Triton's autotuner compiles and times every candidate
-the first time a key is met. Here a kernel's configuration for a key comes from, in order:
+Autotuning at run time made the user wait seconds for the first image in every new process, and again for every new
+shape: Triton's autotuner compiles and times every candidate the first time a key is met. Here a kernel's configuration
+for a key comes from, in order:
 
 1. the table tuned offline for this GPU architecture, `kernels/tuned/sm_<major><minor>.json`, written by
-   `benchmarks/tune_kernels.py` (the H200's, sm_90, is measured); a key the table lacks takes the entry with the
+   `benchmarks/tune_kernels.py` (sm_90's is measured); a key the table lacks takes the entry with the
    same other fields and the nearest M bucket, if there is one;
 2. the kernel's rule: a safe, reasonable configuration for any card (logged once per kernel and architecture);
 3. only with QWEN21_AUTOTUNE=1 (kernels/settings.py): Triton's autotuner over the kernel's candidates instead of 2,

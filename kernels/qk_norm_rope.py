@@ -1,6 +1,6 @@
 """Per-head RMSNorm + interleaved-pair RoPE on q and k, optionally writing k and v into a K/V cache.
 
-Numerics follow the diffusers reference (model_reference.md 1.5):
+Numerics follow the diffusers reference (its RMSNorm on q and k, then its interleaved-pair RoPE):
   norm:  var = mean(x.float()^2); y = x.float() * rsqrt(var + eps); y = y.to(w.dtype) if w is half; y = y * w
          then cast to the activation dtype;
   rope:  pairs (y[2i], y[2i+1]) read in fp32 and rotated by (cos_i, sin_i), one final rounding.
@@ -30,17 +30,16 @@ from .launch import launch
 
 # Token gate: the fused kernel is used when B*S >= the threshold (0 = always). On the eager path each call
 # pays host launch overhead, which the fused kernel loses on short sequences; inside a captured CUDA graph
-# that overhead is gone, hence a separate threshold: the `min_tokens=` argument, else the default. Defaults from
-# benchmarks/bench_qk_norm_rope.py on the H200 (BENCHMARKS.md): the fused kernel won at every length measured
-# (16..20480 tokens, eager and in-graph; eager it ran 19.4x as fast as the torch reference at 4096 tokens and 23.4x
-# at 20480, and the full 1024^2 decode step went from 152.6 to 120.7 ms), so both gates default to 0 = always.
-# vLLM-Omni needed 2048 because its fused path was host-bound; ours is not.
+# that overhead is gone, hence a separate threshold: the `min_tokens=` argument, else the default. The fused kernel
+# won at every length benchmarks/bench_qk_norm_rope.py measured, from short text prefixes to the longest images,
+# eager and in a graph, so both gates default to 0 = always. A fused path that is host-bound needs a high gate;
+# ours launches directly (kernels/launch.py) and is not.
 DEFAULT_MIN_TOKENS = 0
 DEFAULT_MIN_TOKENS_IN_GRAPH = 0
 
 # Launch shape of the fused kernel: elements per program (heads x padded head_dim) and warps per program.
-# From the H200 sweep (bench_qk_norm_rope.py --sweep): 4096 elements x 1 warp was best or within 2% of the
-# best at 1024, 4096 and 20480 tokens (3.7-4.0 TB/s).
+# Chosen by bench_qk_norm_rope.py --sweep: one shape that was best, or close to it, at short and long sequences
+# alike, so no per-length choice is needed.
 TILE_ELEMENTS = 4096
 NUM_WARPS = 1
 

@@ -28,7 +28,7 @@ PRECISIONS = {
 TEXT_ENCODER_PRECISIONS = ("same", "auto", "bf16", "fp8", "int8", "int8_convrot")
 
 
-# Numbers from BENCHMARKS.md (bench_dit dit_quant lines, 1024^2 decode step on an H200, our bf16 path = 1.0).
+# The tooltips' figures cite BENCHMARKS sections (tests/test_claims.py checks them).
 WEIGHT_DTYPE_TOOLTIP = (
     "auto: each file's own format (an fp8 or int8_convrot file runs quantised, a bf16 file in bf16), bf16 compute on "
     "a GPU, fp32 on CPU. bf16: everything in bf16, the DiT 13.25 GiB (BENCHMARKS: Quantised DiT). fp8: FP8 e4m3 "

@@ -172,7 +172,7 @@ class SchedulerConfig(_JsonConfig):
             )
 
 
-# The released checkpoint's scheduler_config.json (model_reference.md section 3.6).
+# The released checkpoint's scheduler_config.json, written down so the Scheduler node has it without a model.
 QWEN21_SCHEDULER = SchedulerConfig(
     use_dynamic_shifting=True,
     base_shift=0.5,

@@ -1,9 +1,8 @@
 """A PNG writer that uses every core: the pixels are cut into bands of rows, each band is filtered and deflated
 in a thread of its own, and the bands' streams are joined into one zlib stream.
 
-Why: ComfyUI's SaveImage writes through PIL on one core; a 1024x1024 image took 0.17-0.29 s on the H200's hosts,
-the largest cost of a turbo image after sampling (BENCHMARKS: Session). zlib and numpy release the GIL, so the
-bands run in parallel.
+Why: ComfyUI's SaveImage writes through PIL on one core, the largest cost of a turbo image after sampling
+(benchmarks/bench_save_png.py measures both writers). zlib and numpy release the GIL, so the bands run in parallel.
 
 The file is standard PNG (8 bits per channel, no interlace): each band's deflate stream ends on a byte boundary
 with a sync flush (an empty stored block, not the final one) except the last, so the concatenation is one valid

@@ -2,10 +2,10 @@
 nothing but its digest.
 
 Someone editing keeps the reference and changes the prompt. Without this, every such prompt resized each
-reference again (PIL lanczos, 46.6-61.75 ms at 1024^2 on the H200's host), made its float copy, hashed that 16 MB
-copy for the prefix cache's key and ran the VAE encoder on it: an fp8 encode with one 1024^2 reference took 0.2694 s
-instead of 0.1645 s, with four 0.8158 s instead of 0.4111 s (bench_edit_encode.py, BENCHMARKS "Session"). The
-vision tower still runs with every prompt: the text and the image tokens go through the language model together.
+reference again (PIL lanczos, slow on one core), made its float copy, hashed that 16 MB copy for the prefix cache's
+key and ran the VAE encoder on it, which made an edit's encode take much longer than a text prompt's, more so with
+every reference (bench_edit_encode.py measures it). The vision tower still runs with every prompt: the text and the
+image tokens go through the language model together.
 
 An entry is found by the source image's digest (`images.source_digest`: its RGBA bytes and size) and the output
 resolution; its latents by the VAE's identity and device as well. At most `max_images` entries, least recently

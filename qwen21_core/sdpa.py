@@ -2,12 +2,12 @@
 
 Every changed prompt has a new length, so the text encoder, the DiT's prefill and the first decode step of each
 changed prompt call attention at shapes never seen before. Torch's SDPA prefers cuDNN's kernel on Hopper, and cuDNN
-builds an execution plan on the host for every new shape: on the H200 its first call at a new length took 50-66 ms
-against 0.06-0.14 ms for the flash kernel, which was also faster at a repeated short length (BENCHMARKS "Attention
-at a new length", benchmarks/bench_attention_lengths.py). So where the shapes follow the prompt's length (the text
+builds an execution plan on the host for every new shape: its first call at a new length took hundreds of times as
+long as the flash kernel's, which was also faster at a repeated short length (benchmarks/bench_attention_lengths.py
+measures both). So where the shapes follow the prompt's length (the text
 encoder, the DiT's prefill) we choose among the kernels that plan nothing: flash, then the memory-efficient kernel
 (masks), then the math fallback. Where a shape repeats every step (the decode step's image tokens) cuDNN's plan is
-paid once per size and its kernel was up to 2x faster there: dit/attention.py keeps it.
+paid once per size and its kernel was faster there: dit/attention.py keeps it.
 """
 
 from __future__ import annotations

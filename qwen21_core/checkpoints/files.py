@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors itself refuses larger headers
 _CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size (two of them) for CUDA targets
 # Reads larger than _READ_PIECE are split into pieces read by _READ_THREADS threads at once. From the page cache
-# (a restart: the files were read before) the copy out of it is the load's bound: on the H200 machine (16 cores) a
-# 9.34 GB file came at 9.6 GB/s with 4 threads and 8 MiB pieces, 13.2 GB/s with 16 threads and 4 MiB pieces
-# (BENCHMARKS "Loading"); from a disk, more reads in flight help too.
+# (a restart: the files were read before) the copy out of it is the load's bound, and more threads with smaller
+# pieces copied faster than a few threads with large ones (benchmarks/bench_loader_node.py times the load); from a
+# disk, more reads in flight help too.
 _READ_PIECE = 4 * 1024 * 1024
 _READ_THREADS = max(4, min(16, os.cpu_count() or 4))
 _SHOWN = 5  # how many keys an error message lists

@@ -33,7 +33,7 @@ BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 def backend_context(name: str, prefill: bool = False):
     """A context manager restricting SDPA to one backend. "auto": torch's choice, except in the prefill
     (`prefill`), whose shapes are new at every changed prompt: there torch chooses among the kernels that plan
-    nothing per shape (qwen21_core/sdpa.py; cuDNN's first call at a new length took about 50 ms on the H200)."""
+    nothing per shape (qwen21_core/sdpa.py: cuDNN's first call at a new length plans on the host, which is slow)."""
     if name == "auto":
         return planless_kernels() if prefill else contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,10 +87,10 @@ def decode_attention(q, k, v, key_mask=None):
 
 
 # Decode attention's kernels with a log-sum-exp output, tried in order on CUDA; one that fails is dropped for the
-# process. At a repeated shape cuDNN ran 1.7-2x faster than flash at 4096+ keys (a 1024^2 target, a prefix with
-# references), but it plans each new shape on the host (about 66 ms on the H200), and a short text prefix changes
-# length with every prompt, where flash was also faster (0.11 against 0.23 ms over ~100 keys): BENCHMARKS
-# "Attention at a new length". So the target half and long prefixes run cuDNN, a text-only prefix flash.
+# process. At a repeated shape cuDNN ran faster than flash over thousands of keys (a 1024^2 target, a prefix with
+# references), but it plans each new shape on the host, which is slow, and a short text prefix changes length with
+# every prompt, where flash was also faster (benchmarks/bench_attention_lengths.py measures both). So the target half
+# and long prefixes run cuDNN, a text-only prefix flash.
 PLANNED_KERNELS = ("cudnn", "flash")
 SHORT_PREFIX_KERNELS = ("flash", "cudnn")
 SHORT_PREFIX_KEYS = 1024  # a text-only prefix is shorter; one condition image at 512^2 already adds 1024 keys
@@ -129,7 +129,7 @@ def _sdpa_with_lse(q, k, v, key_mask=None, kernels=PLANNED_KERNELS):
         bias = _additive(key_mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
         return out, lse[..., : q.shape[2]]
-    if q.device.type == "cpu":  # torch's CPU flash kernel: fused, with the lse (the fp32 matmul path was 14x slower)
+    if q.device.type == "cpu":  # torch's CPU flash kernel: fused, with the lse (the fp32 matmul path was much slower)
         bias = None if key_mask is None else _additive(key_mask, q)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)[:2]
         return out, lse

@@ -12,14 +12,13 @@ Bookkeeping rules:
   compiled blocks or not);
 - a key met for the first time is captured only when the step is bound by the host's launches. Its first
   generation runs eagerly and times one step: if the host spent at least `launch_bound_share` of the step's wall
-  time enqueuing it (small images, quantised blocks: at 512^2 a replayed fp8 step took 15.78 ms against 56.63 ms
-  eager, BENCHMARKS "Kernel launch configurations"), the next step captures. Otherwise the GPU bounds the step, a
-  graph gains nothing (1024^2 fp8: eager within 1.4% of replay, BENCHMARKS "LoRA"; 8-step turbo images sampled in
-  0.6 s either way), and the whole generation stays eager. The verdict is remembered with the key: a later
+  time enqueuing it (small images, quantised blocks: there a replayed step took a fraction of the eager one), the
+  next step captures. Otherwise the GPU bounds the step, a graph gains nothing (at 1024^2 eager and replay took the
+  same time, turbo images too), and the whole generation stays eager. The verdict is remembered with the key: a later
   generation captures only if it runs the same prompt again (the same prefix id, a new seed: only with the prefix
   cache on, which names a generation's prefix), where the kept graph entry also keeps the prefix K/V for the runs
-  after it; a changed prompt that happens to have a length met before stays eager (its capture cost about 90 ms and
-  bought nothing: 8-step turbo images 0.69 s against 0.6 s, BENCHMARKS "Session"). A generation that reached no
+  after it; a changed prompt that happens to have a length met before stays eager (its capture cost a noticeable
+  share of a turbo image and bought nothing). A generation that reached no
   verdict (interrupted, or every timed step deferred) keeps the earlier one. A capture costs a step run before it and
   the capture itself. Two things read as host time and are kept out of the measure:
   - a key's first step carries one-time costs (the process's first launches and lazy library set-up, a new shape's
@@ -27,7 +26,7 @@ Bookkeeping rules:
     made the first image of every process capture a GPU-bound 1024^2 step, and every first 1536^2 image capture;
   - while the background kernel warm-up runs (qwen21_core/startup/warmup.py, `background_busy`) its threads take the
     interpreter now and then: a restart's second step, timed while the VAE's kernels still loaded, captured a
-    GPU-bound 1024^2 step (a first image 1.36-1.42x the steady one, BENCHMARKS "Session"). Then the host's share is
+    GPU-bound 1024^2 step, and the capture made the first image slower than the steady one. Then the host's share is
     this thread's CPU time over the step's wall time, which waits for the interpreter do not raise; below the share
     it gives no verdict, and the next step is timed again (on Windows, whose thread clock is coarse, no step is
     timed while the warm-up runs);
@@ -79,8 +78,8 @@ GPU_BOUND_AGAIN_REASON = (
 )
 
 
-# Windows counts a thread's CPU time in 15.6 ms ticks, too coarse against a 30-80 ms step: there no step is timed while
-# the warm-up runs
+# Windows counts a thread's CPU time in coarse ticks (the system timer's), too coarse against a step's time: there no
+# step is timed while the warm-up runs
 THREAD_CLOCK_FINE = sys.platform != "win32"
 _MEASURE = object()  # _entry_for's answer for a first-seen key's steps before its verdict: eager, one of them timed
 
@@ -114,8 +113,8 @@ class _Failed:
 # Under PyTorch's cudaMallocAsync allocator (ComfyUI's default) memory allocated inside a capture is not yet device
 # memory to the driver: Triton's own launch path checks every pointer and fails there, and a failed capture aborts
 # the process when its memory is freed. The direct launch (kernels/launch.py) passes pointers unchecked, so a
-# capture may start there only while every Triton kernel of the step launches that way, and only for what has run
-# that way on the H200 (resident blocks).
+# capture may start there only while every Triton kernel of the step launches that way, and only for what the GPU
+# tests have run that way (resident blocks).
 ASYNC_ALLOCATOR_REASON = (
     "PyTorch's cudaMallocAsync allocator is on (ComfyUI's default) and {why}; a failed capture under it aborts the "
     "process, so none is tried (start ComfyUI with --disable-cuda-malloc for CUDA-graph decode)"

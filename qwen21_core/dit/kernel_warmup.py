@@ -47,9 +47,9 @@ def dit_warmup_parts(transformer: QwenImage21Transformer, device: torch.device) 
     """The DiT's warm-up as small independent jobs (they run on a thread pool, startup/warmup.py), in two kinds
     of part. PART: QK-norm+RoPE and the attention merge, the K/V-cache formats, and the FIRST_BUCKETS' projections;
     with them every kernel that is not keyed by M bucket has compiled. `bucket_part(b)` for every later bucket:
-    its QKV projection and the block's finish (output projection and MLP). The first int8_convrot image on a fresh
-    machine waited 5.85 s for every bucket's compiles (BENCHMARKS "Session"), so the sampler waits for PART only
-    and a later bucket is waited for where a launch needs it. No job compiles more than a few kernels."""
+    its QKV projection and the block's finish (output projection and MLP). Waiting for every bucket's compiles held
+    the first image on a fresh machine back for seconds, so the sampler waits for PART only and a later bucket is
+    waited for where a launch needs it. No job compiles more than a few kernels."""
     config = transformer.config
     block = shared_copy(transformer.transformer_blocks[0], device)
 

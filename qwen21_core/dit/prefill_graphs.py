@@ -2,9 +2,9 @@
 launches.
 
 A prefill runs every block once over the prompt's rows. At a text-to-image prompt's length (about a hundred tokens)
-that is a few milliseconds of GPU work behind tens of milliseconds of Python launching it. The quantised blocks launch
-more kernels through more Python than bf16's, so there a 128-token prefill took 1.45-1.77x bf16's (BENCHMARKS
-"Kernel launch configurations"). A graph replays the blocks in one launch.
+that is little GPU work behind much longer Python launching it. The quantised blocks launch more kernels through more
+Python than bf16's, so there a short prefill took longer than bf16's although its GEMMs are faster. A graph replays
+the blocks in one launch.
 
 Prompts change length, and a graph has fixed shapes. Text attends causally, so a row never sees the rows after it:
 the blocks run on the prompt padded to its bucket (the next power of two, the M bucket the kernels are tuned under,
@@ -16,8 +16,8 @@ Rules:
 - only where every block Linear runs a W8A8 GEMM (fp8 `_scaled_mm`, our int8 kernel, `_int_mm`) at both the prompt's
   and the bucket's row count, with no LoRA side path: that prefill is the one the host bounds most, its row
   quantiser and integer GEMMs compute a row from that row alone, and there the replayed K/V equalled the eager
-  prefill's bit for bit (H200, fp8, int8, int8_convrot: 96 and 128 tokens at full size, bench_cold_start
-  --launch-overhead; 20 to 128 tokens on the tiny model, tests/test_prefill_graphs.py). bf16 GEMMs (bf16 blocks, layers
+  prefill's bit for bit (fp8, int8 and int8_convrot at full size, bench_cold_start --launch-overhead; prompts of
+  several lengths on the tiny model, tests/test_prefill_graphs.py). bf16 GEMMs (bf16 blocks, layers
   kept in bf16, the weight-only path, side paths) ran other cuBLAS kernels at the padded row count and the K/V
   differed in the last bits, which the exact path may not: those prefill eagerly. So do attention backends other
   than "auto" and "flash";
@@ -25,13 +25,14 @@ Rules:
   (not streaming: the graphs are dropped then), one device (no sequence shard), on CUDA; under cudaMallocAsync only
   where decode graphs may capture (dit/decode_graphs.py `async_allocator_blocker`). Anything else prefills eagerly,
   with the reason in `describe()`;
-- a bucket's first prefill runs eagerly; its second captures (a capture costs about two eager prefills), and later
-  ones replay. At most `max_entries` buckets are kept, the least recently used dropped first;
-- a capture needs room: its buffers and one block's activations at the bucket's length, plus the room the decode
-  steps after it need (the planner's decode headroom), in what the planner sees free under the pipeline's budget
-  (memory/planner.py). A kept graph holds its K/V buffer and pool: about 0.12 GiB more allocated at a 64-row bucket,
-  full size (H200 sessions, BENCHMARKS "Session"). Without room the prefill runs eagerly and the bucket tries again
-  at its next prompt; a failed capture (out of memory, anything) is not retried;
+- a bucket's first prefill runs eagerly; its second captures (a capture costs more than an eager prefill, so only a
+  bucket that comes back pays it), and later ones replay. At most `max_entries` buckets are kept, the least recently
+  used dropped first;
+- a capture needs room: its buffers and one block's activations at the bucket's length, plus the room the decode steps
+  after it need (the planner's decode headroom), in what the planner sees free under the pipeline's budget
+  (memory/planner.py). A kept graph holds its K/V buffer and pool, whose idle bytes the planner counts as taken
+  (`graph_pool_idle_bytes`). Without room the prefill runs eagerly and the bucket tries again at its next prompt; a
+  failed capture (out of memory, anything) is not retried;
 - weights that moved and LoRA side paths that changed drop every graph (the signature decode graphs use).
 """
 
@@ -191,7 +192,7 @@ class PrefillGraphs:
             return tr.prefill(branch, prompt_embeds, condition_latents)
         entry = self.entries.get(key)
         if entry is None and key not in self.seen:
-            self.seen.add(key)  # a capture costs about two prefills: only for a bucket that comes back
+            self.seen.add(key)  # a capture costs more than a prefill: only for a bucket that comes back
             self._note(FIRST_SIGHT_REASON)
             return tr.prefill(branch, prompt_embeds, condition_latents)
         if entry is None:

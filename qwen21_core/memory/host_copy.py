@@ -1,10 +1,11 @@
 """A module's weights in pinned host RAM, made once and kept: where the weights live while the module is off the
 GPU, and what streamed layers are copied from.
 
-Moving the 8.7 GiB fp8 text encoder off the GPU and back cost 7-8.4 s per changed prompt (about 1.1 GB/s,
-notes/session_h200.md): `.to("cpu")` made new pageable copies each time, and pageable memory crosses the bus in
-small staged pieces. With a pinned copy kept, going off the GPU is only pointing the parameters at it (the weights
-did not change, nothing is copied) and coming back is one asynchronous copy per tensor at the bus's rate.
+Moving the fp8 text encoder off the GPU and back made every changed prompt wait seconds: `.to("cpu")` made new pageable
+copies each time, and pageable memory crosses the bus in small staged pieces, far below the bus's rate
+(benchmarks/bench_copy_rates.py measures both kinds of copy). With a pinned copy kept, going off the GPU is only
+pointing the parameters at it (the weights did not change, nothing is copied) and coming back is one asynchronous copy
+per tensor at the bus's rate.
 
 Layers keep the flat layout layer streaming uses (memory/streaming.py `layout`): one buffer per layer, which is
 also the streamed layer's source, so streaming costs no second copy.

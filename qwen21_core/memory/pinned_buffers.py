@@ -1,18 +1,17 @@
 """Pinned host buffers for host-placed K/V caches, kept after a generation for the next one.
 
 Where the prefix K/V does not fit the card (an edit with several references at 16 or 12 GB), it lives in pinned host
-RAM, and pinning is slow: 2.70 s for 3 GiB on the H200's host (bench_copy_rates), 7.55 s for a 4-reference edit's
-cache at a 12 GB cap (its `branch_setup_s`, BENCHMARKS "Session"). torch keeps a freed pinned block for a later
-request of the same power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a
-model's host copy), and then the next edit pins again. So released K/V buffers are kept here, for K/V caches only:
-a request takes the smallest kept buffer it fits in. A new buffer is pinned `HEADROOM` larger than asked: the next
-edit's prompt is other text, a few tokens longer or shorter, and a buffer one token short is of no use (a
-4-reference edit's cache grows by 0.5 MiB a token; 1/32 of its 8.05 GiB is about 500 tokens). At most `MAX_KEPT` (a
-CFG run has two branches), and only while host RAM has at least as much again available
+RAM, and pinning is slow (bench_copy_rates measures it); an edit with several references at a 12 GB cap paid it again at
+every prompt (bench_session's `branch_setup_s`). torch keeps a freed pinned block for a later request of the same
+power-of-two size, but any pinned request of that size may take it (a LoRA's kept originals, a model's host copy), and
+then the next edit pins again. So released K/V buffers are kept here, for K/V caches only: a request takes the smallest
+kept buffer it fits in. A new buffer is pinned `HEADROOM` larger than asked: the next edit's prompt is other text, a few
+tokens longer or shorter, and a buffer one token short is of no use (for a large edit's cache, 1/32 is hundreds of
+tokens). At most `MAX_KEPT` (a CFG run has two branches), and only while host RAM has at least as much again available
 (`memory/planner.host_free_bytes`): a kept buffer is RAM that other pinned requests can no longer take from torch's
 cache, so on a machine short of RAM the buffers go back to torch, as before. None after `clear` (the pipeline's full
-release, an out-of-memory retry, and when a pipeline is freed); a DiT moved off the device keeps them (memory
-manager unloads at a cap happen every prompt).
+release, an out-of-memory retry, and when a pipeline is freed); a DiT moved off the device keeps them (memory manager
+unloads at a cap happen every prompt).
 """
 
 from __future__ import annotations

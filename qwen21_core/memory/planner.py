@@ -50,9 +50,9 @@ def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
     """Per CUDA-graph private pool on `device`: its reserved bytes no tensor uses. Only that graph's replays can use
     them (empty_cache cannot return them while the graph lives), so they are not free for anything else.
 
-    It reads an allocator snapshot, which lists every segment (2.6 ms with a session's graphs alive, an H200
-    profile) and is asked several times per prompt (every placement decision): a snapshot is taken again only after
-    the allocator did something (its cumulative counts, `memory_stats`, cost microseconds)."""
+    It reads an allocator snapshot, which lists every segment (slow once graphs are alive, as a profile showed) and
+    is asked several times per prompt (every placement decision): a snapshot is taken again only after the allocator
+    did something (its cumulative counts, `memory_stats`, are cheap to read)."""
     device = indexed_device(device)
     if device.type != "cuda" or torch.cuda.get_allocator_backend() != "native":  # no graphs under cudaMallocAsync
         return {}
@@ -122,7 +122,7 @@ def copies_place(nbytes: int, device, budget: int | None = None) -> str:
     MemoryOriginals): "device" when the weights are on a CUDA device and the copies take at most KEPT_COPIES_SHARE
     of what device_free_bytes(device, budget) leaves beyond HEADROOM_BYTES (sampling keeps the larger part of the
     free memory; putting a weight back is then a copy within the device); else "pinned" host RAM when
-    host_free_bytes holds them (copies at the bus's rate, but pinning costs about 1 s per GB once); else
+    host_free_bytes holds them (copies at the bus's rate, but pinning is slow, paid once); else
     "pageable" host RAM (also the place for weights on the CPU)."""
     device = indexed_device(device)
     if device.type != "cuda":

@@ -6,7 +6,7 @@ How it multiplies, per device (`gemm_backend`):
 - "triton_int8": INT8 W8A8 (SM 7.5+) through kernels/int8_gemm.py: activations int8 per row, both operands
   K-major, scales (and the block's gated residual) applied in the GEMM's epilogue, bf16 out;
 - "int_mm": INT8 W8A8 where the Triton kernel cannot run: `torch._int_mm` against the column-major view of
-  the row-major [N, K] weight (the fast layout: a row-major second operand ran at 125 TOP/s on the H200),
+  the row-major [N, K] weight (the fast layout: cuBLAS ran a row-major second operand far slower),
   int32 out, scales applied by the consumer's kernel (kernels/linear_epilogue.py) or `Projected.dense`;
 - "weight_only": everywhere else (CPU, older GPUs, tiny M) and always for the text encoder: the weight is
   dequantised just in time, for this layer only, and multiplied in the activation dtype (ConvRot layers rotate the
@@ -40,9 +40,9 @@ from .weights import QuantFormat, dequantize_weight, quantize_weight
 
 log = logging.getLogger(__name__)
 
-# FP8 GEMMs with Hopper's fast accumulation (fewer promotions of the partial sums). On the H200 it made the 1024^2
-# decode step 74.6 -> 69.7 ms and left the per-GEMM error at 3.75% (bench_quant fast_accum_rel_error 0.0375 vs
-# 0.0375; bench_dit dit_fp8_accumulation), so it is on; bench_dit sets it False to compare.
+# FP8 GEMMs with Hopper's fast accumulation (fewer promotions of the partial sums). It made the decode step faster
+# and left the per-GEMM error where it was (bench_quant's fast_accum_rel_error, bench_dit's dit_fp8_accumulation),
+# so it is on; bench_dit sets it False to compare.
 FP8_FAST_ACCUM = True
 INT_MM_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
 _backends: dict[tuple[torch.device, str], str] = {}  # (device, kind) -> backend, probed once
@@ -242,8 +242,8 @@ def gemm_backend(device: torch.device, kind: str) -> str:
 
 
 def _probe(device: torch.device, kind: str) -> str:
-    """The first backend that runs a small GEMM right: int8 prefers our Triton kernel (faster than cuBLAS's on the
-    H200, see kernels/int8_gemm.py) over torch._int_mm."""
+    """The first backend that runs a small GEMM right: int8 prefers our Triton kernel (faster than cuBLAS's on
+    Hopper, see kernels/int8_gemm.py) over torch._int_mm."""
     major, minor = torch.cuda.get_device_capability(device)
     candidates, needs = (["scaled_mm"], (8, 9)) if kind == "fp8" else (["triton_int8", "int_mm"], (7, 5))
     if (major, minor) < needs:

@@ -123,9 +123,8 @@ def before_sampling(warmup: KernelWarmup | None) -> None:
 def vae_kernels(warmup: KernelWarmup | None, quality: str):
     """How a VAE call uses its kernels while the warm-up may still be compiling them. The exact path's kernels are
     self-tested to equal torch's ops bit for bit, so until the warm-up is done an exact decode or encode runs torch's
-    ops (the same image; BENCHMARKS "VAE": 88.7 ms with the norm kernel off against 68.7 ms) instead of waiting: the
-    first decode on a fresh H200 waited 9.3 s here (BENCHMARKS "Session"). The fast path has no torch twin with its
-    numerics, so it waits."""
+    ops (the same image, a little slower) instead of waiting: a first decode that waits for the compiles takes far
+    longer than one through torch's ops. The fast path has no torch twin with its numerics, so it waits."""
     if warmup is None or "vae" not in warmup.jobs or warmup.done("vae"):
         return contextlib.nullcontext()
     if quality != "exact":

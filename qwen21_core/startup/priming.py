@@ -3,31 +3,31 @@ loads (its files are read meanwhile).
 
 Two things, each in a thread of its own, once per process (and device):
 - Triton's cache key of its own installation (`prime_triton_cache_key`). The first compile of a process, a cache hit
-  too, hashes Triton's compiler sources and its library (about 500 MB) to key its cache (`triton_key`, computed once).
-  On a restart that took 0.35 s of the first image's critical path (H200, cProfile of the first prompt, BENCHMARKS
-  "Session"), before any kernel loaded from disk; hashlib releases the interpreter's lock while it hashes.
+  too, hashes Triton's compiler sources and its library (hundreds of megabytes) to key its cache (`triton_key`, computed
+  once). On a restart that hash stood on the first image's critical path (a profile of the first prompt shows it) before
+  any kernel loaded from disk; hashlib releases the interpreter's lock while it hashes, so a thread can do it.
 - PyTorch's own CUDA kernels, the ones a first prompt launches (`prime_torch_kernels`). CUDA loads a kernel's code
   into the process the first time the process launches it. On a restart with every Triton kernel on disk, the first
-  image's encode still left the GPU idle for 249 ms of its 321 ms and the first prefill for 189 ms, against 16 and
-  42 ms in the next prompt: ops such as a dtype cast, an add or an rsqrt took 10-35 ms each the first time
-  (torch.profiler over the first two prompts, BENCHMARKS "Session"). Which model runs them does not matter, only
-  which kernels launch, so tiny modules of the same classes launch them:
+  image's encode and prefill still left the GPU idle for most of their time, where the next prompt's did not: ops
+  such as a dtype cast, an add or an rsqrt were slow the first time (torch.profiler over the first two prompts shows
+  it). Which model runs them does not matter, only which kernels launch, so tiny modules of the same classes launch
+  them:
   - a text-only prompt through a tiny Qwen3-VL (text/kernel_warmup.py `text_prompt_priming`);
   - the flash attention variants the encoder and the prefill pick (sdpa.py `prime_flash_kernels`);
   - the DiT's timestep embedding, text projection and prefix scatter (dit/kernel_warmup.py `prime_entry_ops`).
-  With it the first encode after a restart took 0.253-0.393 s instead of 0.388-0.605 s, and the first image 1.23x
-  its steady image in the median of five restarts instead of 1.32x (BENCHMARKS "Session").
+  With it the first encode and the first image after a restart come closer to the steady ones (bench_session's
+  restarts measure it).
 Our own Triton kernels are not primed here: the kernel warm-up compiles or loads them for the model's own shapes once
 the model is loaded (warmup.py, model_warmup.py).
 
 When: `prime(device)` runs when a model starts loading on a CUDA device (pipeline.py `from_pretrained`), never at the
 pack's import, which starts no thread. Before, the pack's import started it, so inside ComfyUI it ran while ComfyUI
-itself started and was long done when a prompt came. The trade-off: now it runs beside the first load instead,
-which reads gigabytes from disk for seconds while priming takes about a second (0.49-1.07 s on an H200), so it is
-normally done before the first encode; its steps are made on the loading thread first (tens of ms: every import
-happens there, see `priming_steps`). A process that never loads a model (ComfyUI started for other models) primes
-nothing and creates no CUDA context. QWEN21_KERNEL_WARMUP=0 turns it off with the warm-up. A failure is logged and
-changes nothing else: the first prompt then loads those kernels itself.
+itself started and was long done when a prompt came. The trade-off: now it runs beside the first load instead, which
+reads gigabytes from disk for seconds while priming is shorter, so it is normally done before the first encode; its
+steps are made on the loading thread first (briefly: every import happens there, see `priming_steps`). A process that
+never loads a model (ComfyUI started for other models) primes nothing and creates no CUDA context.
+QWEN21_KERNEL_WARMUP=0 turns it off with the warm-up. A failure is logged and changes nothing else: the first prompt
+then loads those kernels itself.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Kernel warm-up: compile (or load from disk) our Triton kernels in background threads, from the moment a model is
 loaded.
 
-The first image in a fresh process used to wait for every Triton kernel to compile on first use (68 s on a fresh
-H200 machine, BENCHMARKS "Session"). `KernelWarmup` compiles them in background threads instead, while the user
-is still loading, typing or encoding; which jobs, in which parts, is model_warmup.py's choice, and each model's jobs
-are built beside the model (quant/, text/, dit/, vae/ kernel_warmup.py). Triton's compiler releases the GIL for most
-of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only loads them.
+The first image in a fresh process used to wait for every Triton kernel to compile on first use, one compile per kernel
+and shape, a long wait with an empty Triton cache. `KernelWarmup` compiles them in background threads instead, while the
+user is still loading, typing or encoding; which jobs, in which parts, is model_warmup.py's choice, and each model's
+jobs are built beside the model (quant/, text/, dit/, vae/ kernel_warmup.py). Triton's compiler releases the GIL for
+most of its work, so several threads compile at once. With compiled kernels on disk (a restart) each job only loads
+them.
 
 `wait(part)` blocks until a part is done: the sampler waits for the DiT's first part before its first step (a kernel
 compiled twice is wasted time; a later M bucket's part is waited for by the launch that needs it, model_warmup.py),
@@ -49,7 +50,7 @@ def warmup_enabled() -> bool:
 def warmup_threads() -> int:
     """The pool's size: QWEN21_KERNEL_WARMUP_THREADS when set, else one thread per core but one (the main thread's),
     at most MAX_THREADS. For comparisons: with compiled kernels on disk the jobs mostly run Python, one thread at a
-    time, yet 2 threads instead of 8 did not make a restart's first image sooner (BENCHMARKS "Session")."""
+    time, yet fewer threads did not make a restart's first image sooner."""
     chosen = settings.current().kernel_warmup_threads
     return chosen if chosen is not None else max(1, min(MAX_THREADS, (os.cpu_count() or 2) - 1))
 
@@ -134,9 +135,9 @@ class KernelWarmup:
     @contextlib.contextmanager
     def paused(self):
         """No job starts meanwhile (those running finish): for the first encode, whose Python shares the interpreter's
-        lock with every job's. A restart's first encode took 0.92-1.06 s beside the jobs against 0.07-0.11 s for
-        later ones (BENCHMARKS "Session"); run alone, it is soon done, and the jobs the sampler waits for run after
-        it. A `wait()` meanwhile lets the jobs run again, so waiting on a paused warm-up cannot hang."""
+        lock with every job's. Beside the jobs, a restart's first encode took many times as long as later ones; run
+        alone, it is soon done, and the jobs the sampler waits for run after it. A `wait()` meanwhile lets the jobs run
+        again, so waiting on a paused warm-up cannot hang."""
         with self._lock:
             self._pauses += 1
             self._update_gate()

@@ -43,9 +43,9 @@ ENCODE_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_valu
 IM_START = "<|im_start|>"
 IMAGE_PAD = "<|image_pad|>"
 
-# Peak activations of an encode, per token, in hidden-state vectors: four 1024^2 condition images (4120 more tokens)
-# raised the full-size encoder's peak from 16.4 to 17.4 GiB (BENCHMARKS "Text encoder"), 31.8 vectors of 4096 bf16
-# values per token; 36 leaves room for the allocator's rounding. SYSTEM_TURN_TOKENS bounds the system turn the
+# Peak activations of an encode, per token, in hidden-state vectors: how much the full-size encoder's peak grew per
+# added condition-image token (benchmarks/bench_text_encoder.py), rounded up to leave room for the allocator's
+# rounding. SYSTEM_TURN_TOKENS bounds the system turn the
 # encoder runs but count_tokens leaves out (12 tokens with the Qwen tokenizer).
 ACTIVATION_VECTORS_PER_TOKEN = 36
 SYSTEM_TURN_TOKENS = 32
@@ -301,7 +301,7 @@ class Qwen21TextEncoder:
 
     def device_weight_bytes(self) -> int:
         if self._weight_bytes is None:  # asked several times per encode (the memory manager's room): walking the
-            # parameters three times took 48.2 ms of a traced H200 encode (BENCHMARKS "Session", ninth session)
+            # parameters each time showed up in a traced encode, so the sum is kept
             self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         total = self._weight_bytes
         if self.streamer is None:

@@ -1,10 +1,10 @@
 """Launch the CUDA kernels an image prompt's encode needs before the first edit does.
 
-On a fresh H200 machine the first edit's encode took 1.958 s against 0.159 s for the second, and 1.71 s of it went to
-one op: `image_grid_thw.prod(-1)` in transformers' Qwen3-VL, the first launch of an int64 reduction kernel. A second
-process on the same machine did not pay it, even with a new driver cache (CUDA_CACHE_PATH): the cost is the
-machine's first use of that kernel's code. With this job the first edit's encode took 0.154 s (bench_edit_encode.py,
-BENCHMARKS "Session").
+On a fresh machine the first edit's encode took many times as long as the second, and nearly all of the difference
+went to one op: `image_grid_thw.prod(-1)` in transformers' Qwen3-VL, the first launch of an int64 reduction kernel. A
+second process on the same machine did not pay it, even with a new driver cache (CUDA_CACHE_PATH): the cost is the
+machine's first use of that kernel's code. With this job the first edit's encode is as quick as the second
+(bench_edit_encode.py measures both).
 
 The job here runs the same code on a tiny model of the same classes: a 2-layer Qwen3-VL, one prompt, one small
 image. The kernels load (or compile) once per process, so it does not matter which model launches them. The model is

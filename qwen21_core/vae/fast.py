@@ -23,8 +23,8 @@ mode is untouched; nothing derived from the weights outlives the decode call.
 
 Quality: not bit-identical to exact (fp32 sums in another order, one rounding per norm instead of four,
 folded weights rounded once). Tested on the tiny VAE in tests/test_vae.py (>= 40 dB against exact on the GPU);
-on the full-size VAE with random weights benchmarks/bench_vae.py measured 50.9 dB at 1024^2 in bf16 (BENCHMARKS.md;
-the target was >= 45 dB). Nothing checks the PSNR at run time.
+on the full-size VAE with random weights benchmarks/bench_vae.py measures the PSNR against exact (the target was
+>= 45 dB). Nothing checks the PSNR at run time.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from .model import (
 
 log = logging.getLogger(__name__)
 
-# cuDNN autotuning inside fast decodes: on the H200 a steady 1024^2 fast decode is 1.115x faster with it, and the
-# first one at a new size pays a search of about 1.2 s (bench_vae.py --placeholders, BENCHMARKS "VAE"). On, since
-# `quality: fast` is the opt-in for throughput and the search happens once per size per process.
+# cuDNN autotuning inside fast decodes: a steady fast decode is faster with it, and the first one at a new size pays
+# a search (bench_vae.py --placeholders measures both). On, since `quality: fast` is the opt-in for throughput and
+# the search happens once per size per process.
 CUDNN_BENCHMARK = True
 
 # Which 3x3 rows (and columns) feed each tap of the folded 4x4 transposed conv (see the module docstring).

@@ -5,8 +5,8 @@ The exact decode's kernels are used only after self-tests proved them bit-identi
 and an encode of a 32x32 image: Triton specialises integer arguments (pixel counts, strides) on whether they are
 multiples of 16, which at the first decoder stages they are for some image sizes and not for others. 2x2 and 4x4
 latents give the first stages sizes that are not; 16x16 latents give every stage sizes that are, as a 1024x1024
-image's: without them its first decode compiled the norm kernel's tail again, 0.4-0.5 s of a fresh machine's third
-image (the first that decodes with the kernels; BENCHMARKS: Session).
+image's: without them its first decode compiled the norm kernel's tail again, on the user's time (in the first image
+that decodes with the kernels).
 
 Like the DiT's, it runs on a copy (the VAE is small), so the model itself stays free to be used or moved, and as
 small jobs on the warm-up's thread pool (qwen21_core/startup/warmup.py): the self-tests apart from the decodes.

@@ -1,10 +1,10 @@
 """The Qwen-Image-2.1 VAE (RGBA, 16x, z_dim 64) for single images: encode and decode one frame.
 
-The released model is a Wan-2.2-style residual video VAE applied to one frame (model_reference.md section 2;
-reference: diffusers' `AutoencoderKLQwenImage21`). For an image every "causal 3-D" conv is a 2-D conv, so this
-implementation works on 4-D tensors [B, C, H, W] throughout and has NO temporal feature caches: the reference
-keeps a full copy of every conv input for frames that never come (about 4 GiB at 1024^2). The `time_conv`
-weights of the temporal resamplers never run for a single frame; they are read from checkpoints and dropped.
+The released model is a Wan-2.2-style residual video VAE applied to one frame (the reference: diffusers'
+`AutoencoderKLQwenImage21`). For an image every "causal 3-D" conv is a 2-D conv, so this implementation works on 4-D
+tensors [B, C, H, W] throughout and has NO temporal feature caches: the reference keeps a full copy of every conv input
+for frames that never come (gigabytes at 1024^2). The `time_conv` weights of the temporal resamplers never run for a
+single frame; they are read from checkpoints and dropped.
 
 Exact mode performs, for every value, the same floating-point operations in the same order as the reference,
 so its results are bit-identical to the reference on the same device and dtype (fp32 on CPU in

@@ -42,10 +42,9 @@ log = logging.getLogger(__name__)
 LATENT_SCALE = 16  # pixels per latent pixel along each axis
 
 # Peak activation bytes per pixel of ONE image for an untiled pass (decode: output pixels; encode: input
-# pixels), by (kind, quality, bytes per activation element). Measured on the H200 with
+# pixels), by (kind, quality, bytes per activation element). Measured with
 # `python benchmarks/bench_vae.py --measure-memory --sizes 512 1024` (full-size random weights): the slope of
 # torch.cuda.max_memory_allocated between 512^2 and 1024^2, plus 10% (cuDNN workspaces, allocator rounding).
-# Measured slopes: decode bf16 exact 2736, fast 1728; fp32 exact 5482, fast 3457; encode bf16 1353, fp32 2322.
 BYTES_PER_PIXEL = {
     ("decode", "exact", 2): 3010,
     ("decode", "exact", 4): 6030,
