@@ -70,7 +70,7 @@ class Qwen21Patcher(comfy.model_patcher.ModelPatcher):
         model.current_weight_patches_uuid = self.patches_uuid
         if managed.streamable is not None:
             layers = "whole" if resident is None else f"{resident}/{managed.streamable.num_layers} layers resident"
-            log.info("qwen21: %s on %s (%s)", managed.name, device_to, layers)
+            log.info("qwen21: %s on %s (%s)", type(managed.streamable).__name__, device_to, layers)
         for callback in self.get_all_callbacks(comfy.patcher_extension.CallbacksMP.ON_LOAD):
             callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
 

@@ -371,18 +371,20 @@ def test_comfyuis_save_image_and_ours_save_the_same_pixels(server, workflow):
     assert np.array_equal(ours, comfy)
 
 
-@pytest.mark.parametrize("name", ["text_to_image", "edit_4_references"])
+@pytest.mark.parametrize("name", ["text_to_image", "edit_4_references", "ksampler_text_to_image", "ksampler_lora"])
 def test_workflows_run_under_lowvram(lowvram_server, name):
     """ComfyUI's --lowvram / --novram: our DiT and text encoder are registered for partial loads (tests/test_memory.py
-    checks what they ask for); the workflows must run under them as they do without. Under --novram ComfyUI offers
-    each model almost no memory, so the log must show both placed with streamed layers."""
+    checks what they ask for); the workflows must run under them as they do without, through our sampler and through
+    KSampler on our MODEL (the same patcher). Under --novram ComfyUI offers each model almost no memory, so the log
+    must show both placed with streamed layers."""
     server = lowvram_server
     run_start = len(server.log())  # the start-up may hold other packs' import tracebacks; the run may not
     prompt = tiny_prompt(WORKFLOWS_DIR / "api" / f"{name}.json", server.models)
-    saver = find_node(prompt, "Qwen21SaveImage")
+    saver = find_node(prompt, "SaveImage" if name.startswith("ksampler_") else "Qwen21SaveImage")
     entry = server.wait(server.queue(prompt))
     assert entry["status"]["status_str"] == "success", failure_report(entry, server)
-    assert len(entry["outputs"][saver]["images"]) == prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
+    batch = 1 if name.startswith("ksampler_") else prompt[find_node(prompt, "Qwen21Sampler")]["inputs"]["batch_size"]
+    assert len(entry["outputs"][saver]["images"]) == batch
     log = server.log()
     assert "Traceback" not in log[run_start:], log[run_start:][-3000:]
     if "--novram" in server.process.args:
