@@ -117,6 +117,7 @@ class Events:
             url.replace("http://", "ws://") + f"/ws?clientId={self.client_id}", timeout=RUN_TIMEOUT_S
         )
         self.seen: list[dict] = []
+        self.binary = 0  # preview images received
 
     def __enter__(self):
         return self
@@ -125,7 +126,7 @@ class Events:
         self.socket.close()
 
     def wait_for(self, matches, what: str) -> dict:
-        """Read messages until one matches (binary ones are preview images, skipped)."""
+        """Read messages until one matches (binary ones are preview images: counted in `binary`)."""
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while time.monotonic() < deadline:
             frame = self.socket.recv()
@@ -133,6 +134,8 @@ class Events:
                 self.seen.append(json.loads(frame))
                 if matches(self.seen[-1]):
                     return self.seen[-1]
+            else:
+                self.binary += 1
         raise AssertionError(f"no {what} in {RUN_TIMEOUT_S} s; messages: {self.seen[-20:]}\n" + self.log()[-4000:])
 
 
@@ -576,6 +579,34 @@ def test_interrupt_stops_a_run_within_a_step_and_the_next_run_works(server):
     entry = server.wait(server.queue(prompt))
     assert entry["status"]["status_str"] == "success"
     assert sampler in executed_nodes(entry), "the next run's sampler did not run"
+
+
+def test_ksampler_on_our_model_shows_progress_and_previews_and_stops_on_interrupt(server):
+    """As with a native model: KSampler's progress messages and preview images (binary frames, --preview-method auto:
+    our latent format's RGB projection, fitted from our VAE) arrive per step, an interrupt stops the run within a
+    step, and the next run works (the run's branches were released when ComfyUI's sampling ended)."""
+    seed = random.randrange(2**32)
+    slow = tiny_prompt(WORKFLOWS_DIR / "api" / "ksampler_text_to_image.json", server.models, "KSampler.steps=200",
+                       f"KSampler.seed={seed}", "Qwen21Encode.output_resolution=1536")  # fmt: skip
+    sampler = find_node(slow, "KSampler")
+
+    def sampler_progress(message):
+        data = message.get("data", {})
+        return message["type"] == "progress" and data.get("prompt_id") == prompt_id and data.get("node") == sampler
+
+    with server.listen() as events:
+        prompt_id = server.queue(slow, client_id=events.client_id)
+        events.wait_for(sampler_progress, "progress message from KSampler")
+        previews_before = events.binary
+        events.wait_for(lambda m: sampler_progress(m) and m["data"]["value"] >= 3, "a third step's progress")
+        assert events.binary > previews_before, "no preview image came with KSampler's steps"
+        assert server.post("/interrupt", json={"prompt_id": prompt_id}).status_code == 200
+        events.wait_for(lambda m: m["type"] in ("execution_interrupted", "execution_success", "execution_error")
+                        and m["data"].get("prompt_id") == prompt_id, "end of the interrupted prompt")  # fmt: skip
+    messages = dict(server.wait(prompt_id)["status"]["messages"])
+    assert "execution_interrupted" in messages and messages["execution_interrupted"]["node_type"] == "KSampler"
+    again = tiny_prompt(WORKFLOWS_DIR / "api" / "ksampler_text_to_image.json", server.models, f"KSampler.seed={seed}")
+    assert server.wait(server.queue(again))["status"]["status_str"] == "success"
 
 
 def executed_nodes(entry: dict) -> set[str]:
