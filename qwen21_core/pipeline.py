@@ -1,4 +1,4 @@
-"""`Qwen21Pipeline`: the core API (DESIGN 3.1) that nodes, tests and benchmarks call.
+"""`Qwen21Pipeline`: the core API that nodes, tests and benchmarks call.
 
     pipe = Qwen21Pipeline.from_pretrained(path, device=None, dtype=torch.bfloat16)
     cond = pipe.encode(prompt, images=(), negative_prompt=None, output_resolution=1024)
@@ -31,6 +31,7 @@ from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
 from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
 from .lora.reading import LoraFile, read_lora
+from .memory import sizing
 from .memory.manager import OwnPlacement, own_gpu
 from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import (
@@ -41,11 +42,11 @@ from .memory.planner import (
     indexed_device,
     plan_sampling,
 )
-from .memory.sizing import job_bytes
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
-from .sampler import Sampler, SampleStats, parallel_mode
+from .request import SampleRequest
+from .sampler import Sampler
 from .startup import model_warmup
 from .startup.priming import prime
 from .velocity import VelocityRun
@@ -59,8 +60,6 @@ log = logging.getLogger(__name__)
 # LoRA files kept as read (a rank-64 file on every block Linear is 335.6 MB, BENCHMARKS "LoRA"): a strength change
 # or a switch back re-uses them instead of reading the file again, as ComfyUI's LoraLoader keeps its last file
 READ_LORAS_KEPT = 2
-
-SCHEDULES = ("default", "turbo")
 
 
 def default_device() -> torch.device:
@@ -267,44 +266,21 @@ class Qwen21Pipeline:
 
     # ---- sample -----------------------------------------------------------------------------------
 
-    def sampling_bytes(self, cond: Conditioning, height: int, width: int, batch_size: int, true_cfg_scale: float,
-                       options: SampleOptions | None = None, kv_placement: str | None = None) -> int:  # fmt: skip
-        """Device memory a `sample` call needs beyond the weights: each CFG branch's K/V cache (kv_cache.py's
-        `CacheShape.device_bytes`: exactly what it allocates) plus the larger of the prefill's and a decode step's
-        activations. kv_placement None: the options' placement, "auto" counted as the GPU (the larger)."""
-        options = options or SampleOptions()
-        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
-        placement = kv_placement or (options.kv_placement if options.kv_placement != "auto" else "gpu")
-        return caches[placement] + activations
+    def sampling_bytes(self, cond: Conditioning, request: SampleRequest, options: SampleOptions | None = None,
+                       kv_placement: str | None = None) -> int:  # fmt: skip
+        """Device memory a run of `request` needs beyond the weights (memory/sizing.py sampling_bytes)."""
+        return sizing.sampling_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers,
+                                     kv_placement)  # fmt: skip
 
-    def _job_bytes(self, cond, height, width, batch_size, true_cfg_scale, options) -> tuple[dict[str, int], int]:
-        """(K/V cache device bytes by placement, activation bytes) of one sample call (memory/sizing.py)."""
-        slots = sum(h * w for h, w in cond.image_shapes) // 4
-        use_cfg = true_cfg_scale > 1 and cond.has_negative
-        lengths = [cond.positive.length] + ([cond.negative_length] if use_cfg else [])
-        mode = self._parallel_mode(use_cfg, options)
-        if mode == "cfg":
-            lengths = lengths[:1]  # the negative branch lives on rank 1
-        ranks = self.workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
-        prefixes = [length + 3 * slots for length in lengths]  # every image slot becomes 4 latent tokens
-        return job_bytes(self.transformer.config, self.dtype, prefixes, (height // 16) * (width // 16), batch_size,
-                         options.kv_cache, options.kv_layout, ranks)  # fmt: skip
+    def _job_bytes(self, cond, request: SampleRequest, options: SampleOptions) -> tuple[dict[str, int], int]:
+        return sizing.request_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers)
 
-    def _parallel_mode(self, use_cfg: bool, options: SampleOptions) -> str | None:
-        """The mode the sampler will pick (Sampler.parallel_mode), for memory planning; None when unsure."""
-        if self.workers is None or self.workers.closed:
-            return None
-        try:
-            return parallel_mode(options.parallel, self.workers, use_cfg)
-        except ValueError:
-            return None  # the sampler reports it
-
-    def plan_sampling(self, cond, height, width, batch_size, true_cfg_scale, options) -> SamplingPlan:
+    def plan_sampling(self, cond, request: SampleRequest, options: SampleOptions) -> SamplingPlan:
         """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
         (memory/planner.py). With `manage_weights` off (a memory manager decides the weights' placement) only the
         K/V placement is planned, around the blocks as they are."""
         tr = self.transformer
-        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
+        caches, activations = self._job_bytes(cond, request, options)
         if self.device.type != "cuda":
             return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
         streamer = tr.streamer
@@ -326,115 +302,60 @@ class Qwen21Pipeline:
         return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
                              options.kv_placement)  # fmt: skip
 
-    def _base_sigmas(self, schedule: str, sigmas):
-        if sigmas is not None:
-            return list(sigmas)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass sigmas=[...]), got {schedule!r}")
-        turbo = self.pipeline_config.sample_sigmas
-        if schedule == "turbo" and not turbo:
-            raise ValueError(
-                "schedule='turbo' needs the checkpoint's sample_sigmas (model_index.json of a turbo checkpoint); "
-                "this checkpoint has none: use schedule='default' or pass custom sigmas"
-            )
-        return list(turbo) if turbo else None  # the reference uses sample_sigmas whenever they exist
-
-    def sample(
-        self,
-        cond: Conditioning | Sequence[Conditioning],
-        height: int | None = None,
-        width: int | None = None,
-        steps: int = 40,
-        true_cfg_scale: float = 1.0,
-        seed: int = 0,
-        noise: torch.Tensor | None = None,
-        batch_size: int = 1,
-        sigmas: Sequence[float] | None = None,
-        callback: Callable | None = None,
-        *,
-        schedule: str = "default",
-        start_latents: torch.Tensor | None = None,
-        denoise: float = 1.0,
-        options: SampleOptions | None = None,
-    ) -> torch.Tensor:
+    def sample(self, cond: Conditioning | Sequence[Conditioning], height: int | None = None, width: int | None = None,
+               steps: int = 40, true_cfg_scale: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
+               batch_size: int = 1, sigmas: Sequence[float] | None = None, callback: Callable | None = None, *,
+               schedule: str = "default", start_latents: torch.Tensor | None = None, denoise: float = 1.0,
+               options: SampleOptions | None = None) -> torch.Tensor:  # fmt: skip
         """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
-
-        cond:      one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
-        height/width: pixels (multiples of 32); None = the size the conditioning derived.
-        callback(step, total, x0_raw_latents): after each step; raise in it to interrupt.
-        options:   how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
+        cond:    one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
+        options: how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
+        The other arguments are what it makes: see SampleRequest (`sample_request` takes one).
         """
+        request = SampleRequest(height=height, width=width, steps=steps, true_cfg_scale=true_cfg_scale, seed=seed,
+                                noise=noise, batch_size=batch_size, sigmas=sigmas, schedule=schedule,
+                                start_latents=start_latents, denoise=denoise, callback=callback)  # fmt: skip
+        return self.sample_request(cond, request, options)
+
+    def sample_request(self, cond: Conditioning | Sequence[Conditioning], request: SampleRequest,
+                       options: SampleOptions | None = None) -> torch.Tensor:  # fmt: skip
+        """`sample` with what it makes in one SampleRequest."""
         options = options or SampleOptions()
         conds = [cond] if isinstance(cond, Conditioning) else list(cond)
         if not conds:
             raise ValueError("sample needs at least one conditioning")
-        height = height or conds[0].height
-        width = width or conds[0].width
-        if true_cfg_scale > 1:
+        request = request.sized(conds[0])
+        if request.guided:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
-        base_sigmas = self._base_sigmas(schedule, sigmas)
-        sampler, plan = self._sampler(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options,
-                                      self.workers)  # fmt: skip
+        request = request.replace(sigmas=request.base_sigmas(self.pipeline_config.sample_sigmas))
+        every_row = request.replace(batch_size=request.batch_size * len(conds))  # the plan holds them all
+        sampler, plan = self._sampler(conds[0], every_row, options, self.workers)
         try:
-            latents = sampler.sample(
-                conds,
-                height=height,
-                width=width,
-                steps=steps,
-                true_cfg_scale=true_cfg_scale,
-                seed=seed,
-                noise=noise,
-                batch_size=batch_size,
-                sigmas=base_sigmas,
-                start_latents=start_latents,
-                denoise=denoise,
-                callback=callback,
-            )
+            return sampler.sample_request(conds, request)
         finally:
             self._finish(sampler, plan)
-        return latents
 
-    def _sampler(self, cond, height, width, rows, true_cfg_scale, options, workers) -> tuple[Sampler, SamplingPlan]:
+    def _sampler(self, cond, request: SampleRequest, options, workers) -> tuple[Sampler, SamplingPlan]:
         """A Sampler for one run, after what it needs is ready: the kernels the first step uses, the blocks
         compiled or not, and the memory plan (where the prefix K/V go, how many blocks stay resident)."""
         model_warmup.before_sampling(self.kernel_warmup)
         self.transformer.compile_blocks(options.compile_blocks)
-        plan = self.plan_sampling(cond, height, width, rows, true_cfg_scale, options)
+        plan = self.plan_sampling(cond, request, options)
         if self.manage_weights:
             self.transformer.stream_blocks(plan.resident_blocks)
         log.info("sampling plan: %s", plan.reason)
-        vae_config = self.vae.config
         runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
         self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
-        sampler = Sampler(
-            self.transformer,
-            self.scheduler_config,
-            torch.tensor(vae_config.latents_mean),
-            torch.tensor(vae_config.latents_std),
-            options=options,
-            kv_placement=plan.kv_placement,
-            decode_runner=runner,
-            prefill_runner=self.prefill_graphs if runner is not None else None,
-            workers=workers,
-            lora_stack=self.lora_stack,
-        )
+        sampler = Sampler(self.transformer, self.scheduler_config, torch.tensor(self.vae.config.latents_mean),
+                          torch.tensor(self.vae.config.latents_std), options=options, kv_placement=plan.kv_placement,
+                          decode_runner=runner, prefill_runner=self.prefill_graphs if runner is not None else None,
+                          workers=workers, lora_stack=self.lora_stack)  # fmt: skip
         return sampler, plan
 
     def _finish(self, sampler: Sampler, plan: SamplingPlan) -> None:
         """After a run: its stats (with what the graphs did) kept for the node's status, the graph entries idle."""
-        stats: SampleStats = sampler.stats
-        if stats.parallel.startswith("sequence"):
-            pass  # the sampler said why its steps ran eagerly
-        elif sampler.decode_runner is not None:
-            stats.decode_graph = self.decode_graphs.describe()
-            stats.prefill_graph = self.prefill_graphs.describe()
-            stats.replayed_steps = self.decode_graphs.replays
-        elif not sampler.options.decode_graphs:
-            stats.decode_graph = "off: disabled"
-        else:
-            stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
-        self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
+        self.last_sample_stats = sampler.graph_stats().as_dict() | {"plan": plan.reason}
         self.decode_graphs.end_generation()
         self.prefill_graphs.end_generation()
 
@@ -444,7 +365,10 @@ class Qwen21Pipeline:
         of one call and the guidance say how much memory to plan for; several GPUs are not used (parallel off).
         Close the run when the loop ends (`run.close()`): its stats become `last_sample_stats`."""
         options = (options or SampleOptions()).replace(parallel="off")
-        sampler, plan = self._sampler(cond, height, width, rows, true_cfg_scale, options, None)
+        # that loop's latents may be any multiple of 16 pixels: rounded up to the request's 32, they plan a bit more
+        request = SampleRequest(height=-(-height // 32) * 32, width=-(-width // 32) * 32, batch_size=rows,
+                                true_cfg_scale=true_cfg_scale)  # fmt: skip
+        sampler, plan = self._sampler(cond, request, options, None)
         sampler.stats.prefix_cache = "on" if sampler.prefix_cache else "off"
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

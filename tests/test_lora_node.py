@@ -15,6 +15,7 @@ from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.lora.merge import LoraMerger, MemoryOriginals, layer_shapes
 from qwen21_nodes.qwen21_core.lora.reading import LoraError, read_lora
+from qwen21_nodes.qwen21_core.request import SampleRequest
 from qwen21_nodes.qwen21_core.sampler import Sampler
 from qwen21_nodes.runner.cli import ensure_tiny_models
 from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
@@ -42,7 +43,7 @@ def base(models_dir):
 
 
 def sample(handle, cond, seed=3):
-    return handle.sample(cond, height=64, width=64, steps=2, batch_size=1, true_cfg_scale=1.0, seed=seed)
+    return handle.sample(cond, SampleRequest(height=64, width=64, steps=2, batch_size=1, true_cfg_scale=1.0, seed=seed))
 
 
 def checkpoint_weights(models_dir):

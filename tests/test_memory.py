@@ -21,6 +21,7 @@ from qwen21_nodes.qwen21_core.memory.manager import LocalMemoryManager
 from qwen21_nodes.qwen21_core.memory.planner import DeviceMemoryError, plan_sampling
 from qwen21_nodes.qwen21_core.memory.prefetch import SlotPrefetcher
 from qwen21_nodes.qwen21_core.memory.streaming import LayerStreamer
+from qwen21_nodes.qwen21_core.request import SampleRequest
 
 pytest.importorskip("diffusers")
 GIB = 2**30
@@ -224,8 +225,8 @@ def _planning_pipeline(monkeypatch, free: int, idle: int, resident: int, manage_
     fake = types.SimpleNamespace(transformer=transformer, device=torch.device("cuda"), vram_budget=None,
                                  manage_weights=manage_weights, idle_cache_bytes=lambda: idle,
                                  _job_bytes=lambda *a: ({"gpu": 8 * GIB, "cpu": GIB}, GIB // 2))  # fmt: skip
-    return lambda: pipeline.Qwen21Pipeline.plan_sampling(fake, None, 1024, 1024, 1, 1.0, types.SimpleNamespace(
-        kv_placement="auto"))  # fmt: skip
+    return lambda: pipeline.Qwen21Pipeline.plan_sampling(fake, None, SampleRequest(height=1024, width=1024),
+                                                         types.SimpleNamespace(kv_placement="auto"))  # fmt: skip
 
 
 def test_free_memory_leaves_out_what_cuda_graph_pools_hold(monkeypatch, fake_cuda_memory):
