@@ -40,7 +40,7 @@ from .memory.planner import (
     device_free_bytes,
     host_free_bytes,
     indexed_device,
-    plan_sampling,
+    plan_for_transformer,
 )
 from .options import SampleOptions
 from .quant.plan import WeightFormats
@@ -264,7 +264,7 @@ class Qwen21Pipeline:
             if self.text_encoder_offload and self.manage_weights and self.text_encoder_device.type == "cuda":
                 self.text_encoder.offload()
 
-    # ---- sample -----------------------------------------------------------------------------------
+    # ---- memory of a run ----------------------------------------------------------------------------
 
     def sampling_bytes(self, cond: Conditioning, request: SampleRequest, options: SampleOptions | None = None,
                        kv_placement: str | None = None) -> int:  # fmt: skip
@@ -272,35 +272,15 @@ class Qwen21Pipeline:
         return sizing.sampling_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers,
                                      kv_placement)  # fmt: skip
 
-    def _job_bytes(self, cond, request: SampleRequest, options: SampleOptions) -> tuple[dict[str, int], int]:
-        return sizing.request_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers)
-
     def plan_sampling(self, cond, request: SampleRequest, options: SampleOptions) -> SamplingPlan:
-        """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
-        (memory/planner.py). With `manage_weights` off (a memory manager decides the weights' placement) only the
-        K/V placement is planned, around the blocks as they are."""
-        tr = self.transformer
-        caches, activations = self._job_bytes(cond, request, options)
-        if self.device.type != "cuda":
-            return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
-        streamer = tr.streamer
-        blocks = len(tr.transformer_blocks)
-        block_bytes = tr.layer_bytes
-        resident = tr.resident_blocks
-        slot_bytes = (streamer.slot_bytes if streamer is not None else 0) or 2 * block_bytes
-        # The previous run's idle caches come back to this one (its entry adopted, or evicted when an allocation
-        # runs out): counted as taken, a rerun with a new seed would move its K/V to host RAM.
-        free = device_free_bytes(self.device, self.vram_budget) + self.idle_cache_bytes()
-        if not self.manage_weights:
-            # the blocks' memory is not ours to plan: only the K/V placement, beside the blocks resident now
-            staging = slot_bytes if resident < blocks else 0
-            plan = plan_sampling(free + resident * block_bytes, caches, activations + staging, block_bytes, resident,
-                                 0, options.kv_placement)  # fmt: skip
-            placed = "all" if resident == blocks else f"{resident} of"
-            return SamplingPlan(plan.kv_placement, resident, f"K/V cache on {plan.kv_placement}, {placed} {blocks} "
-                                "blocks resident (placed by the memory manager)")  # fmt: skip
-        return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
-                             options.kv_placement)  # fmt: skip
+        """Where this run's prefix K/V go and how many DiT blocks stay resident, from the memory available now
+        (memory/planner.py plan_for_transformer)."""
+        caches, activations = sizing.request_bytes(self.transformer.config, self.dtype, cond, request, options,
+                                                   self.workers)  # fmt: skip
+        return plan_for_transformer(self.transformer, self.device, self.vram_budget, self.idle_cache_bytes(), caches,
+                                    activations, self.manage_weights, options.kv_placement)  # fmt: skip
+
+    # ---- sample -----------------------------------------------------------------------------------
 
     def sample(self, cond: Conditioning | Sequence[Conditioning], height: int | None = None, width: int | None = None,
                steps: int = 40, true_cfg_scale: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
