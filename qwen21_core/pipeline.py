@@ -12,9 +12,7 @@ be rebuilt. Options default to the exact path; faster, non-identical paths must 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,8 +27,9 @@ from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
 from .images import masks_at_image_size
-from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
-from .lora.reading import LoraFile, read_lora
+from .lora.files import ReadLoras
+from .lora.merge import LoraMerger, Stack, originals_for
+from .lora.reading import LoraFile
 from .memory import sizing
 from .memory.manager import OwnPlacement, own_gpu
 from .memory.pinned_buffers import HOST_KV_BUFFERS
@@ -56,10 +55,6 @@ if TYPE_CHECKING:
     from .startup.warmup import KernelWarmup
 
 log = logging.getLogger(__name__)
-
-# LoRA files kept as read (a rank-64 file on every block Linear is 335.6 MB, BENCHMARKS "LoRA"): a strength change
-# or a switch back re-uses them instead of reading the file again, as ComfyUI's LoraLoader keeps its last file
-READ_LORAS_KEPT = 2
 
 
 def default_device() -> torch.device:
@@ -102,7 +97,7 @@ class Qwen21Pipeline:
         self.memory = OwnPlacement()
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
-        self._read_loras: dict[tuple, LoraFile] = {}  # (path, size, mtime) -> the file as read, latest last
+        self.read_loras = ReadLoras()
         self.weight_formats = WeightFormats()  # how the DiT was loaded (a worker loads it the same way)
         self.workers = None
         self.last_sample_stats: dict = {}
@@ -357,19 +352,9 @@ class Qwen21Pipeline:
     # ---- LoRA -------------------------------------------------------------------------------------
 
     def load_lora(self, path, side_path: bool = False) -> LoraFile:
-        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet).
-
-        side_path: on quantised weights, run it beside them (exact, extra GEMMs per step) instead of merging it
-        into them (requantised, no per-step cost); see lora/merge.py."""
-        stat = os.stat(path)
-        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)  # an edited file is read again
-        lora = self._read_loras.pop(key, None)
-        if lora is None:
-            lora = read_lora(path, layer_shapes(self.transformer))
-        self._read_loras[key] = lora  # most recent last
-        while len(self._read_loras) > READ_LORAS_KEPT:
-            self._read_loras.pop(next(iter(self._read_loras)))
-        return dataclasses.replace(lora, side_path=side_path)
+        """Read a LoRA file (kept as read: lora/files.py), checked against this DiT, not merged yet. side_path: on
+        quantised weights run it beside them (exact, extra GEMMs per step), not merged (requantised): lora/merge.py."""
+        return self.read_loras.load(path, self.transformer, side_path)
 
     def set_loras(self, stack: Stack) -> None:
         """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
