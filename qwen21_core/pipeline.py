@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -26,7 +25,6 @@ from .dit.decode_graphs import DecodeGraphs
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
 from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
-from .images import masks_at_image_size
 from .lora.files import ReadLoras
 from .lora.merge import LoraMerger, Stack, originals_for
 from .lora.reading import LoraFile
@@ -48,6 +46,7 @@ from .request import SampleRequest
 from .sampler import Sampler
 from .startup import model_warmup
 from .startup.priming import prime
+from .vae import calls as vae_calls
 from .velocity import VelocityRun
 
 if TYPE_CHECKING:
@@ -86,7 +85,7 @@ class Qwen21Pipeline:
         # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
         self.execution_device = transformer.device
         self.text_encoder_device = text_encoder.device if text_encoder is not None else transformer.device
-        self.vae_execution_device = next(vae.parameters()).device
+        self.vae_execution_device = vae_calls.vae_device(vae)
         self.decode_graphs = DecodeGraphs(transformer)
         self.prefill_graphs = PrefillGraphs(transformer)  # with decode graphs: the CUDA-graph option covers both
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
@@ -368,37 +367,16 @@ class Qwen21Pipeline:
 
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
-        device = self.vae_device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        started = time.perf_counter()
-        with model_warmup.vae_kernels(self.kernel_warmup, options.get("quality", "exact")):
-            images = self.vae.decode(latents.to(device), **options)
-        stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the images are used right away anyway; this makes the time real
-        stats["seconds"] = round(time.perf_counter() - started, 3)
-        if device.type == "cuda":
-            stats["peak_vram_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-        self.last_decode_stats = stats
+        images, self.last_decode_stats = vae_calls.decode(self.vae, latents, self.kernel_warmup, **options)
         return images
 
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None = None, **options) -> torch.Tensor:
         """ComfyUI IMAGE [B, H, W, 3|4] (+ MASK [B, H, W] = 1 - alpha) -> raw latents [B, 64, H/16, W/16]."""
-        if images.dim() != 4 or images.shape[-1] not in (3, 4):
-            raise ValueError(f"images must be [B, H, W, 3 or 4], got {list(images.shape)}")
-        if masks is not None:
-            if masks.dim() == 2:
-                masks = masks[None]
-            masks = masks_at_image_size(masks, *images.shape[1:3], "the mask", "the image")
-            alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
-            images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
-        with model_warmup.vae_kernels(self.kernel_warmup, "exact"):
-            return self.vae.encode(images.to(self.vae_device), **options)
+        return vae_calls.encode(self.vae, images, masks, self.kernel_warmup, **options)
 
     @property
     def vae_device(self) -> torch.device:
-        return next(self.vae.parameters()).device
+        return vae_calls.vae_device(self.vae)
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
