@@ -11,7 +11,6 @@ be rebuilt. Options default to the exact path; faster, non-identical paths must 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,18 +23,15 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
-from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
+from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative, prefix_budget
 from .lora.files import ReadLoras
 from .lora.merge import LoraMerger, Stack, originals_for
 from .lora.reading import LoraFile
 from .memory import sizing
-from .memory.manager import OwnPlacement, own_gpu
+from .memory.manager import OwnPlacement, own_gpu, text_encoder_placed
 from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import (
-    DECODE_HEADROOM_BYTES,
     SamplingPlan,
-    device_free_bytes,
-    host_free_bytes,
     indexed_device,
     plan_for_transformer,
 )
@@ -190,52 +186,16 @@ class Qwen21Pipeline:
 
     # ---- encode -----------------------------------------------------------------------------------
 
-    def _prefix_budget(self) -> PrefixMemoryBudget | None:
-        """Room for the prefix K/V cache, checked before encoding: the GPU's free memory (the text encoder's weights
-        counted as free when they leave after encoding) plus the RAM the sampler would move the cache to."""
-        device = self.execution_device
-        if device.type != "cuda":
-            return None
-        free = device_free_bytes(device, self.vram_budget)
-        encoder = self.text_encoder
-        leaves = self.text_encoder_offload and encoder is not None
-        if leaves and indexed_device(encoder.device) == indexed_device(device):
-            free += encoder.device_weight_bytes()
-        host = host_free_bytes()
-        if host is None:  # RAM unknown: do not refuse what RAM might hold
-            return None
-        return PrefixMemoryBudget.for_transformer(self.transformer.config, self.dtype,
-                                                  max(0, free - DECODE_HEADROOM_BYTES), host)  # fmt: skip
-
-    def encode(
-        self,
-        prompt: str,
-        images: Sequence = (),
-        masks=None,
-        negative_prompt: str | None = None,
-        output_resolution: int = 1024,
-        width: int | None = None,
-        height: int | None = None,
-    ) -> Conditioning:
+    def encode(self, prompt: str, images: Sequence = (), masks=None, negative_prompt: str | None = None,
+               output_resolution: int = 1024, width: int | None = None, height: int | None = None) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
-        warmup = self.kernel_warmup
-        with_images = images is not None and len(images)  # condition images go through the VAE encoder
-        vae_kernels = model_warmup.vae_kernels(warmup, "exact") if with_images else contextlib.nullcontext()
-        with model_warmup.encoding(warmup), self._text_encoder_placed(), vae_kernels:
-            return encode_conditioning(
-                self.text_encoder,
-                self.vae,
-                prompt,
-                images=images,
-                masks=masks,
-                negative_prompt=negative_prompt,
-                output_resolution=output_resolution,
-                width=width,
-                height=height,
-                memory_budget=self._prefix_budget(),
-                references=self.references,
-            )
+        with_images = images is not None and len(images) > 0  # condition images go through the VAE encoder
+        with model_warmup.encoding(self.kernel_warmup, with_images), self._text_encoder_placed():
+            return encode_conditioning(self.text_encoder, self.vae, prompt, images=images, masks=masks,
+                                       negative_prompt=negative_prompt, output_resolution=output_resolution,
+                                       width=width, height=height, memory_budget=self._prefix_budget(),
+                                       references=self.references)  # fmt: skip
 
     def encode_negative(self, cond: Conditioning) -> Conditioning:
         """Encode `cond`'s pending negative prompt (once: later calls, and conditionings without one, do
@@ -245,18 +205,13 @@ class Qwen21Pipeline:
         with self._text_encoder_placed():
             return encode_negative(self.text_encoder, cond, memory_budget=self._prefix_budget())
 
-    @contextlib.contextmanager
     def _text_encoder_placed(self):
-        """The text encoder on the execution device for the block, offloaded after it if so configured."""
-        if self.text_encoder is None:
-            raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
-        if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
-            self.text_encoder.to(self.text_encoder_device)
-        try:
-            yield
-        finally:
-            if self.text_encoder_offload and self.manage_weights and self.text_encoder_device.type == "cuda":
-                self.text_encoder.offload()
+        return text_encoder_placed(self.text_encoder, self.text_encoder_device, self.manage_weights,
+                                   self.text_encoder_offload)  # fmt: skip
+
+    def _prefix_budget(self) -> PrefixMemoryBudget | None:
+        leaving = self.text_encoder if self.text_encoder_offload else None  # its weights are free after encoding
+        return prefix_budget(self.transformer.config, self.dtype, self.execution_device, self.vram_budget, leaving)
 
     # ---- memory of a run ----------------------------------------------------------------------------
 

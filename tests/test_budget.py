@@ -34,7 +34,6 @@ def on_a_pretend_gpu(monkeypatch, pipe, fake_cuda_memory):
     monkeypatch.setattr(Qwen21Pipeline, "device", property(lambda self: gpu))
     pipe.execution_device = gpu
     monkeypatch.setattr(planner, "host_free_bytes", lambda: 64 * GIB)
-    monkeypatch.setattr("qwen21_nodes.qwen21_core.pipeline.host_free_bytes", lambda: 64 * GIB)
 
 
 def test_the_runners_budget_is_the_pipelines_one_budget(handle):

@@ -108,9 +108,16 @@ class PendingBuckets:
 PENDING_BUCKETS = PendingBuckets()
 
 
-def encoding(warmup: KernelWarmup | None):
-    """Hold the warm-up's jobs while an encode runs (warmup.py `paused`): nothing in an encode waits for them."""
-    return warmup.paused() if warmup is not None and warmup.busy() else contextlib.nullcontext()
+@contextlib.contextmanager
+def encoding(warmup: KernelWarmup | None, with_images: bool = False):
+    """Hold the warm-up's jobs while an encode runs (warmup.py `paused`): nothing in an encode waits for them. With
+    condition images the VAE encodes them too, its kernels used as `vae_kernels` says."""
+    with contextlib.ExitStack() as stack:
+        if warmup is not None and warmup.busy():
+            stack.enter_context(warmup.paused())
+        if with_images:
+            stack.enter_context(vae_kernels(warmup, "exact"))
+        yield
 
 
 def before_sampling(warmup: KernelWarmup | None) -> None:
@@ -123,9 +130,8 @@ def before_sampling(warmup: KernelWarmup | None) -> None:
 def vae_kernels(warmup: KernelWarmup | None, quality: str):
     """How a VAE call uses its kernels while the warm-up may still be compiling them. The exact path's kernels are
     self-tested to equal torch's ops bit for bit, so until the warm-up is done an exact decode or encode runs torch's
-    ops (the same image; BENCHMARKS "VAE": 88.7 ms with the norm kernel off against 68.7 ms) instead of waiting: the
-    first decode on a fresh H200 waited 9.3 s here (BENCHMARKS "Session"). The fast path has no torch twin with its
-    numerics, so it waits."""
+    ops (the same image, somewhat slower) instead of waiting seconds for a compile on a fresh card. The fast path has
+    no torch twin with its numerics, so it waits."""
     if warmup is None or "vae" not in warmup.jobs or warmup.done("vae"):
         return contextlib.nullcontext()
     if quality != "exact":
