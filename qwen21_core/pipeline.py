@@ -5,8 +5,9 @@
     latents = pipe.sample(cond, steps=40, seed=0)     # raw VAE-space [B, 64, H/16, W/16]
     images = pipe.decode(latents)                      # [B, H, W, 4] RGBA in 0..1
 
-Long-lived state (weights, decode graphs) hangs off the pipeline object; `release()` drops what can
-be rebuilt. Options default to the exact path; faster, non-identical paths must be asked for.
+Long-lived state (weights, graphs, caches) hangs off the pipeline; `release()` drops what can be rebuilt. Options
+default to the exact path; faster, non-identical paths must be asked for. Each question goes to its own module:
+encoding.py, memory/, request.py and sampler.py, lora/, vae/calls.py, parallel/ (workers on other devices).
 """
 
 from __future__ import annotations
@@ -28,20 +29,15 @@ from .lora.files import ReadLoras
 from .lora.merge import LoraMerger, Stack, originals_for
 from .lora.reading import LoraFile
 from .memory import sizing
-from .memory.manager import OwnPlacement, own_gpu, text_encoder_placed
+from .memory.manager import OwnPlacement, text_encoder_placed
 from .memory.pinned_buffers import HOST_KV_BUFFERS
-from .memory.planner import (
-    SamplingPlan,
-    indexed_device,
-    plan_for_transformer,
-)
+from .memory.planner import SamplingPlan, plan_for_transformer
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
 from .request import SampleRequest
 from .sampler import Sampler
 from .startup import model_warmup
-from .startup.priming import prime
 from .vae import calls as vae_calls
 from .velocity import VelocityRun
 
@@ -52,28 +48,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 class Qwen21Pipeline:
     workers: WorkerPool | None = None  # other devices with the same DiT (start_workers)
     check_interrupted: Callable[[], None] | None = None  # the host's Cancel: raises to stop a wait (from_pretrained)
 
-    def __init__(
-        self,
-        transformer: QwenImage21Transformer,
-        vae,
-        text_encoder,
-        scheduler_config: SchedulerConfig,
-        pipeline_config: PipelineConfig | None = None,
-        *,
-        text_encoder_offload: bool = True,
-        sources: dict | None = None,
-    ):
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
+    def __init__(self, transformer: QwenImage21Transformer, vae, text_encoder, scheduler_config: SchedulerConfig,
+                 pipeline_config: PipelineConfig | None = None, *, text_encoder_offload: bool = True,
+                 sources: dict | None = None):  # fmt: skip
+        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.scheduler_config = scheduler_config
         self.pipeline_config = pipeline_config or PipelineConfig()
         self.text_encoder_offload = text_encoder_offload
@@ -87,9 +69,7 @@ class Qwen21Pipeline:
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
         # the pinned K/V buffers kept for the next host cache outlive a DiT's unloading, not the pipeline
         weakref.finalize(self, HOST_KV_BUFFERS.clear).atexit = False
-        # Memory: its budget and whether this pipeline places the weights itself (streaming DiT blocks when they do
-        # not fit) or a memory manager does (the nodes': ComfyUI's or the local one, which set `memory`)
-        self.memory = OwnPlacement()
+        self.memory = OwnPlacement()  # the budget, and who places the weights: the nodes set their memory manager
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
         self.read_loras = ReadLoras()
@@ -100,68 +80,21 @@ class Qwen21Pipeline:
         self.kernel_warmup: KernelWarmup | None = None
 
     @classmethod
-    def from_pretrained(
-        cls,
-        source,
-        device=None,
-        dtype: torch.dtype = torch.bfloat16,
-        *,
-        text_encoder_dtype: torch.dtype | None = None,
-        vae_dtype: torch.dtype | None = None,
-        text_encoder_offload: bool = True,
-        load_text_encoder: bool = True,
-        weight_formats: WeightFormats | None = None,
-        text_encoder_device=None,
-        vae_device=None,
-        text_encoder_load_device=None,
-        check_interrupted: Callable[[], None] | None = None,
-    ) -> Qwen21Pipeline:
-        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
+    def from_pretrained(cls, source, device=None, dtype: torch.dtype = torch.bfloat16, **options) -> Qwen21Pipeline:
+        """Load a diffusers folder or a dict of ComfyUI single files. options: the load's keywords (component dtypes
+        and devices, weight formats, text_encoder_offload, check_interrupted): see checkpoints/loading.py
+        load_pipeline."""
+        from .checkpoints.loading import load_pipeline
 
-        dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
-        default keeps each file's own format). text_encoder_device / vae_device: where those run (default: the
-        DiT's device); a text encoder on a device of its own is never offloaded. text_encoder_load_device: where the
-        text encoder's weights are read to (default: where it runs; the CPU when they do not fit there, see
-        memory/manager.py text_encoder_load_device): a memory manager then places them on first use.
-        check_interrupted: raises when the user cancels (ComfyUI's check); waits for the kernel warm-up call it.
-        """
-        from .checkpoints.loading import load_components
-
-        device = torch.device(device) if device is not None else default_device()
-        prime(device)  # torch's and Triton's own kernels load while the files are read (startup/priming.py)
-        parts = load_components(
-            source,
-            device,
-            dtype,
-            text_encoder_device=text_encoder_load_device or text_encoder_device,
-            vae_device=vae_device,
-            text_encoder_dtype=text_encoder_dtype,
-            vae_dtype=vae_dtype,
-            load_text_encoder=load_text_encoder,
-            weight_formats=weight_formats,
-        )
-        encoder = parts.text_encoder
-        runs_on = indexed_device(text_encoder_device if text_encoder_device is not None else device)
-        if encoder is not None:
-            encoder.device = runs_on  # where it encodes, wherever its weights were read to
-        own_device = encoder is not None and own_gpu(runs_on, device)
-        pipe = cls(
-            parts.transformer,
-            parts.vae,
-            parts.text_encoder,
-            parts.scheduler_config,
-            parts.pipeline_config,
-            text_encoder_offload=text_encoder_offload and not own_device,
-            sources=parts.sources,
-        )
-        pipe.weight_formats = weight_formats or WeightFormats()
-        pipe.check_interrupted = check_interrupted
-        pipe.start_kernel_warmup()
-        return pipe
+        return load_pipeline(cls, source, device, dtype, **options)
 
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
 
     @property
     def vram_budget(self) -> int | None:
@@ -172,20 +105,13 @@ class Qwen21Pipeline:
     def manage_weights(self) -> bool:
         return self.memory.places_weights
 
-    # ---- kernel warm-up -----------------------------------------------------------------------------------
-
     def start_kernel_warmup(self) -> KernelWarmup | None:
         """Compile our Triton kernels for these models in background threads (startup/model_warmup.py)."""
         if self.kernel_warmup is None:
             self.kernel_warmup = model_warmup.start(self)
         return self.kernel_warmup
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
     # ---- encode -----------------------------------------------------------------------------------
-
     def encode(self, prompt: str, images: Sequence = (), masks=None, negative_prompt: str | None = None,
                output_resolution: int = 1024, width: int | None = None, height: int | None = None) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
@@ -214,7 +140,6 @@ class Qwen21Pipeline:
         return prefix_budget(self.transformer.config, self.dtype, self.execution_device, self.vram_budget, leaving)
 
     # ---- memory of a run ----------------------------------------------------------------------------
-
     def sampling_bytes(self, cond: Conditioning, request: SampleRequest, options: SampleOptions | None = None,
                        kv_placement: str | None = None) -> int:  # fmt: skip
         """Device memory a run of `request` needs beyond the weights (memory/sizing.py sampling_bytes)."""
@@ -230,7 +155,6 @@ class Qwen21Pipeline:
                                     activations, self.manage_weights, options.kv_placement)  # fmt: skip
 
     # ---- sample -----------------------------------------------------------------------------------
-
     def sample(self, cond: Conditioning | Sequence[Conditioning], height: int | None = None, width: int | None = None,
                steps: int = 40, true_cfg_scale: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
                batch_size: int = 1, sigmas: Sequence[float] | None = None, callback: Callable | None = None, *,
@@ -304,7 +228,6 @@ class Qwen21Pipeline:
         return VelocityRun(sampler, on_close=lambda closed: self._finish(closed, plan))
 
     # ---- LoRA -------------------------------------------------------------------------------------
-
     def load_lora(self, path, side_path: bool = False) -> LoraFile:
         """Read a LoRA file (kept as read: lora/files.py), checked against this DiT, not merged yet. side_path: on
         quantised weights run it beside them (exact, extra GEMMs per step), not merged (requantised): lora/merge.py."""
@@ -312,14 +235,11 @@ class Qwen21Pipeline:
 
     def set_loras(self, stack: Stack) -> None:
         """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
-
-        Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
-        """
+        Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid."""
         self.loras.apply(stack, vram_budget=self.vram_budget)  # copies of originals stay within the budget
         self.lora_stack = tuple((str(lora.path), lora.identity, float(strength)) for lora, strength in stack)
 
     # ---- VAE --------------------------------------------------------------------------------------
-
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
         images, self.last_decode_stats = vae_calls.decode(self.vae, latents, self.kernel_warmup, **options)
@@ -334,19 +254,15 @@ class Qwen21Pipeline:
         return vae_calls.vae_device(self.vae)
 
     # ---- lifetime ---------------------------------------------------------------------------------
-
     def idle_cache_bytes(self) -> int:
-        """Device bytes of K/V caches kept from earlier runs that the next run gets back (see DecodeGraphs; the
-        workers' sequence-parallel caches kept on this device too)."""
+        """Device bytes of K/V caches kept from earlier runs (graph entries, workers') that the next run gets back."""
         kept = self.workers.idle_cache_bytes if self.workers is not None else 0
         return self.decode_graphs.idle_cache_bytes() + kept
 
     def release_device_caches(self):
-        """Free what is tied to the DiT's place on the device: the decode and prefill graphs (they read its weights
-        by address) with their K/V buffers, the workers' kept caches, cached device memory. What a memory manager runs
-        when the DiT leaves the device. Condition images seen before and the kept pinned K/V buffers stay: neither
-        depends on where the DiT is, and at a 12 GB cap, where the DiT leaves for every encode, dropping them made every
-        edit resize and VAE-encode its references again and a 4-reference edit pin its 8 GiB of host K/V again."""
+        """Free what reads the DiT's weights by address (the graphs, with their K/V), the workers' kept caches and
+        cached memory, as a memory manager does when the DiT leaves the device. References and pinned K/V buffers stay:
+        where the DiT leaves for every encode (a small card), each edit would otherwise resize, encode, pin again."""
         entries = len(self.decode_graphs.entries) + len(self.prefill_graphs.entries)
         self.decode_graphs.clear()
         self.prefill_graphs.clear()
@@ -357,29 +273,21 @@ class Qwen21Pipeline:
         log.info("Qwen21 released %d decode and prefill graph entries and cached memory (weights kept)", entries)
 
     def release(self):
-        """Free everything that can be rebuilt (an out-of-memory retry): the device caches above, the condition
-        images seen before and the kept pinned K/V buffers; weights stay."""
+        """Free all that can be rebuilt (an out-of-memory retry): the device caches, references, pinned K/V buffers."""
         self.references.clear()
         HOST_KV_BUFFERS.clear()
         self.release_device_caches()
 
     # ---- several devices ----------------------------------------------------------------------------------
-
     def start_workers(self, devices: Sequence, recipe=None, **pool_options) -> WorkerPool:
-        """Run the DiT on `devices` too (one worker process each, ranks 1..N; this process is rank 0): sampling then
-        splits its work over all of them as `SampleOptions.parallel` says. recipe: how a worker builds the same DiT
-        (parallel/recipes.py); default: from the checkpoint this pipeline loaded, in the same dtype and formats. The
-        workers stop with this pipeline (`stop_workers`, or when it is freed, or at exit)."""
+        """Run the DiT on `devices` too (a worker process each, ranks 1..N; this process is rank 0), to split sampling
+        over them as `SampleOptions.parallel` says. recipe: how a worker builds the same DiT (parallel/recipes.py;
+        default: this pipeline's checkpoint, dtype and formats). They stop with `stop_workers`, the pipeline or exit."""
         from .parallel.pool import WorkerPool
-        from .parallel.recipes import FileRecipe
+        from .parallel.recipes import recipe_for
 
         self.stop_workers()
-        if recipe is None:
-            path = self.sources.get("transformer", {}).get("path")
-            if not path:
-                raise ValueError("this pipeline's DiT was not loaded from a file: pass start_workers a recipe that "
-                                 "builds the same DiT (parallel/recipes.py FunctionRecipe)")  # fmt: skip
-            recipe = FileRecipe(str(path), self.dtype, self.weight_formats)
+        recipe = recipe or recipe_for(self.sources, self.dtype, self.weight_formats)
         self.workers = WorkerPool.start([torch.device(d) for d in devices], recipe, self.device, **pool_options)
         weakref.finalize(self, self.workers.shutdown)
         return self.workers
