@@ -57,8 +57,8 @@ COMPONENT_CLASSES = {"transformer": "QwenImage21Transformer2DModel", "vae": "Aut
 SINGLE_FILE_KEYS = ("transformer", "vae", "text_encoder", "tokenizer")
 # The quantised text encoder multiplies in bf16 with its weights dequantised per layer (weight-only), as native
 # ComfyUI runs fp8 text encoders: with the activations quantised too (W8A8), the per-GEMM error compounds over
-# its 36 layers (on the H200 the full-size random encoder's embeddings fell to 20-34 dB PSNR against bf16), and
-# the encoder runs once per prompt, so its GEMM speed matters little; the weights' memory is the same either way.
+# its 36 layers (the full-size encoder's embeddings drift far from bf16's), and the encoder runs once per prompt,
+# so its GEMM speed matters little; the weights' memory is the same either way.
 TEXT_ENCODER_QUANTIZES_ACTIVATIONS = False
 # Where ComfyUI keeps the Qwen tokenizer its Qwen3-VL text encoders use (comfy/text_encoders/qwen3vl.py).
 COMFYUI_TOKENIZER_DIR = Path("comfy") / "text_encoders" / "qwen25_tokenizer"
@@ -483,7 +483,7 @@ def load_qwen3vl(
     ckpt, layout, quant = _open(path, "text_encoder")
     with ckpt, ThreadPoolExecutor(1, thread_name_prefix="qwen21-processor") as side:
         processor_dir = find_tokenizer(path, tokenizer)  # before the weights: a missing tokenizer fails fast
-        # the processor (0.22 s, mostly the tokenizer's vocabulary) is read while the weights stream in
+        # the processor (mostly the tokenizer's vocabulary) is read while the weights stream in
         _import_processor_modules()
         processor = side.submit(load_processor, processor_dir)
         config, config_from = _text_encoder_config(ckpt, path, config_path)
@@ -522,9 +522,9 @@ def load_qwen3vl(
 
 def _no_weight_init():
     """transformers' own weight initialisation skipped (every weight is read from the file next): on the meta
-    parameters build_empty gives, initialising Qwen3-VL-8B's modules was 0.3 s of Python in a 3 s load (H200
-    profile, BENCHMARKS "Loading"). Buffers computed in __init__ (the rotary frequencies) are kept. transformers swaps
-    torch's init functions for no-ops process-wide meanwhile; the build is the only thing making modules then."""
+    parameters build_empty gives, initialising Qwen3-VL-8B's modules is a noticeable share of a load spent in Python
+    for nothing. Buffers computed in __init__ (the rotary frequencies) are kept. transformers swaps torch's init
+    functions for no-ops process-wide meanwhile; the build is the only thing making modules then."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # a transformers without it: the initialisation runs, as before

@@ -50,9 +50,9 @@ def graph_pool_idle_bytes(device: torch.device) -> dict[tuple[int, int], int]:
     """Per CUDA-graph private pool on `device`: its reserved bytes no tensor uses. Only that graph's replays can use
     them (empty_cache cannot return them while the graph lives), so they are not free for anything else.
 
-    It reads an allocator snapshot, which lists every segment (2.6 ms with a session's graphs alive, an H200
-    profile) and is asked several times per prompt (every placement decision): a snapshot is taken again only after
-    the allocator did something (its cumulative counts, `memory_stats`, cost microseconds)."""
+    It reads an allocator snapshot, which lists every segment (milliseconds once a session's graphs are alive) and is
+    asked several times per prompt (every placement decision): a snapshot is taken again only after the allocator did
+    something (its cumulative counts, `memory_stats`, are cheap to read)."""
     device = indexed_device(device)
     if device.type != "cuda" or torch.cuda.get_allocator_backend() != "native":  # no graphs under cudaMallocAsync
         return {}
