@@ -124,24 +124,24 @@ class Qwen21Model:
             with self._text_encoder_loaded(self.pipe.text_encoder.activation_bytes(cond.negative_pending.length)):
                 self.pipe.encode_negative(cond)
 
-    def sample(self, cond, *, height, width, batch_size: int, true_cfg_scale: float, options=None, **kwargs):
-        if true_cfg_scale > 1:
+    def sample(self, cond, request, options=None):
+        """pipe.sample_request (`request`: a SampleRequest) with the DiT placed first, room kept beside it for what the
+        run needs, and this handle's LoRAs merged; an out-of-memory error is retried once (`_retry_out_of_memory`)."""
+        request = request.sized(cond)
+        if request.guided:
             self.encode_negative(cond)  # only now that guidance needs it, once per conditioning
-        size = (height or cond.height, width or cond.width)
-        placement = self._kv_estimate(cond, size, batch_size, true_cfg_scale, options)
-        needed = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement=placement)
+        placement = self._kv_estimate(cond, request, options)
+        needed = self.pipe.sampling_bytes(cond, request, options, kv_placement=placement)
 
         def run():
             # the previous run's idle caches come back to this one (adopted or evicted): not counted as taken, or
             # a rerun with a new seed would see them as used memory and stream part of the DiT
             self.transformer.load(max(0, needed - self.pipe.idle_cache_bytes()))
             self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
-            return self.pipe.sample(
-                cond, height=height, width=width, batch_size=batch_size, true_cfg_scale=true_cfg_scale,
-                options=options, **kwargs,
-            )  # fmt: skip
+            return self.pipe.sample_request(cond, request, options)
 
-        what = f"sampling {size[1]}x{size[0]} with {cond.num_images} condition images, batch {batch_size}"
+        what = (f"sampling {request.width}x{request.height} with {cond.num_images} condition images, batch "
+                f"{request.batch_size}")  # fmt: skip
         return self._retry_out_of_memory(run, what, needed)
 
     def _retry_out_of_memory(self, run, what: str, needed: int):
@@ -171,8 +171,9 @@ class Qwen21Model:
         finally:
             local.budget = saved
 
-    def _kv_estimate(self, cond, size, batch_size, true_cfg_scale, options) -> str:
-        gpu = self.pipe.sampling_bytes(cond, *size, batch_size, true_cfg_scale, options, kv_placement="gpu")
+    def _kv_estimate(self, cond, request, options) -> str:
+        """The K/V placement to ask the memory manager's room for (memory/manager.py expected_kv_placement)."""
+        gpu = self.pipe.sampling_bytes(cond, request, options, kv_placement="gpu")
         return memory_adapter.expected_kv_placement(getattr(options, "kv_placement", "auto"),
                                                     self.transformer.full_bytes, gpu,
                                                     memory_adapter.device_capacity_bytes(self.device))  # fmt: skip

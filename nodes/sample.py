@@ -5,6 +5,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from ..qwen21_core.options import PARALLEL_MODES, SampleOptions
+from ..qwen21_core.request import SampleRequest
 from . import host
 from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
@@ -247,37 +248,22 @@ class Qwen21Sampler:
             width = width or start.shape[3] * 16
         elif denoise < 1.0:
             raise ValueError(f"denoise {denoise} < 1 needs an input `latent` to start from; connect one or set 1.0")
-        custom_sigmas = parse_sigmas(sigmas) if schedule == "custom" else None
+        custom = schedule == "custom"
+        request = SampleRequest(height=height or None, width=width or None, steps=steps, true_cfg_scale=true_cfg_scale,
+                                seed=seed, batch_size=batch_size, sigmas=parse_sigmas(sigmas) if custom else None,
+                                schedule="default" if custom else schedule, denoise=denoise,
+                                start_latents=start if denoise < 1.0 else None)  # fmt: skip
+        options = SampleOptions(prefix_cache=prefix_cache, decode_graphs=decode_graphs, compile_blocks=compile_blocks,
+                                kv_cache=kv_cache, kv_placement=kv_placement, parallel=parallel)  # fmt: skip
 
-        progress = host.Progress(steps if custom_sigmas is None else len(custom_sigmas), "sampling step")
+        progress = host.Progress(steps if request.sigmas is None else len(request.sigmas), "sampling step")
         projection = model.preview_projection() if host.previews_enabled() else None  # before the DiT loads
 
         def on_step(step: int, total: int, x0):
             progress.total = total
             progress.update(step, None if projection is None else latent_to_preview(x0, *projection))
 
-        latents = model.sample(
-            conditioning,
-            height=height or None,
-            width=width or None,
-            steps=steps,
-            true_cfg_scale=true_cfg_scale,
-            seed=seed,
-            batch_size=batch_size,
-            sigmas=custom_sigmas,
-            schedule="default" if schedule == "custom" else schedule,
-            start_latents=start if denoise < 1.0 else None,
-            denoise=denoise,
-            callback=on_step,
-            options=SampleOptions(
-                prefix_cache=prefix_cache,
-                decode_graphs=decode_graphs,
-                compile_blocks=compile_blocks,
-                kv_cache=kv_cache,
-                kv_placement=kv_placement,
-                parallel=parallel,
-            ),
-        )
+        latents = model.sample(conditioning, request.replace(callback=on_step), options)
         stats = dict(model.pipe.last_sample_stats or {})
         return {
             "ui": {"qwen21_stats": [stats], "qwen21_status": [sample_status(stats)]},

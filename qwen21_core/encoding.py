@@ -35,6 +35,7 @@ from .images import (
     condition_images_to_rgba,
     derive_output_size,
 )
+from .memory import planner
 from .reference_cache import ReferenceCache
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,23 @@ class PrefixMemoryBudget:
 
     def prefix_bytes(self, prefix_tokens: int) -> int:
         return prefix_tokens * self.num_layers * 2 * self.inner_dim * self.dtype_bytes
+
+
+def prefix_budget(config: TransformerConfig, dtype: torch.dtype, device: torch.device, vram_budget: int | None = None,
+                  leaving_encoder=None) -> PrefixMemoryBudget | None:  # fmt: skip
+    """Room for the prefix K/V cache, checked before encoding: the GPU's free memory within `vram_budget` (the weights
+    of `leaving_encoder`, a text encoder that leaves this GPU after encoding, counted as free) less a decode step's
+    headroom, plus the RAM the sampler would move the cache to. None off CUDA, and where the RAM is unknown: no check
+    rather than refusing what RAM might hold."""
+    if device.type != "cuda":
+        return None
+    free = planner.device_free_bytes(device, vram_budget)
+    if leaving_encoder is not None and planner.same_device(leaving_encoder.device, device):
+        free += leaving_encoder.device_weight_bytes()
+    host = planner.host_free_bytes()
+    if host is None:
+        return None
+    return PrefixMemoryBudget.for_transformer(config, dtype, max(0, free - planner.DECODE_HEADROOM_BYTES), host)
 
 
 def _gib(num_bytes: float) -> str:

@@ -102,16 +102,21 @@ def _nearest_valid(value: int) -> int:
 def check_output_size(width: int, height: int) -> None:
     """Raise ValueError unless width and height are positive multiples of 32 up to MAX_SIDE (naming the nearest
     valid one)."""
-    for name, value in (("width", width), ("height", height)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int number of pixels, got {type(value).__name__}")
-        if value > MAX_SIDE:
-            raise ValueError(f"{name} {value} is more than {MAX_SIDE} pixels, the largest side qwen21-nodes samples")
-        if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
-            raise ValueError(
-                f"{name} {value} is not a positive multiple of {SIZE_MULTIPLE} (the VAE downsamples 16x and the "
-                f"model groups 2x2 latent tokens); use {_nearest_valid(value)}"
-            )
+    check_output_side("width", width)
+    check_output_side("height", height)
+
+
+def check_output_side(name: str, value: int) -> None:
+    """One side of `check_output_size`, named `name` in the error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of pixels, got {type(value).__name__}")
+    if value > MAX_SIDE:
+        raise ValueError(f"{name} {value} is more than {MAX_SIDE} pixels, the largest side qwen21-nodes samples")
+    if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
+        raise ValueError(
+            f"{name} {value} is not a positive multiple of {SIZE_MULTIPLE} (the VAE downsamples 16x and the "
+            f"model groups 2x2 latent tokens); use {_nearest_valid(value)}"
+        )
 
 
 def derive_output_size(

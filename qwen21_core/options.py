@@ -1,5 +1,6 @@
-"""How a generation runs (not what it makes): one small object that travels from the sampler node through
-the model handle and the pipeline to the sampler, instead of a keyword argument per option at every layer.
+"""How a generation runs (not what it makes: that is request.py's SampleRequest): one small object that travels
+from the sampler node through the model handle and the pipeline to the sampler, instead of a keyword argument per
+option at every layer.
 
 Defaults are the exact path; every field that changes numerics says so.
 """

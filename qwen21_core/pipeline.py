@@ -1,21 +1,18 @@
-"""`Qwen21Pipeline`: the core API (DESIGN 3.1) that nodes, tests and benchmarks call.
+"""`Qwen21Pipeline`: the core API that nodes, tests and benchmarks call.
 
     pipe = Qwen21Pipeline.from_pretrained(path, device=None, dtype=torch.bfloat16)
     cond = pipe.encode(prompt, images=(), negative_prompt=None, output_resolution=1024)
     latents = pipe.sample(cond, steps=40, seed=0)     # raw VAE-space [B, 64, H/16, W/16]
     images = pipe.decode(latents)                      # [B, H, W, 4] RGBA in 0..1
 
-Long-lived state (weights, decode graphs) hangs off the pipeline object; `release()` drops what can
-be rebuilt. Options default to the exact path; faster, non-identical paths must be asked for.
+Long-lived state (weights, graphs, caches) hangs off the pipeline; `release()` drops what can be rebuilt. Options
+default to the exact path; faster, non-identical paths must be asked for. Each question goes to its own module:
+encoding.py, memory/, request.py and sampler.py, lora/, vae/calls.py, parallel/ (workers on other devices).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import os
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -27,27 +24,21 @@ from .config import PipelineConfig, SchedulerConfig
 from .dit.decode_graphs import DecodeGraphs
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
-from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative
-from .images import check_output_size, masks_at_image_size
-from .lora.merge import LoraMerger, Stack, layer_shapes, originals_for
-from .lora.reading import LoraFile, read_lora
-from .memory.manager import OwnPlacement, own_gpu
+from .encoding import PrefixMemoryBudget, encode_conditioning, encode_negative, prefix_budget
+from .lora.files import ReadLoras
+from .lora.merge import LoraMerger, Stack, originals_for
+from .lora.reading import LoraFile
+from .memory import sizing
+from .memory.manager import OwnPlacement, text_encoder_placed
 from .memory.pinned_buffers import HOST_KV_BUFFERS
-from .memory.planner import (
-    DECODE_HEADROOM_BYTES,
-    SamplingPlan,
-    device_free_bytes,
-    host_free_bytes,
-    indexed_device,
-    plan_sampling,
-)
-from .memory.sizing import job_bytes
+from .memory.planner import SamplingPlan, plan_for_transformer
 from .options import SampleOptions
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
-from .sampler import Sampler, SampleStats, parallel_mode
+from .request import SampleRequest
+from .sampler import Sampler
 from .startup import model_warmup
-from .startup.priming import prime
+from .vae import calls as vae_calls
 from .velocity import VelocityRun
 
 if TYPE_CHECKING:
@@ -56,35 +47,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# LoRA files kept as read (a rank-64 file on every block Linear is 335.6 MB, BENCHMARKS "LoRA"): a strength change
-# or a switch back re-uses them instead of reading the file again, as ComfyUI's LoraLoader keeps its last file
-READ_LORAS_KEPT = 2
-
-SCHEDULES = ("default", "turbo")
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
 
 class Qwen21Pipeline:
     workers: WorkerPool | None = None  # other devices with the same DiT (start_workers)
     check_interrupted: Callable[[], None] | None = None  # the host's Cancel: raises to stop a wait (from_pretrained)
 
-    def __init__(
-        self,
-        transformer: QwenImage21Transformer,
-        vae,
-        text_encoder,
-        scheduler_config: SchedulerConfig,
-        pipeline_config: PipelineConfig | None = None,
-        *,
-        text_encoder_offload: bool = True,
-        sources: dict | None = None,
-    ):
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
+    def __init__(self, transformer: QwenImage21Transformer, vae, text_encoder, scheduler_config: SchedulerConfig,
+                 pipeline_config: PipelineConfig | None = None, *, text_encoder_offload: bool = True,
+                 sources: dict | None = None):  # fmt: skip
+        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.scheduler_config = scheduler_config
         self.pipeline_config = pipeline_config or PipelineConfig()
         self.text_encoder_offload = text_encoder_offload
@@ -92,18 +63,16 @@ class Qwen21Pipeline:
         # where work runs, fixed at load: a host (ComfyUI) may move the weights off and back in between
         self.execution_device = transformer.device
         self.text_encoder_device = text_encoder.device if text_encoder is not None else transformer.device
-        self.vae_execution_device = next(vae.parameters()).device
+        self.vae_execution_device = vae_calls.vae_device(vae)
         self.decode_graphs = DecodeGraphs(transformer)
         self.prefill_graphs = PrefillGraphs(transformer)  # with decode graphs: the CUDA-graph option covers both
         self.references = ReferenceCache()  # condition images seen before: resized copies and latents
         # the pinned K/V buffers kept for the next host cache outlive a DiT's unloading, not the pipeline
         weakref.finalize(self, HOST_KV_BUFFERS.clear).atexit = False
-        # Memory: its budget and whether this pipeline places the weights itself (streaming DiT blocks when they do
-        # not fit) or a memory manager does (the nodes': ComfyUI's or the local one, which set `memory`)
-        self.memory = OwnPlacement()
+        self.memory = OwnPlacement()  # the budget, and who places the weights: the nodes set their memory manager
         self.loras = LoraMerger(transformer, originals_for(self.sources.get("transformer", {}).get("path")))
         self.lora_stack: tuple = ()  # ((path, identity, strength), ...) merged now: what the workers merge too
-        self._read_loras: dict[tuple, LoraFile] = {}  # (path, size, mtime) -> the file as read, latest last
+        self.read_loras = ReadLoras()
         self.weight_formats = WeightFormats()  # how the DiT was loaded (a worker loads it the same way)
         self.workers = None
         self.last_sample_stats: dict = {}
@@ -111,68 +80,21 @@ class Qwen21Pipeline:
         self.kernel_warmup: KernelWarmup | None = None
 
     @classmethod
-    def from_pretrained(
-        cls,
-        source,
-        device=None,
-        dtype: torch.dtype = torch.bfloat16,
-        *,
-        text_encoder_dtype: torch.dtype | None = None,
-        vae_dtype: torch.dtype | None = None,
-        text_encoder_offload: bool = True,
-        load_text_encoder: bool = True,
-        weight_formats: WeightFormats | None = None,
-        text_encoder_device=None,
-        vae_device=None,
-        text_encoder_load_device=None,
-        check_interrupted: Callable[[], None] | None = None,
-    ) -> Qwen21Pipeline:
-        """Load a diffusers folder or a dict of ComfyUI single files (see loading.load_components).
+    def from_pretrained(cls, source, device=None, dtype: torch.dtype = torch.bfloat16, **options) -> Qwen21Pipeline:
+        """Load a diffusers folder or a dict of ComfyUI single files. options: the load's keywords (component dtypes
+        and devices, weight formats, text_encoder_offload, check_interrupted): see checkpoints/loading.py
+        load_pipeline."""
+        from .checkpoints.loading import load_pipeline
 
-        dtype: the compute dtype; weight_formats: which Linears stay or become quantised (quant/plan.py; the
-        default keeps each file's own format). text_encoder_device / vae_device: where those run (default: the
-        DiT's device); a text encoder on a device of its own is never offloaded. text_encoder_load_device: where the
-        text encoder's weights are read to (default: where it runs; the CPU when they do not fit there, see
-        memory/manager.py text_encoder_load_device): a memory manager then places them on first use.
-        check_interrupted: raises when the user cancels (ComfyUI's check); waits for the kernel warm-up call it.
-        """
-        from .checkpoints.loading import load_components
-
-        device = torch.device(device) if device is not None else default_device()
-        prime(device)  # torch's and Triton's own kernels load while the files are read (startup/priming.py)
-        parts = load_components(
-            source,
-            device,
-            dtype,
-            text_encoder_device=text_encoder_load_device or text_encoder_device,
-            vae_device=vae_device,
-            text_encoder_dtype=text_encoder_dtype,
-            vae_dtype=vae_dtype,
-            load_text_encoder=load_text_encoder,
-            weight_formats=weight_formats,
-        )
-        encoder = parts.text_encoder
-        runs_on = indexed_device(text_encoder_device if text_encoder_device is not None else device)
-        if encoder is not None:
-            encoder.device = runs_on  # where it encodes, wherever its weights were read to
-        own_device = encoder is not None and own_gpu(runs_on, device)
-        pipe = cls(
-            parts.transformer,
-            parts.vae,
-            parts.text_encoder,
-            parts.scheduler_config,
-            parts.pipeline_config,
-            text_encoder_offload=text_encoder_offload and not own_device,
-            sources=parts.sources,
-        )
-        pipe.weight_formats = weight_formats or WeightFormats()
-        pipe.check_interrupted = check_interrupted
-        pipe.start_kernel_warmup()
-        return pipe
+        return load_pipeline(cls, source, device, dtype, **options)
 
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
 
     @property
     def vram_budget(self) -> int | None:
@@ -183,66 +105,23 @@ class Qwen21Pipeline:
     def manage_weights(self) -> bool:
         return self.memory.places_weights
 
-    # ---- kernel warm-up -----------------------------------------------------------------------------------
-
     def start_kernel_warmup(self) -> KernelWarmup | None:
         """Compile our Triton kernels for these models in background threads (startup/model_warmup.py)."""
         if self.kernel_warmup is None:
             self.kernel_warmup = model_warmup.start(self)
         return self.kernel_warmup
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
     # ---- encode -----------------------------------------------------------------------------------
-
-    def _prefix_budget(self) -> PrefixMemoryBudget | None:
-        """Room for the prefix K/V cache, checked before encoding: the GPU's free memory (the text encoder's weights
-        counted as free when they leave after encoding) plus the RAM the sampler would move the cache to."""
-        device = self.execution_device
-        if device.type != "cuda":
-            return None
-        free = device_free_bytes(device, self.vram_budget)
-        encoder = self.text_encoder
-        leaves = self.text_encoder_offload and encoder is not None
-        if leaves and indexed_device(encoder.device) == indexed_device(device):
-            free += encoder.device_weight_bytes()
-        host = host_free_bytes()
-        if host is None:  # RAM unknown: do not refuse what RAM might hold
-            return None
-        return PrefixMemoryBudget.for_transformer(self.transformer.config, self.dtype,
-                                                  max(0, free - DECODE_HEADROOM_BYTES), host)  # fmt: skip
-
-    def encode(
-        self,
-        prompt: str,
-        images: Sequence = (),
-        masks=None,
-        negative_prompt: str | None = None,
-        output_resolution: int = 1024,
-        width: int | None = None,
-        height: int | None = None,
-    ) -> Conditioning:
+    def encode(self, prompt: str, images: Sequence = (), masks=None, negative_prompt: str | None = None,
+               output_resolution: int = 1024, width: int | None = None, height: int | None = None) -> Conditioning:
         """Encode a prompt with its condition images. Images: ComfyUI IMAGE, PIL or numpy. The negative prompt
         is encoded later, by `sample` at true_cfg_scale > 1 (see `encode_negative`)."""
-        warmup = self.kernel_warmup
-        with_images = images is not None and len(images)  # condition images go through the VAE encoder
-        vae_kernels = model_warmup.vae_kernels(warmup, "exact") if with_images else contextlib.nullcontext()
-        with model_warmup.encoding(warmup), self._text_encoder_placed(), vae_kernels:
-            return encode_conditioning(
-                self.text_encoder,
-                self.vae,
-                prompt,
-                images=images,
-                masks=masks,
-                negative_prompt=negative_prompt,
-                output_resolution=output_resolution,
-                width=width,
-                height=height,
-                memory_budget=self._prefix_budget(),
-                references=self.references,
-            )
+        with_images = images is not None and len(images) > 0  # condition images go through the VAE encoder
+        with model_warmup.encoding(self.kernel_warmup, with_images), self._text_encoder_placed():
+            return encode_conditioning(self.text_encoder, self.vae, prompt, images=images, masks=masks,
+                                       negative_prompt=negative_prompt, output_resolution=output_resolution,
+                                       width=width, height=height, memory_budget=self._prefix_budget(),
+                                       references=self.references)  # fmt: skip
 
     def encode_negative(self, cond: Conditioning) -> Conditioning:
         """Encode `cond`'s pending negative prompt (once: later calls, and conditionings without one, do
@@ -252,190 +131,84 @@ class Qwen21Pipeline:
         with self._text_encoder_placed():
             return encode_negative(self.text_encoder, cond, memory_budget=self._prefix_budget())
 
-    @contextlib.contextmanager
     def _text_encoder_placed(self):
-        """The text encoder on the execution device for the block, offloaded after it if so configured."""
-        if self.text_encoder is None:
-            raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
-        if self.manage_weights:  # else a memory manager placed it (perhaps with layers streaming)
-            self.text_encoder.to(self.text_encoder_device)
-        try:
-            yield
-        finally:
-            if self.text_encoder_offload and self.manage_weights and self.text_encoder_device.type == "cuda":
-                self.text_encoder.offload()
+        return text_encoder_placed(self.text_encoder, self.text_encoder_device, self.manage_weights,
+                                   self.text_encoder_offload)  # fmt: skip
+
+    def _prefix_budget(self) -> PrefixMemoryBudget | None:
+        leaving = self.text_encoder if self.text_encoder_offload else None  # its weights are free after encoding
+        return prefix_budget(self.transformer.config, self.dtype, self.execution_device, self.vram_budget, leaving)
+
+    # ---- memory of a run ----------------------------------------------------------------------------
+    def sampling_bytes(self, cond: Conditioning, request: SampleRequest, options: SampleOptions | None = None,
+                       kv_placement: str | None = None) -> int:  # fmt: skip
+        """Device memory a run of `request` needs beyond the weights (memory/sizing.py sampling_bytes)."""
+        return sizing.sampling_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers,
+                                     kv_placement)  # fmt: skip
+
+    def plan_sampling(self, cond, request: SampleRequest, options: SampleOptions) -> SamplingPlan:
+        """Where this run's prefix K/V go and how many DiT blocks stay resident, from the memory available now
+        (memory/planner.py plan_for_transformer)."""
+        caches, activations = sizing.request_bytes(self.transformer.config, self.dtype, cond, request, options,
+                                                   self.workers)  # fmt: skip
+        return plan_for_transformer(self.transformer, self.device, self.vram_budget, self.idle_cache_bytes(), caches,
+                                    activations, self.manage_weights, options.kv_placement)  # fmt: skip
 
     # ---- sample -----------------------------------------------------------------------------------
-
-    def sampling_bytes(self, cond: Conditioning, height: int, width: int, batch_size: int, true_cfg_scale: float,
-                       options: SampleOptions | None = None, kv_placement: str | None = None) -> int:  # fmt: skip
-        """Device memory a `sample` call needs beyond the weights: each CFG branch's K/V cache (kv_cache.py's
-        `CacheShape.device_bytes`: exactly what it allocates) plus the larger of the prefill's and a decode step's
-        activations. kv_placement None: the options' placement, "auto" counted as the GPU (the larger)."""
-        options = options or SampleOptions()
-        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
-        placement = kv_placement or (options.kv_placement if options.kv_placement != "auto" else "gpu")
-        return caches[placement] + activations
-
-    def _job_bytes(self, cond, height, width, batch_size, true_cfg_scale, options) -> tuple[dict[str, int], int]:
-        """(K/V cache device bytes by placement, activation bytes) of one sample call (memory/sizing.py)."""
-        slots = sum(h * w for h, w in cond.image_shapes) // 4
-        use_cfg = true_cfg_scale > 1 and cond.has_negative
-        lengths = [cond.positive.length] + ([cond.negative_length] if use_cfg else [])
-        mode = self._parallel_mode(use_cfg, options)
-        if mode == "cfg":
-            lengths = lengths[:1]  # the negative branch lives on rank 1
-        ranks = self.workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
-        prefixes = [length + 3 * slots for length in lengths]  # every image slot becomes 4 latent tokens
-        return job_bytes(self.transformer.config, self.dtype, prefixes, (height // 16) * (width // 16), batch_size,
-                         options.kv_cache, options.kv_layout, ranks)  # fmt: skip
-
-    def _parallel_mode(self, use_cfg: bool, options: SampleOptions) -> str | None:
-        """The mode the sampler will pick (Sampler.parallel_mode), for memory planning; None when unsure."""
-        if self.workers is None or self.workers.closed:
-            return None
-        try:
-            return parallel_mode(options.parallel, self.workers, use_cfg)
-        except ValueError:
-            return None  # the sampler reports it
-
-    def plan_sampling(self, cond, height, width, batch_size, true_cfg_scale, options) -> SamplingPlan:
-        """Where this call's prefix K/V go and how many DiT blocks stay resident, from the memory available now
-        (memory/planner.py). With `manage_weights` off (a memory manager decides the weights' placement) only the
-        K/V placement is planned, around the blocks as they are."""
-        tr = self.transformer
-        caches, activations = self._job_bytes(cond, height, width, batch_size, true_cfg_scale, options)
-        if self.device.type != "cuda":
-            return SamplingPlan("gpu", len(tr.transformer_blocks), "not on CUDA: everything where it is")
-        streamer = tr.streamer
-        blocks = len(tr.transformer_blocks)
-        block_bytes = tr.layer_bytes
-        resident = tr.resident_blocks
-        slot_bytes = (streamer.slot_bytes if streamer is not None else 0) or 2 * block_bytes
-        # The previous run's idle caches come back to this one (its entry adopted, or evicted when an allocation
-        # runs out): counted as taken, a rerun with a new seed would move its K/V to host RAM.
-        free = device_free_bytes(self.device, self.vram_budget) + self.idle_cache_bytes()
-        if not self.manage_weights:
-            # the blocks' memory is not ours to plan: only the K/V placement, beside the blocks resident now
-            staging = slot_bytes if resident < blocks else 0
-            plan = plan_sampling(free + resident * block_bytes, caches, activations + staging, block_bytes, resident,
-                                 0, options.kv_placement)  # fmt: skip
-            placed = "all" if resident == blocks else f"{resident} of"
-            return SamplingPlan(plan.kv_placement, resident, f"K/V cache on {plan.kv_placement}, {placed} {blocks} "
-                                "blocks resident (placed by the memory manager)")  # fmt: skip
-        return plan_sampling(free + resident * block_bytes, caches, activations, block_bytes, blocks, slot_bytes,
-                             options.kv_placement)  # fmt: skip
-
-    def _base_sigmas(self, schedule: str, sigmas):
-        if sigmas is not None:
-            return list(sigmas)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} (or pass sigmas=[...]), got {schedule!r}")
-        turbo = self.pipeline_config.sample_sigmas
-        if schedule == "turbo" and not turbo:
-            raise ValueError(
-                "schedule='turbo' needs the checkpoint's sample_sigmas (model_index.json of a turbo checkpoint); "
-                "this checkpoint has none: use schedule='default' or pass custom sigmas"
-            )
-        return list(turbo) if turbo else None  # the reference uses sample_sigmas whenever they exist
-
-    def sample(
-        self,
-        cond: Conditioning | Sequence[Conditioning],
-        height: int | None = None,
-        width: int | None = None,
-        steps: int = 40,
-        true_cfg_scale: float = 1.0,
-        seed: int = 0,
-        noise: torch.Tensor | None = None,
-        batch_size: int = 1,
-        sigmas: Sequence[float] | None = None,
-        callback: Callable | None = None,
-        *,
-        schedule: str = "default",
-        start_latents: torch.Tensor | None = None,
-        denoise: float = 1.0,
-        options: SampleOptions | None = None,
-    ) -> torch.Tensor:
+    def sample(self, cond: Conditioning | Sequence[Conditioning], height: int | None = None, width: int | None = None,
+               steps: int = 40, true_cfg_scale: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
+               batch_size: int = 1, sigmas: Sequence[float] | None = None, callback: Callable | None = None, *,
+               schedule: str = "default", start_latents: torch.Tensor | None = None, denoise: float = 1.0,
+               options: SampleOptions | None = None) -> torch.Tensor:  # fmt: skip
         """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
-
-        cond:      one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
-        height/width: pixels (multiples of 32); None = the size the conditioning derived.
-        callback(step, total, x0_raw_latents): after each step; raise in it to interrupt.
-        options:   how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
+        cond:    one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
+        options: how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
+        The other arguments are what it makes: see SampleRequest (`sample_request` takes one).
         """
+        request = SampleRequest(height=height, width=width, steps=steps, true_cfg_scale=true_cfg_scale, seed=seed,
+                                noise=noise, batch_size=batch_size, sigmas=sigmas, schedule=schedule,
+                                start_latents=start_latents, denoise=denoise, callback=callback)  # fmt: skip
+        return self.sample_request(cond, request, options)
+
+    def sample_request(self, cond: Conditioning | Sequence[Conditioning], request: SampleRequest,
+                       options: SampleOptions | None = None) -> torch.Tensor:  # fmt: skip
+        """`sample` with what it makes in one SampleRequest."""
         options = options or SampleOptions()
         conds = [cond] if isinstance(cond, Conditioning) else list(cond)
         if not conds:
             raise ValueError("sample needs at least one conditioning")
-        height = height or conds[0].height
-        width = width or conds[0].width
-        check_output_size(width=width, height=height)  # before the memory plan and any weights move
-        if true_cfg_scale > 1:
+        request = request.sized(conds[0])
+        if request.guided:
             for c in conds:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
-        base_sigmas = self._base_sigmas(schedule, sigmas)
-        sampler, plan = self._sampler(conds[0], height, width, batch_size * len(conds), true_cfg_scale, options,
-                                      self.workers)  # fmt: skip
+        request = request.replace(sigmas=request.base_sigmas(self.pipeline_config.sample_sigmas))
+        every_row = request.replace(batch_size=request.batch_size * len(conds))  # the plan holds them all
+        sampler, plan = self._sampler(conds[0], every_row, options, self.workers)
         try:
-            latents = sampler.sample(
-                conds,
-                height=height,
-                width=width,
-                steps=steps,
-                true_cfg_scale=true_cfg_scale,
-                seed=seed,
-                noise=noise,
-                batch_size=batch_size,
-                sigmas=base_sigmas,
-                start_latents=start_latents,
-                denoise=denoise,
-                callback=callback,
-            )
+            return sampler.sample_request(conds, request)
         finally:
             self._finish(sampler, plan)
-        return latents
 
-    def _sampler(self, cond, height, width, rows, true_cfg_scale, options, workers) -> tuple[Sampler, SamplingPlan]:
+    def _sampler(self, cond, request: SampleRequest, options, workers) -> tuple[Sampler, SamplingPlan]:
         """A Sampler for one run, after what it needs is ready: the kernels the first step uses, the blocks
         compiled or not, and the memory plan (where the prefix K/V go, how many blocks stay resident)."""
         model_warmup.before_sampling(self.kernel_warmup)
         self.transformer.compile_blocks(options.compile_blocks)
-        plan = self.plan_sampling(cond, height, width, rows, true_cfg_scale, options)
+        plan = self.plan_sampling(cond, request, options)
         if self.manage_weights:
             self.transformer.stream_blocks(plan.resident_blocks)
         log.info("sampling plan: %s", plan.reason)
-        vae_config = self.vae.config
         runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
         self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
-        sampler = Sampler(
-            self.transformer,
-            self.scheduler_config,
-            torch.tensor(vae_config.latents_mean),
-            torch.tensor(vae_config.latents_std),
-            options=options,
-            kv_placement=plan.kv_placement,
-            decode_runner=runner,
-            prefill_runner=self.prefill_graphs if runner is not None else None,
-            workers=workers,
-            lora_stack=self.lora_stack,
-        )
+        sampler = Sampler(self.transformer, self.scheduler_config, torch.tensor(self.vae.config.latents_mean),
+                          torch.tensor(self.vae.config.latents_std), options=options, kv_placement=plan.kv_placement,
+                          decode_runner=runner, prefill_runner=self.prefill_graphs if runner is not None else None,
+                          workers=workers, lora_stack=self.lora_stack)  # fmt: skip
         return sampler, plan
 
     def _finish(self, sampler: Sampler, plan: SamplingPlan) -> None:
         """After a run: its stats (with what the graphs did) kept for the node's status, the graph entries idle."""
-        stats: SampleStats = sampler.stats
-        if stats.parallel.startswith("sequence"):
-            pass  # the sampler said why its steps ran eagerly
-        elif sampler.decode_runner is not None:
-            stats.decode_graph = self.decode_graphs.describe()
-            stats.prefill_graph = self.prefill_graphs.describe()
-            stats.replayed_steps = self.decode_graphs.replays
-        elif not sampler.options.decode_graphs:
-            stats.decode_graph = "off: disabled"
-        else:
-            stats.decode_graph = f"off: needs CUDA (model on {self.device.type})"
-        self.last_sample_stats = stats.as_dict() | {"plan": plan.reason}
+        self.last_sample_stats = sampler.graph_stats().as_dict() | {"plan": plan.reason}
         self.decode_graphs.end_generation()
         self.prefill_graphs.end_generation()
 
@@ -445,87 +218,51 @@ class Qwen21Pipeline:
         of one call and the guidance say how much memory to plan for; several GPUs are not used (parallel off).
         Close the run when the loop ends (`run.close()`): its stats become `last_sample_stats`."""
         options = (options or SampleOptions()).replace(parallel="off")
-        sampler, plan = self._sampler(cond, height, width, rows, true_cfg_scale, options, None)
+        # that loop's latents may be any multiple of 16 pixels: rounded up to the request's 32, they plan a bit more
+        request = SampleRequest(height=-(-height // 32) * 32, width=-(-width // 32) * 32, batch_size=rows,
+                                true_cfg_scale=true_cfg_scale)  # fmt: skip
+        sampler, plan = self._sampler(cond, request, options, None)
         sampler.stats.prefix_cache = "on" if sampler.prefix_cache else "off"
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         return VelocityRun(sampler, on_close=lambda closed: self._finish(closed, plan))
 
     # ---- LoRA -------------------------------------------------------------------------------------
-
     def load_lora(self, path, side_path: bool = False) -> LoraFile:
-        """Read a LoRA safetensors file and check it against this transformer (nothing is merged yet).
-
-        side_path: on quantised weights, run it beside them (exact, extra GEMMs per step) instead of merging it
-        into them (requantised, no per-step cost); see lora/merge.py."""
-        stat = os.stat(path)
-        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)  # an edited file is read again
-        lora = self._read_loras.pop(key, None)
-        if lora is None:
-            lora = read_lora(path, layer_shapes(self.transformer))
-        self._read_loras[key] = lora  # most recent last
-        while len(self._read_loras) > READ_LORAS_KEPT:
-            self._read_loras.pop(next(iter(self._read_loras)))
-        return dataclasses.replace(lora, side_path=side_path)
+        """Read a LoRA file (kept as read: lora/files.py), checked against this DiT, not merged yet. side_path: on
+        quantised weights run it beside them (exact, extra GEMMs per step), not merged (requantised): lora/merge.py."""
+        return self.read_loras.load(path, self.transformer, side_path)
 
     def set_loras(self, stack: Stack) -> None:
         """Bring the weights to original + the (LoRA, strength) pairs of `stack`, merged in place; () removes all.
-
-        Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid.
-        """
+        Reversible bit for bit (lora/merge.py); weight addresses stay, so captured decode graphs stay valid."""
         self.loras.apply(stack, vram_budget=self.vram_budget)  # copies of originals stay within the budget
         self.lora_stack = tuple((str(lora.path), lora.identity, float(strength)) for lora, strength in stack)
 
     # ---- VAE --------------------------------------------------------------------------------------
-
     def decode(self, latents: torch.Tensor, **options) -> torch.Tensor:
         """Raw latents [B, 64, h, w] -> RGBA [B, 16h, 16w, 4] in 0..1. Options: see the VAE's decode."""
-        device = self.vae_device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        started = time.perf_counter()
-        with model_warmup.vae_kernels(self.kernel_warmup, options.get("quality", "exact")):
-            images = self.vae.decode(latents.to(device), **options)
-        stats = dict(getattr(self.vae, "last_decode_info", {}) or {})
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the images are used right away anyway; this makes the time real
-        stats["seconds"] = round(time.perf_counter() - started, 3)
-        if device.type == "cuda":
-            stats["peak_vram_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-        self.last_decode_stats = stats
+        images, self.last_decode_stats = vae_calls.decode(self.vae, latents, self.kernel_warmup, **options)
         return images
 
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None = None, **options) -> torch.Tensor:
         """ComfyUI IMAGE [B, H, W, 3|4] (+ MASK [B, H, W] = 1 - alpha) -> raw latents [B, 64, H/16, W/16]."""
-        if images.dim() != 4 or images.shape[-1] not in (3, 4):
-            raise ValueError(f"images must be [B, H, W, 3 or 4], got {list(images.shape)}")
-        if masks is not None:
-            if masks.dim() == 2:
-                masks = masks[None]
-            masks = masks_at_image_size(masks, *images.shape[1:3], "the mask", "the image")
-            alpha = (1.0 - masks.float()).clamp(0, 1).expand(images.shape[0], -1, -1)[..., None]
-            images = torch.cat([images[..., :3].float(), alpha.to(images.device)], dim=-1)
-        with model_warmup.vae_kernels(self.kernel_warmup, "exact"):
-            return self.vae.encode(images.to(self.vae_device), **options)
+        return vae_calls.encode(self.vae, images, masks, self.kernel_warmup, **options)
 
     @property
     def vae_device(self) -> torch.device:
-        return next(self.vae.parameters()).device
+        return vae_calls.vae_device(self.vae)
 
     # ---- lifetime ---------------------------------------------------------------------------------
-
     def idle_cache_bytes(self) -> int:
-        """Device bytes of K/V caches kept from earlier runs that the next run gets back (see DecodeGraphs; the
-        workers' sequence-parallel caches kept on this device too)."""
+        """Device bytes of K/V caches kept from earlier runs (graph entries, workers') that the next run gets back."""
         kept = self.workers.idle_cache_bytes if self.workers is not None else 0
         return self.decode_graphs.idle_cache_bytes() + kept
 
     def release_device_caches(self):
-        """Free what is tied to the DiT's place on the device: the decode and prefill graphs (they read its weights
-        by address) with their K/V buffers, the workers' kept caches, cached device memory. What a memory manager runs
-        when the DiT leaves the device. Condition images seen before and the kept pinned K/V buffers stay: neither
-        depends on where the DiT is, and at a 12 GB cap, where the DiT leaves for every encode, dropping them made every
-        edit resize and VAE-encode its references again and a 4-reference edit pin its 8 GiB of host K/V again."""
+        """Free what reads the DiT's weights by address (the graphs, with their K/V), the workers' kept caches and
+        cached memory, as a memory manager does when the DiT leaves the device. References and pinned K/V buffers stay:
+        where the DiT leaves for every encode (a small card), each edit would otherwise resize, encode, pin again."""
         entries = len(self.decode_graphs.entries) + len(self.prefill_graphs.entries)
         self.decode_graphs.clear()
         self.prefill_graphs.clear()
@@ -536,29 +273,21 @@ class Qwen21Pipeline:
         log.info("Qwen21 released %d decode and prefill graph entries and cached memory (weights kept)", entries)
 
     def release(self):
-        """Free everything that can be rebuilt (an out-of-memory retry): the device caches above, the condition
-        images seen before and the kept pinned K/V buffers; weights stay."""
+        """Free all that can be rebuilt (an out-of-memory retry): the device caches, references, pinned K/V buffers."""
         self.references.clear()
         HOST_KV_BUFFERS.clear()
         self.release_device_caches()
 
     # ---- several devices ----------------------------------------------------------------------------------
-
     def start_workers(self, devices: Sequence, recipe=None, **pool_options) -> WorkerPool:
-        """Run the DiT on `devices` too (one worker process each, ranks 1..N; this process is rank 0): sampling then
-        splits its work over all of them as `SampleOptions.parallel` says. recipe: how a worker builds the same DiT
-        (parallel/recipes.py); default: from the checkpoint this pipeline loaded, in the same dtype and formats. The
-        workers stop with this pipeline (`stop_workers`, or when it is freed, or at exit)."""
+        """Run the DiT on `devices` too (a worker process each, ranks 1..N; this process is rank 0), to split sampling
+        over them as `SampleOptions.parallel` says. recipe: how a worker builds the same DiT (parallel/recipes.py;
+        default: this pipeline's checkpoint, dtype and formats). They stop with `stop_workers`, the pipeline or exit."""
         from .parallel.pool import WorkerPool
-        from .parallel.recipes import FileRecipe
+        from .parallel.recipes import recipe_for
 
         self.stop_workers()
-        if recipe is None:
-            path = self.sources.get("transformer", {}).get("path")
-            if not path:
-                raise ValueError("this pipeline's DiT was not loaded from a file: pass start_workers a recipe that "
-                                 "builds the same DiT (parallel/recipes.py FunctionRecipe)")  # fmt: skip
-            recipe = FileRecipe(str(path), self.dtype, self.weight_formats)
+        recipe = recipe or recipe_for(self.sources, self.dtype, self.weight_formats)
         self.workers = WorkerPool.start([torch.device(d) for d in devices], recipe, self.device, **pool_options)
         weakref.finalize(self, self.workers.shutdown)
         return self.workers

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,14 +18,12 @@ from .conditioning import Conditioning, PromptEmbedding
 from .config import SchedulerConfig
 from .dit.sequence import build_layout
 from .dit.transformer import Branch, QwenImage21Transformer
-from .images import check_output_size
 from .options import SampleOptions
+from .parallel.modes import parallel_mode
+from .request import SampleRequest
 from .scheduler import euler_step, partial_schedule
 
 log = logging.getLogger(__name__)
-
-LATENT_SCALE = 16  # pixels per latent token side
-MAX_BATCH = 16  # images per conditioning and run: the Sampler node's maximum, checked before the noise is drawn
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -103,24 +100,6 @@ class SampleStats:
         }
 
 
-def parallel_mode(option: str, workers, use_cfg: bool) -> str | None:
-    """How a run uses the workers (SampleOptions.parallel): "cfg", "sequence" or None (this device alone)."""
-    if option == "off" or (option == "auto" and workers is None):
-        return None
-    if workers is None:
-        raise ValueError(f"parallel={option!r} needs a model loaded on several GPUs (the loader's `gpus` >= 2); "
-                         "this one runs on one device: use parallel 'auto' or 'off'")  # fmt: skip
-    if option == "auto":
-        return "cfg" if use_cfg and workers.world == 2 else "sequence"
-    if option == "cfg" and not use_cfg:
-        raise ValueError("parallel='cfg' runs the two CFG branches on two GPUs: it needs true_cfg_scale > 1 and a "
-                         "negative prompt; use 'sequence' (or 'auto') at true_cfg_scale 1")  # fmt: skip
-    if option == "cfg" and workers.world != 2:
-        raise ValueError(f"parallel='cfg' runs on exactly 2 GPUs (one per CFG branch); this model has "
-                         f"{workers.world}: use 'sequence' (or 'auto')")  # fmt: skip
-    return option
-
-
 class Sampler:
     """Runs one `sample` call. Holds nothing after it returns (branches and caches are released)."""
 
@@ -154,46 +133,38 @@ class Sampler:
 
     # ---- public ---------------------------------------------------------------------------------
 
-    def sample(
-        self,
-        conditionings: list[Conditioning],
-        *,
-        height: int,
-        width: int,
-        steps: int,
-        true_cfg_scale: float = 1.0,
-        seed: int = 0,
-        noise: torch.Tensor | None = None,
-        batch_size: int = 1,
-        sigmas: list[float] | None = None,
-        start_latents: torch.Tensor | None = None,
-        denoise: float = 1.0,
-        callback: Callable | None = None,
-    ) -> torch.Tensor:
-        # every size and the schedule are checked before anything is allocated (values may come through links)
-        check_output_size(width=width, height=height)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r:.40}")
-        if batch_size > MAX_BATCH:
-            raise ValueError(f"batch_size must be from 1 to {MAX_BATCH} (the Sampler node's maximum), got {batch_size}")
-        if true_cfg_scale < 1.0:
-            raise ValueError(f"true_cfg_scale must be >= 1 (1 = no guidance), got {true_cfg_scale}")
-        h, w = height // LATENT_SCALE, width // LATENT_SCALE
+    def sample(self, conditionings: list[Conditioning], **request) -> torch.Tensor:
+        """`sample_request` with the request's fields as keywords (SampleRequest)."""
+        return self.sample_request(conditionings, SampleRequest(**request))
+
+    def sample_request(self, conditionings: list[Conditioning], request: SampleRequest) -> torch.Tensor:
+        """Denoise `request.batch_size` rows per conditioning, request-major; returns raw VAE-space latents. The
+        request's sigmas are the base grid as given: a schedule other than "default" must be resolved to its sigmas
+        first (SampleRequest.base_sigmas, which the pipeline calls with its checkpoint's)."""
+        if not conditionings:
+            raise ValueError("sample needs at least one conditioning")
+        if request.sigmas is None and request.schedule != "default":
+            raise ValueError(f"schedule {request.schedule!r} is not resolved to sigmas: pass "
+                             "request.replace(sigmas=request.base_sigmas(the checkpoint's sample_sigmas))")  # fmt: skip
+        request = request.sized(conditionings[0])
+        h, w = request.latent_size
+        batch_size = request.batch_size
         channels = self.transformer.config.in_channels
-        rows = len(conditionings) * batch_size
-        shape = (rows, channels, h, w)
+        shape = (len(conditionings) * batch_size, channels, h, w)
+        noise, start_latents = request.noise, request.start_latents
         if noise is not None and tuple(noise.shape) != shape:
             raise ValueError(f"noise must have the latent shape {list(shape)}, got {list(noise.shape)}")
         if start_latents is not None and start_latents.shape[-2:] != (h, w):
             raise ValueError(
                 f"the input LATENT is {start_latents.shape[-2] * 16}x{start_latents.shape[-1] * 16} px but the "
-                f"sampler is set to {height}x{width}; set width/height to 0 to follow the LATENT"
+                f"sampler is set to {request.height}x{request.width}; set width/height to 0 to follow the LATENT"
             )
-        schedule_sigmas, timesteps = partial_schedule(
-            self.scheduler_config, h * w, steps, denoise if start_latents is not None else 1.0, sigmas
-        )
+        denoise = request.denoise if start_latents is not None else 1.0
+        # the schedule's limits are checked before the noise is drawn (values may come through links)
+        schedule_sigmas, timesteps = partial_schedule(self.scheduler_config, h * w, request.steps, denoise,
+                                                      request.sigmas)  # fmt: skip
         if noise is None:
-            noise = make_noise(seed, shape)
+            noise = make_noise(request.seed, shape)
         device = self.transformer.device
         self.stats = SampleStats(steps=len(timesteps), prefix_cache="on" if self.prefix_cache else "off")
         if device.type == "cuda":
@@ -203,25 +174,29 @@ class Sampler:
         for index, cond in enumerate(conditionings):
             row_slice = slice(index * batch_size, (index + 1) * batch_size)
             start = None if start_latents is None else self._expand(start_latents, batch_size, index)
-            outputs.append(
-                self._sample_one(
-                    cond,
-                    noise[row_slice],
-                    start,
-                    schedule_sigmas,
-                    timesteps,
-                    (h, w),
-                    true_cfg_scale,
-                    callback,
-                    index,
-                    len(conditionings),
-                )  # fmt: skip
-            )
+            outputs.append(self._sample_one(cond, noise[row_slice], start, schedule_sigmas, timesteps, request, index,
+                                            len(conditionings)))  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             self.stats.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
         self.stats.seconds = time.perf_counter() - started
         return torch.cat(outputs)
+
+    def graph_stats(self) -> SampleStats:
+        """The stats with what the decode and prefill graphs did in the run (or why they were off)."""
+        stats, runner = self.stats, self.decode_runner
+        if stats.parallel.startswith("sequence"):
+            pass  # the run said why its steps ran eagerly
+        elif runner is not None:
+            stats.decode_graph = runner.describe()
+            stats.replayed_steps = runner.replays
+            if self.prefill_runner is not None:
+                stats.prefill_graph = self.prefill_runner.describe()
+        elif not self.options.decode_graphs:
+            stats.decode_graph = "off: disabled"
+        else:
+            stats.decode_graph = f"off: needs CUDA (model on {self.transformer.device.type})"
+        return stats
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -279,10 +254,11 @@ class Sampler:
             return self.decode_runner(branch, x, t)
         return self.transformer.decode(branch, x, t)
 
-    def _sample_one(self, cond, noise, start, sigmas, timesteps, target_shape, cfg, callback, index, count):
+    def _sample_one(self, cond, noise, start, sigmas, timesteps, request: SampleRequest, index, count):
         tr = self.transformer
         device, dtype = tr.device, tr.dtype
         batch = noise.shape[0]
+        cfg, callback = request.true_cfg_scale, request.callback
         if cfg > 1.0 and cond.negative is None and cond.negative_pending is not None:
             raise ValueError(
                 "the conditioning's negative prompt is not encoded yet; sample through Qwen21Pipeline.sample, "
@@ -292,7 +268,7 @@ class Sampler:
         if cfg > 1.0 and cond.negative is None:
             log.warning("true_cfg_scale=%s but the conditioning has no negative prompt: guidance is off", cfg)
         mode = parallel_mode(self.options.parallel, self.workers, use_cfg)
-        h, w = target_shape
+        target_shape = h, w = request.latent_size
         sigmas = sigmas.to(device)
         timesteps = timesteps.to(device)
         # moved once: a copy from pageable host memory at every step's denormalize made the host wait for the GPU
@@ -369,12 +345,12 @@ class _ParallelRun:
         cond_tokens = None
         if cond.condition_latents:
             cond_tokens = torch.cat([pack(lat[None].float().cpu())[0] for lat in cond.condition_latents])
-        spec = JobSpec(
-            mode=mode, branches=inputs, image_shapes=list(cond.image_shapes), cond_tokens=cond_tokens,
-            target_shape=tuple(target_shape), batch=batch, kv=sampler.kv, attention_backend=sampler.attention_backend,
-            prefix_cache=sampler.prefix_cache, decode_graphs=sampler.decode_runner is not None,
-            compile_blocks=sampler.transformer.compiled, loras=tuple(sampler.lora_stack),
-        )  # fmt: skip
+        # the options as rank 0 runs them: its K/V placement, whether it replays graphs, compiled blocks or not
+        options = sampler.options.replace(kv_placement=sampler.kv.placement, decode_graphs=sampler.decode_runner
+                                          is not None, compile_blocks=sampler.transformer.compiled)  # fmt: skip
+        spec = JobSpec(mode=mode, branches=inputs, image_shapes=list(cond.image_shapes), cond_tokens=cond_tokens,
+                       target_shape=tuple(target_shape), batch=batch, options=options,
+                       loras=tuple(sampler.lora_stack))  # fmt: skip
         graphs = sampler.decode_runner if mode == "cfg" else None
         self.run = sampler.workers.run(sampler.transformer, spec, graphs)
         stats = sampler.stats

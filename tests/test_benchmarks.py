@@ -353,7 +353,8 @@ def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(t
     (rerun,) = [p for p in prompts if not p["changed_prompt"]]
     assert "Qwen21Encode" in rerun["cached"] and "encode_s" not in rerun
     changed = [p for p in prompts if p["changed_prompt"]]
-    assert all("Qwen21Encode" not in p["cached"] and p["encode_s"] > 0 for p in changed)
+    # a changed prompt's encode runs (not served from the cache); its time may round to 0.0 s on the tiny model
+    assert all("Qwen21Encode" not in p["cached"] and p["encode_s"] >= 0 for p in changed)
     lora = [p for p in prompts if p["lora_strength"] is not None]
     # the LoRA node runs for both (not cached); its own time may round to 0.0 s: it only makes a handle, the file
     # read as the strength changes is kept by the pipeline, and the merge happens in the sampler

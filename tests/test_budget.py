@@ -13,6 +13,7 @@ from qwen21_nodes.qwen21_core.memory import planner
 from qwen21_nodes.qwen21_core.memory.manager import LocalMemoryManager
 from qwen21_nodes.qwen21_core.options import SampleOptions
 from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+from qwen21_nodes.qwen21_core.request import SampleRequest
 
 GIB = 2**30
 
@@ -33,7 +34,6 @@ def on_a_pretend_gpu(monkeypatch, pipe, fake_cuda_memory):
     monkeypatch.setattr(Qwen21Pipeline, "device", property(lambda self: gpu))
     pipe.execution_device = gpu
     monkeypatch.setattr(planner, "host_free_bytes", lambda: 64 * GIB)
-    monkeypatch.setattr("qwen21_nodes.qwen21_core.pipeline.host_free_bytes", lambda: 64 * GIB)
 
 
 def test_the_runners_budget_is_the_pipelines_one_budget(handle):
@@ -49,13 +49,13 @@ def test_the_budget_bounds_kv_planning_and_the_prefix_check(handle, monkeypatch,
     on_a_pretend_gpu(monkeypatch, pipe, fake_cuda_memory)
     cond = pipe.encode("a red apple", output_resolution=64)
     monkeypatch.setattr(pipe, "idle_cache_bytes", lambda: 0)
-    whole_card = pipe.plan_sampling(cond, 64, 64, 1, 1.0, SampleOptions())
+    whole_card = pipe.plan_sampling(cond, SampleRequest(height=64, width=64), SampleOptions())
     assert whole_card.kv_placement == "gpu"
     assert pipe._prefix_budget().free_bytes > 50 * GIB
 
     memory_adapter.set_vram_budget(GIB // 4)  # less than the planner's headroom: nothing may go on the card
     with pytest.raises(planner.DeviceMemoryError, match="0.25 GiB is available"):
-        pipe.plan_sampling(cond, 64, 64, 1, 1.0, SampleOptions())
+        pipe.plan_sampling(cond, SampleRequest(height=64, width=64), SampleOptions())
     assert pipe._prefix_budget().free_bytes == 0
 
 

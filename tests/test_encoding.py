@@ -278,19 +278,20 @@ def test_a_prefix_too_big_for_the_gpu_passes_when_ram_can_hold_it(encoder, vae):
 
 def test_the_pipelines_precheck_counts_the_gpu_the_leaving_encoder_and_ram(monkeypatch):
     from qwen21_nodes.qwen21_core import pipeline
+    from qwen21_nodes.qwen21_core.memory import planner
 
-    monkeypatch.setattr(pipeline, "device_free_bytes", lambda device, budget=None: 10 * 2**30)
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: 10 * 2**30)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # "cuda" is "cuda:0" here
     encoder = types.SimpleNamespace(device=torch.device("cuda", 0), device_weight_bytes=lambda: 3 * 2**30)
     transformer = types.SimpleNamespace(config=TransformerConfig())
     fake = types.SimpleNamespace(execution_device=torch.device("cuda"), vram_budget=None, text_encoder=encoder,
                                  text_encoder_offload=True, transformer=transformer, dtype=torch.bfloat16)  # fmt: skip
-    monkeypatch.setattr(pipeline, "host_free_bytes", lambda: 20 * 2**30)
+    monkeypatch.setattr(planner, "host_free_bytes", lambda: 20 * 2**30)
     budget = pipeline.Qwen21Pipeline._prefix_budget(fake)
-    assert budget.free_bytes == 13 * 2**30 - pipeline.DECODE_HEADROOM_BYTES and budget.host_bytes == 20 * 2**30
+    assert budget.free_bytes == 13 * 2**30 - planner.DECODE_HEADROOM_BYTES and budget.host_bytes == 20 * 2**30
     fake.text_encoder_offload = False  # the encoder stays: its weights are not free
-    assert pipeline.Qwen21Pipeline._prefix_budget(fake).free_bytes == 10 * 2**30 - pipeline.DECODE_HEADROOM_BYTES
-    monkeypatch.setattr(pipeline, "host_free_bytes", lambda: None)  # RAM unknown: no precheck rather than a false one
+    assert pipeline.Qwen21Pipeline._prefix_budget(fake).free_bytes == 10 * 2**30 - planner.DECODE_HEADROOM_BYTES
+    monkeypatch.setattr(planner, "host_free_bytes", lambda: None)  # RAM unknown: no precheck rather than a false one
     assert pipeline.Qwen21Pipeline._prefix_budget(fake) is None
 
 

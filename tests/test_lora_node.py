@@ -15,6 +15,7 @@ from qwen21_nodes.qwen21_core.config import QWEN21_SCHEDULER
 from qwen21_nodes.qwen21_core.dit.decode_graphs import DecodeGraphs
 from qwen21_nodes.qwen21_core.lora.merge import LoraMerger, MemoryOriginals, layer_shapes
 from qwen21_nodes.qwen21_core.lora.reading import LoraError, read_lora
+from qwen21_nodes.qwen21_core.request import SampleRequest
 from qwen21_nodes.qwen21_core.sampler import Sampler
 from qwen21_nodes.runner.cli import ensure_tiny_models
 from qwen21_nodes.runner.ui_format import check_ui_workflow, ui_to_api
@@ -42,7 +43,7 @@ def base(models_dir):
 
 
 def sample(handle, cond, seed=3):
-    return handle.sample(cond, height=64, width=64, steps=2, batch_size=1, true_cfg_scale=1.0, seed=seed)
+    return handle.sample(cond, SampleRequest(height=64, width=64, steps=2, batch_size=1, true_cfg_scale=1.0, seed=seed))
 
 
 def checkpoint_weights(models_dir):
@@ -73,11 +74,11 @@ def test_a_strength_change_reuses_the_file_as_read_and_an_edited_file_is_read_ag
     import os
     import shutil
 
-    from qwen21_nodes.qwen21_core import pipeline as pipeline_module
+    from qwen21_nodes.qwen21_core.lora import files
 
     reads = []
-    real = pipeline_module.read_lora
-    monkeypatch.setattr(pipeline_module, "read_lora", lambda path, shapes: reads.append(path) or real(path, shapes))
+    real = files.read_lora
+    monkeypatch.setattr(files, "read_lora", lambda path, shapes: reads.append(path) or real(path, shapes))
     path = tmp_path / "copy.safetensors"
     shutil.copy(host.weight_file_path("loras", TINY_LORA), path)
     first = base.pipe.load_lora(path)
@@ -88,11 +89,11 @@ def test_a_strength_change_reuses_the_file_as_read_and_an_edited_file_is_read_ag
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     base.pipe.load_lora(path)
     assert len(reads) == 2
-    for index in range(pipeline_module.READ_LORAS_KEPT + 1):  # only the latest few are kept
+    for index in range(files.READ_LORAS_KEPT + 1):  # only the latest few are kept
         other = tmp_path / f"other_{index}.safetensors"
         shutil.copy(path, other)
         base.pipe.load_lora(other)
-    assert len(base.pipe._read_loras) == pipeline_module.READ_LORAS_KEPT
+    assert len(base.pipe.read_loras.entries) == files.READ_LORAS_KEPT
 
 
 def test_branches_with_different_loras_are_each_right_in_any_order(base, models_dir):

@@ -21,6 +21,7 @@ from qwen21_nodes.qwen21_core.memory.manager import LocalMemoryManager
 from qwen21_nodes.qwen21_core.memory.planner import DeviceMemoryError, plan_sampling
 from qwen21_nodes.qwen21_core.memory.prefetch import SlotPrefetcher
 from qwen21_nodes.qwen21_core.memory.streaming import LayerStreamer
+from qwen21_nodes.qwen21_core.request import SampleRequest
 
 pytest.importorskip("diffusers")
 GIB = 2**30
@@ -217,15 +218,16 @@ def _planning_pipeline(monkeypatch, free: int, idle: int, resident: int, manage_
     """Just what Qwen21Pipeline.plan_sampling reads, on a pretend CUDA device with `free` bytes free: a DiT of 32
     half-GiB blocks, `resident` of them on the device, and a job with an 8 GiB GPU (1 GiB RAM) K/V cache."""
     from qwen21_nodes.qwen21_core import pipeline
+    from qwen21_nodes.qwen21_core.memory import planner, sizing
 
-    monkeypatch.setattr(pipeline, "device_free_bytes", lambda device, budget=None: free)
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: free)
+    monkeypatch.setattr(sizing, "request_bytes", lambda *a: ({"gpu": 8 * GIB, "cpu": GIB}, GIB // 2))
     transformer = types.SimpleNamespace(transformer_blocks=[None] * 32, streamer=None, layer_bytes=GIB // 2,
-                                        resident_blocks=resident)  # fmt: skip
-    fake = types.SimpleNamespace(transformer=transformer, device=torch.device("cuda"), vram_budget=None,
-                                 manage_weights=manage_weights, idle_cache_bytes=lambda: idle,
-                                 _job_bytes=lambda *a: ({"gpu": 8 * GIB, "cpu": GIB}, GIB // 2))  # fmt: skip
-    return lambda: pipeline.Qwen21Pipeline.plan_sampling(fake, None, 1024, 1024, 1, 1.0, types.SimpleNamespace(
-        kv_placement="auto"))  # fmt: skip
+                                        resident_blocks=resident, config=None)  # fmt: skip
+    fake = types.SimpleNamespace(transformer=transformer, device=torch.device("cuda"), vram_budget=None, dtype=None,
+                                 manage_weights=manage_weights, idle_cache_bytes=lambda: idle, workers=None)
+    return lambda: pipeline.Qwen21Pipeline.plan_sampling(fake, None, SampleRequest(height=1024, width=1024),
+                                                         types.SimpleNamespace(kv_placement="auto"))  # fmt: skip
 
 
 def test_free_memory_leaves_out_what_cuda_graph_pools_hold(monkeypatch, fake_cuda_memory):

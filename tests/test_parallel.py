@@ -363,6 +363,7 @@ def test_the_command_channel_round_trips_the_pack_s_messages(monkeypatch):
     from multiprocessing import Pipe
 
     from qwen21_nodes.qwen21_core.dit.kv_cache import KVCacheSpec
+    from qwen21_nodes.qwen21_core.options import SampleOptions
     from qwen21_nodes.qwen21_core.parallel import wire
     from qwen21_nodes.qwen21_core.parallel.channel import (
         TRUSTED_FUNCTIONS_ENV,
@@ -383,7 +384,7 @@ def test_the_command_channel_round_trips_the_pack_s_messages(monkeypatch):
                torch.zeros(0, 4), torch.tensor(2.5), torch.randn(4, 4, generator=g).t()]  # fmt: skip
     branch = BranchInput("positive", torch.randn(9, 8, generator=g), torch.ones(9, dtype=torch.bool),
                          ("hash", "positive", "torch.float32", None))  # fmt: skip
-    spec = JobSpec("sequence", [branch], [(4, 4)], None, (2, 3), 1, KVCacheSpec("fp8", "cpu"),
+    spec = JobSpec("sequence", [branch], [(4, 4)], None, (2, 3), 1, SampleOptions(kv_cache="fp8", kv_placement="cpu"),
                    loras=(("/x.safetensors", "id", 0.5),))  # fmt: skip
     failure = Failure(1, "cpu", "out of memory", "CUDA out of memory")
     recipe = FileRecipe("/models/dit.safetensors", torch.bfloat16, WeightFormats("fp8", keep=("img_mlp.out",)))

@@ -15,6 +15,7 @@ from dit_reference import (
 from PIL import Image
 from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
 from qwen21_nodes.qwen21_core.config import SchedulerConfig
+from qwen21_nodes.qwen21_core.request import SampleRequest
 from qwen21_nodes.qwen21_core.sampler import Sampler, make_noise, pack, unpack
 
 pytest.importorskip("diffusers")
@@ -292,7 +293,7 @@ def test_sampling_bytes_counts_what_the_caches_really_hold(parts):
         allocated[cfg] = sampler.stats.cache_bytes
     pipe = Qwen21Pipeline.__new__(Qwen21Pipeline)
     pipe.transformer = ours
-    estimate = {cfg: pipe.sampling_bytes(cond, 64, 64, 2, cfg) for cfg in (1.0, 2.0)}
+    estimate = {cfg: pipe.sampling_bytes(cond, _request(cfg)) for cfg in (1.0, 2.0)}
     assert allocated[2.0] > allocated[1.0] > 0
     assert estimate[2.0] - estimate[1.0] == allocated[2.0] - allocated[1.0]  # the negative branch's cache
     assert estimate[1.0] > allocated[1.0]  # plus activations
@@ -300,8 +301,12 @@ def test_sampling_bytes_counts_what_the_caches_really_hold(parts):
     pending = Conditioning(
         cond.positive, negative_pending=PendingPrompt("x", (), 9), condition_latents=[torch.zeros(Z, 4, 4)]
     )
-    assert pipe.sampling_bytes(pending, 64, 64, 2, 2.0) == estimate[2.0]
-    assert pipe.sampling_bytes(pending, 64, 64, 2, 1.0) == estimate[1.0]  # and not at all without guidance
+    assert pipe.sampling_bytes(pending, _request(2.0)) == estimate[2.0]
+    assert pipe.sampling_bytes(pending, _request(1.0)) == estimate[1.0]  # and not at all without guidance
+
+
+def _request(cfg: float) -> SampleRequest:
+    return SampleRequest(height=64, width=64, batch_size=2, true_cfg_scale=cfg)
 
 
 MIB = 2**20
@@ -355,7 +360,8 @@ def test_sampling_bytes_agrees_with_the_h200_measurements(record):
     pipe = Qwen21Pipeline.__new__(Qwen21Pipeline)
     pipe.transformer = types.SimpleNamespace(config=TransformerConfig(), dtype=torch.bfloat16)
 
-    estimate = pipe.sampling_bytes(cond, res, res, batch, cfg, options, kv_placement="gpu")
+    request = SampleRequest(height=res, width=res, batch_size=batch, true_cfg_scale=cfg)
+    estimate = pipe.sampling_bytes(cond, request, options, kv_placement="gpu")
     activations = estimate - record["ours_cache_mib"] * MIB
     peak = record["ours_decode_peak_extra_mib"] * MIB
     assert activations >= peak - MIB

@@ -1,6 +1,6 @@
 """Load the Qwen-Image-2.1 components from a diffusers folder or from single files (ComfyUI layout).
 
-`load_components(source, device, dtype)` takes either
+`load_components(source, device, dtype)` (and `load_pipeline`, the pipeline made of them) takes either
 
 - a diffusers folder: model_index.json, transformer/, vae/, text_encoder/, processor/ (or tokenizer/),
   scheduler/scheduler_config.json; model_index.json's `sample_sigmas` marks a turbo checkpoint; or
@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +137,43 @@ def load_components(
             )
         sources["text_encoder"] = te_info
     return Components(transformer, vae, text_encoder, scheduler_config, pipeline_config, sources)
+
+
+def load_pipeline(cls, source, device=None, dtype: torch.dtype = torch.bfloat16, *,
+                  text_encoder_dtype: torch.dtype | None = None, vae_dtype: torch.dtype | None = None,
+                  text_encoder_offload: bool = True, load_text_encoder: bool = True,
+                  weight_formats: WeightFormats | None = None, text_encoder_device=None, vae_device=None,
+                  text_encoder_load_device=None, check_interrupted: Callable[[], None] | None = None):  # fmt: skip
+    """A `cls` (Qwen21Pipeline) from a diffusers folder or a dict of ComfyUI single files (see `load_components`),
+    its kernel warm-up started: `Qwen21Pipeline.from_pretrained`.
+
+    device None picks CUDA when available; dtype: the compute dtype; weight_formats: which Linears stay or become
+    quantised (quant/plan.py; the default keeps each file's own format). text_encoder_device / vae_device: where
+    those run (default: the DiT's device); a text encoder on a device of its own is never offloaded.
+    text_encoder_load_device: where the text encoder's weights are read to (default: where it runs; the CPU when they
+    do not fit there, see memory/manager.py text_encoder_load_device): a memory manager then places them on first
+    use. check_interrupted: raises when the user cancels (ComfyUI's check); waits for the kernel warm-up call it.
+    """
+    from ..memory.manager import own_gpu
+    from ..memory.planner import indexed_device
+    from ..startup.priming import prime
+
+    device = _resolve_device(device)
+    prime(device)  # torch's and Triton's own kernels load while the files are read (startup/priming.py)
+    parts = load_components(source, device, dtype, text_encoder_device=text_encoder_load_device or text_encoder_device,
+                            vae_device=vae_device, text_encoder_dtype=text_encoder_dtype, vae_dtype=vae_dtype,
+                            load_text_encoder=load_text_encoder, weight_formats=weight_formats)  # fmt: skip
+    encoder = parts.text_encoder
+    runs_on = indexed_device(text_encoder_device if text_encoder_device is not None else device)
+    if encoder is not None:
+        encoder.device = runs_on  # where it encodes, wherever its weights were read to
+    own_device = encoder is not None and own_gpu(runs_on, device)
+    pipe = cls(parts.transformer, parts.vae, encoder, parts.scheduler_config, parts.pipeline_config,
+               text_encoder_offload=text_encoder_offload and not own_device, sources=parts.sources)  # fmt: skip
+    pipe.weight_formats = weight_formats or WeightFormats()
+    pipe.check_interrupted = check_interrupted
+    pipe.start_kernel_warmup()
+    return pipe
 
 
 # ---------------------------------------------------------------------------------------------------------

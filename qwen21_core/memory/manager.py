@@ -21,6 +21,7 @@ Saved workflows from before this choice have a boolean: True meant "always", Fal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -102,6 +103,22 @@ def expected_kv_placement(option: str, dit_bytes: int, gpu_job_bytes: int, capac
     if option != "auto":
         return option
     return "gpu" if dit_bytes + gpu_job_bytes <= capacity else "cpu"
+
+
+@contextlib.contextmanager
+def text_encoder_placed(encoder, device: torch.device, places_weights: bool, offload: bool):
+    """The text encoder on `device` for the block, where the pipeline places its weights itself (`places_weights`),
+    and offloaded after it if `offload` (from a GPU: a CPU encoder has nowhere to go). Under a memory manager it is
+    left where the manager put it (perhaps with layers streaming)."""
+    if encoder is None:
+        raise RuntimeError("this pipeline was loaded without a text encoder (load_text_encoder=False)")
+    if places_weights:
+        encoder.to(device)
+    try:
+        yield
+    finally:
+        if offload and places_weights and device.type == "cuda":
+            encoder.offload()
 
 
 def evictable(choice: str) -> bool:

@@ -172,3 +172,25 @@ def plan_sampling(budget: int, cache_bytes: dict, activation_bytes: int, block_b
     return SamplingPlan(
         kv, int(resident), f"K/V cache on {kv}, {num_blocks - resident} of {num_blocks} blocks streamed"
     )
+
+
+def plan_for_transformer(transformer, device: torch.device, budget: int | None, idle_bytes: int, cache_bytes: dict,
+                         activation_bytes: int, places_weights: bool, placement: str = "auto") -> SamplingPlan:
+    """`plan_sampling` for `transformer` as it is placed now on `device`, within `budget`. idle_bytes: K/V caches kept
+    from the previous run that this one gets back (a graph entry adopted, or evicted when an allocation runs out);
+    counted as taken, a rerun with a new seed would move its K/V to host RAM. places_weights False: a memory manager
+    placed the blocks, so they are not ours to plan; only the K/V placement is, beside the blocks resident now (and
+    the staging slots, if some stream)."""
+    blocks = len(transformer.transformer_blocks)
+    if device.type != "cuda":
+        return SamplingPlan("gpu", blocks, "not on CUDA: everything where it is")
+    block_bytes, resident, streamer = transformer.layer_bytes, transformer.resident_blocks, transformer.streamer
+    slot_bytes = (streamer.slot_bytes if streamer is not None else 0) or 2 * block_bytes
+    room = device_free_bytes(device, budget) + idle_bytes + resident * block_bytes
+    if places_weights:
+        return plan_sampling(room, cache_bytes, activation_bytes, block_bytes, blocks, slot_bytes, placement)
+    staging = slot_bytes if resident < blocks else 0
+    plan = plan_sampling(room, cache_bytes, activation_bytes + staging, block_bytes, resident, 0, placement)
+    placed = "all" if resident == blocks else f"{resident} of"
+    return SamplingPlan(plan.kv_placement, resident, f"K/V cache on {plan.kv_placement}, {placed} {blocks} blocks "
+                        "resident (placed by the memory manager)")  # fmt: skip

@@ -155,11 +155,13 @@ def _own_classes() -> dict[tuple[str, str], type]:
     """The pack's message classes: what a job, a recipe or a failure is made of."""
     from ..config import TransformerConfig
     from ..dit.kv_cache import KVCacheSpec
+    from ..options import SampleOptions
     from ..quant.plan import WeightFormats
     from .jobs import BranchInput, JobSpec
     from .recipes import FileRecipe, FunctionRecipe
 
-    classes = (Failure, JobSpec, BranchInput, KVCacheSpec, FileRecipe, FunctionRecipe, WeightFormats, TransformerConfig)
+    classes = (Failure, JobSpec, BranchInput, KVCacheSpec, SampleOptions, FileRecipe, FunctionRecipe, WeightFormats,
+               TransformerConfig)  # fmt: skip
     return {(cls.__module__, cls.__qualname__): cls for cls in classes}
 
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from ..dit.kv_cache import KVCacheSpec
 from ..dit.sequence import build_layout
 from ..dit.transformer import Branch, QwenImage21Transformer
+from ..options import SampleOptions
+from .modes import MODES
 from .ulysses import SequenceShard
-
-MODES = ("cfg", "sequence")
 
 
 @dataclass
@@ -41,24 +41,41 @@ class BranchInput:
 
 @dataclass
 class JobSpec:
-    """One conditioning's run, as every rank needs it."""
+    """One conditioning's run, as every rank needs it: its branches, the output's latent grid and rows from the
+    request, and rank 0's options as rank 0 runs them (K/V placement, graphs and compiled blocks decided there)."""
 
     mode: str  # one of MODES
     branches: list[BranchInput]
     image_shapes: list[tuple[int, int]]
     cond_tokens: torch.Tensor | None  # [I, in_channels] packed condition latents
-    target_shape: tuple[int, int]
-    batch: int
-    kv: KVCacheSpec = field(default_factory=KVCacheSpec)
-    attention_backend: str = "auto"
-    prefix_cache: bool = True
-    decode_graphs: bool = True
-    compile_blocks: bool = False
+    target_shape: tuple[int, int]  # the request's latent grid
+    batch: int  # the request's batch_size: rows sharing each prefix
+    options: SampleOptions = field(default_factory=SampleOptions)
     loras: tuple = ()  # ((path, identity, strength), ...): what rank 0's weights have merged
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"parallel mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def kv(self) -> KVCacheSpec:
+        return self.options.kv_spec("gpu")  # rank 0 resolves "auto" before the job travels
+
+    @property
+    def attention_backend(self) -> str:
+        return self.options.attention_backend
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.options.prefix_cache
+
+    @property
+    def decode_graphs(self) -> bool:
+        return self.options.decode_graphs
+
+    @property
+    def compile_blocks(self) -> bool:
+        return self.options.compile_blocks
 
 
 class KeptBranches:

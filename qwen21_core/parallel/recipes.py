@@ -40,6 +40,15 @@ class FileRecipe:
         return self.path
 
 
+def recipe_for(sources: dict, dtype: torch.dtype, weight_formats: WeightFormats) -> FileRecipe:
+    """The recipe of the DiT a pipeline loaded (`sources`: its loading record), in the same dtype and formats."""
+    path = sources.get("transformer", {}).get("path")
+    if not path:
+        raise ValueError("this pipeline's DiT was not loaded from a file: pass start_workers a recipe that builds the "
+                         "same DiT (parallel/recipes.py FunctionRecipe)")  # fmt: skip
+    return FileRecipe(str(path), dtype, weight_formats)
+
+
 @dataclass(frozen=True)
 class FunctionRecipe:
     """`function(device, *args, **kwargs)` -> the DiT; the function must be deterministic."""

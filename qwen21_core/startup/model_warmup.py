@@ -108,9 +108,16 @@ class PendingBuckets:
 PENDING_BUCKETS = PendingBuckets()
 
 
-def encoding(warmup: KernelWarmup | None):
-    """Hold the warm-up's jobs while an encode runs (warmup.py `paused`): nothing in an encode waits for them."""
-    return warmup.paused() if warmup is not None and warmup.busy() else contextlib.nullcontext()
+@contextlib.contextmanager
+def encoding(warmup: KernelWarmup | None, with_images: bool = False):
+    """Hold the warm-up's jobs while an encode runs (warmup.py `paused`): nothing in an encode waits for them. With
+    condition images the VAE encodes them too, its kernels used as `vae_kernels` says."""
+    with contextlib.ExitStack() as stack:
+        if warmup is not None and warmup.busy():
+            stack.enter_context(warmup.paused())
+        if with_images:
+            stack.enter_context(vae_kernels(warmup, "exact"))
+        yield
 
 
 def before_sampling(warmup: KernelWarmup | None) -> None:
