@@ -53,6 +53,16 @@ class Qwen21Patcher(comfy.model_patcher.ModelPatcher):
     def model_size(self):
         return self.model.qwen21_managed.full_bytes
 
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        """ComfyUI's LoRA loaders add what their key map matched. Nothing at all means the file names no layer of our
+        DiT (a LoRA for another model): an error here, at the loader, instead of a LoRA that silently does nothing."""
+        if not patches and hasattr(self.model, "apply_lora_stack"):
+            raise LoraError("Qwen21 MODEL: this LoRA matches no layer of Qwen-Image-2.1's diffusion model (ComfyUI "
+                            "logged each key it could not load as 'lora key not loaded'): is it made for another "
+                            "model? Qwen21 Load LoRA reads every known key layout and names the model it was made "
+                            "for")  # fmt: skip
+        return super().add_patches(patches, strength_patch, strength_model)
+
     # ---- loading --------------------------------------------------------------------------------------------
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):

@@ -16,7 +16,7 @@ import pytest
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
 CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
-          "lora_int8_convrot", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora")  # fmt: skip
+          "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -107,6 +107,14 @@ def test_bad_input_is_named_and_the_next_run_works(results):
     assert line["after_finite"]
 
 
-def test_a_lora_for_another_model_is_named_key_by_key_and_lands_nowhere(results):
+def test_a_lora_for_another_model_is_named_key_by_key_and_refused_at_its_loader(results):
     line = result(results, "sdxl_lora")
-    assert line["patches"] == 0 and len(line["keys_not_loaded"]) == 2
+    assert len(line["keys_not_loaded"]) == 2  # ComfyUI names each key
+    assert line["error"].startswith("LoraError:") and "matches no layer of Qwen-Image-2.1" in line["error"]
+
+
+def test_stacked_comfyui_loras_and_a_changed_strength_land_as_our_chain_does(results):
+    line = result(results, "lora_stack")
+    for case in ("0.7+0.4", "0.7+-0.2"):
+        assert line[case]["effect"] > 1e-3 and line[case]["difference"] <= 1e-6 * max(1.0, line[case]["effect"])
+    assert line["plain_again"] == 0
