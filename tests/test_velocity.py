@@ -100,3 +100,27 @@ def test_a_closed_run_refuses_more_calls_and_parts_must_cover_the_batch(pipe, co
     run.close()
     with pytest.raises(RuntimeError, match="closed"):
         run.velocity(x[:1], torch.tensor([1.0]), [Part(cond, "positive", 1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)")
+def test_on_cuda_the_loop_replays_decode_graphs_and_keeps_the_prefix_between_runs(tmp_path_factory):
+    """bf16 on CUDA: a ComfyUI-style loop through a VelocityRun agrees with our sampler within bf16's rounding (its
+    latents stay fp32 between steps, ours bf16), replays decode steps from CUDA graphs from the second run of a
+    shape on, and a second run of the same conditioning computes no prefix (the kept graph entry holds it)."""
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+    from qwen21_nodes.runner.cli import ensure_tiny_models
+
+    folder = ensure_tiny_models(tmp_path_factory.getbasetemp() / "tiny_models") / "diffusers" / "qwen_image_2.1_tiny"
+    pipe = Qwen21Pipeline.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 64, 4), dtype=np.uint8), "RGBA")
+    cond = pipe.encode("make it red", images=[image], output_resolution=256)
+    noise = make_noise(5, (1, 64, 16, 16))
+    expected = pipe.sample(cond, steps=8, noise=noise).float().cpu()
+    runs = []
+    for _ in range(3):
+        got = comfy_euler(pipe, cond, noise, 8).float().cpu()
+        runs.append(dict(pipe.last_sample_stats))
+    assert (got - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+    assert runs[-1]["replayed_steps"] > 0, runs[-1]
+    assert runs[-1]["prefills"] == 0 and runs[-1]["prefix_cache"] == "reused", runs[-1]
