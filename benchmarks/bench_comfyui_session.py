@@ -15,7 +15,8 @@ over POST /prompt, the loader pointed at model files on disk as a user has them:
   as Comfy-Org's fp8_scaled file (every block Linear float8_e4m3fn with a per-tensor scale and its comfy_quant
   marker, the rest bf16), the Qwen3-VL-8B text encoder as an fp8_scaled file too (its language model's Linears fp8,
   the vision tower and embeddings bf16, no lm_head: the loader drops it anyway) with ComfyUI's own Qwen tokenizer
-  beside it, the VAE in bf16 (ComfyUI layout) and a rank-64 LoRA on every block Linear (bench_lora's).
+  beside it, the VAE in bf16 (ComfyUI layout) and a rank-64 LoRA on every block Linear (bench_lora's, in the key
+  names ComfyUI saves: KSampler's path loads it through LoraLoaderModelOnly).
 ComfyUI caches node outputs between prompts, so the loader runs once and the seed-only rerun reuses the encoder's
 output. Each prompt is timed from the POST to the websocket's execution_success (or error); a phase (encode_s,
 sample_s, decode_s, save_s, loader_s, lora_s) is the time from its node's `executing` message to the next node's, so it
@@ -65,7 +66,7 @@ FULL_SIZE_FILES = {
     "diffusion_model": "diffusion_models/qwen_image_2.1_random_fp8_scaled.safetensors",
     "text_encoder": "text_encoders/qwen3vl_8b_random_fp8_scaled.safetensors",
     "vae": "vae/qwen_image_2.1_vae_random_bf16.safetensors",
-    "lora": "loras/session_lora_rank64.safetensors",
+    "lora": "loras/session_lora_rank64_comfyui.safetensors",
 }
 LORA_RANK = 64
 FULL_SIZE_DIR = "/tmp/qwen21_session_models"
@@ -174,7 +175,7 @@ def write_full_size(models: Path, device: torch.device, comfyui_dir: Path) -> No
     with torch.no_grad():
         dit = random_dit(TransformerConfig(), device, torch.bfloat16)
         paths["lora"].parent.mkdir(parents=True, exist_ok=True)
-        write_lora(paths["lora"], dit, LORA_RANK, seed=3)
+        write_lora(paths["lora"], dit, LORA_RANK, seed=3, layout="comfyui")  # KSampler's LoRA loader reads it too
         write_dit(paths["diffusion_model"], dit)
         del dit
         _free(device)

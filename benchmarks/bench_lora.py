@@ -72,8 +72,10 @@ TARGET_PSNR_DROP_DB = 1.0
 TARGET_SWITCH_S = 2.0
 
 
-def write_lora(path: Path, model, rank: int, seed: int) -> Path:
-    """A diffusers/PEFT-named LoRA (bf16) of `rank` on every block linear, deltas ~5% of the weights' spread."""
+def write_lora(path: Path, model, rank: int, seed: int, layout: str = "peft") -> Path:
+    """A LoRA (bf16) of `rank` on every block linear, deltas ~5% of the weights' spread. `layout` "peft": diffusers/
+    PEFT names; "comfyui": the names ComfyUI saves (`diffusion_model.<layer>.lora_down/lora_up.weight`, `.alpha` =
+    rank, the same scale), the only one a ComfyUI before native 2.1 maps onto our MODEL."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     shapes = layer_shapes(model)
     tensors = {}
@@ -83,8 +85,13 @@ def write_lora(path: Path, model, rank: int, seed: int) -> Path:
             out, inp = shapes[layer]
             down = torch.randn(rank, inp, generator=gen, device=model.device) * inp**-0.5
             up = torch.randn(out, rank, generator=gen, device=model.device) * (0.05 * (3 * inp) ** -0.5)
-            tensors[f"transformer.{layer}.lora_A.weight"] = down.to(torch.bfloat16).cpu()
-            tensors[f"transformer.{layer}.lora_B.weight"] = up.to(torch.bfloat16).cpu()
+            if layout == "comfyui":
+                tensors[f"diffusion_model.{layer}.lora_down.weight"] = down.to(torch.bfloat16).cpu()
+                tensors[f"diffusion_model.{layer}.lora_up.weight"] = up.to(torch.bfloat16).cpu()
+                tensors[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(rank))
+            else:
+                tensors[f"transformer.{layer}.lora_A.weight"] = down.to(torch.bfloat16).cpu()
+                tensors[f"transformer.{layer}.lora_B.weight"] = up.to(torch.bfloat16).cpu()
     save_file(tensors, path)
     return path
 

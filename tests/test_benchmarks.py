@@ -510,3 +510,26 @@ def test_bench_session_settle_waits_for_the_warmup_before_the_first_prompt(monke
     assert bench_session.settle(SimpleNamespace(pipe=SimpleNamespace(kernel_warmup=None, device=cpu))) < 0.05
     summary = _bench("bench_session.py", "--tiny", "--device", "cpu", "--small", "1", "--settle")["session_summary"][0]
     assert summary["settled_s"] >= 0 and summary["errors"] == 0
+
+
+def test_bench_lora_writes_the_same_lora_in_peft_and_in_comfyuis_key_names(tmp_path, monkeypatch):
+    """The KSampler session loads its LoRA through ComfyUI's LoraLoaderModelOnly, which reads only the key names
+    ComfyUI saves: bench_lora's "comfyui" layout must hold the same deltas as its PEFT one, on every block linear."""
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    from _common import random_dit
+    from bench_lora import BLOCK_LINEARS, TINY_LORA_CONFIG, write_lora
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.lora.merge import layer_shapes
+    from qwen21_nodes.qwen21_core.lora.reading import read_lora
+
+    model = random_dit(TransformerConfig(**TINY_LORA_CONFIG), torch.device("cpu"), torch.float32)
+    shapes = layer_shapes(model)
+    deltas = {}
+    for layout in ("peft", "comfyui"):
+        lora = read_lora(write_lora(tmp_path / f"{layout}.safetensors", model, 4, seed=3, layout=layout), shapes)
+        deltas[layout] = {layer.layer: (layer.up.float() @ layer.down.float()) * layer.scale for layer in lora.layers}
+    assert len(deltas["comfyui"]) == model.config.num_layers * len(BLOCK_LINEARS)
+    assert deltas["comfyui"].keys() == deltas["peft"].keys()
+    for name, delta in deltas["peft"].items():
+        assert torch.equal(deltas["comfyui"][name], delta), name
+        assert delta.abs().max() > 0
