@@ -356,11 +356,14 @@ def as_ksampler(prompt: dict) -> dict:
     encoder["model"] = [loader, 0]
     sampler_id = by_type["Qwen21Sampler"]
     ours = prompt[sampler_id]["inputs"]
-    encoder["output_resolution"] = max(ours["width"], ours["height"]) or encoder["output_resolution"]
     prompt[sampler_id] = {"class_type": "KSampler", "inputs": {
         "model": model, "seed": ours["seed"], "steps": ours["steps"], "cfg": ours["true_cfg_scale"],
         "sampler_name": "euler", "scheduler": "simple", "positive": [encode, 3], "negative": [encode, 4],
         "latent_image": [encode, 5], "denoise": 1.0}}  # fmt: skip
+    if ours["width"] and ours["height"]:  # a size of its own: an empty latent of that size, as a user makes one
+        prompt["empty_latent"] = {"class_type": "Qwen21EmptyLatent", "inputs": {
+            "width": ours["width"], "height": ours["height"], "batch_size": ours.get("batch_size", 1)}}  # fmt: skip
+        prompt[sampler_id]["inputs"]["latent_image"] = ["empty_latent", 0]
     decode_id = by_type["Qwen21VAEDecode"]
     prompt[decode_id] = {"class_type": "VAEDecode", "inputs": {"samples": [sampler_id, 0], "vae": [loader, 2]}}
     return prompt

@@ -20,6 +20,7 @@ _NODES = {
     "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
     "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
     "schedule": {"Qwen21Scheduler": "Qwen21 Scheduler (released / turbo SIGMAS)"},
+    "latent": {"Qwen21EmptyLatent": "Qwen21 Empty Latent (KSampler)"},
     "vae": {"Qwen21VAEDecode": "Qwen21 VAE Decode (RGBA)", "Qwen21VAEEncode": "Qwen21 VAE Encode"},
     "save": {"Qwen21SaveImage": "Qwen21 Save Image (fast PNG)"},
 }

@@ -122,7 +122,7 @@ def check_native_layout():
 
 
 def check_ksampler_matrix():
-    handle, model, _vae = load()
+    handle, model, vae = load()
     _cond, _w, _h, positive, negative, latent = encode(handle)
     results = {}
     for sampler in ("euler", "euler_ancestral", "dpmpp_2m", "res_multistep"):
@@ -132,7 +132,12 @@ def check_ksampler_matrix():
     (guided,) = comfy_nodes.KSamplerAdvanced().sample(model, "enable", 7, 4, 3.0, "euler", "simple", positive,
                                                       negative, latent, 0, 4, "disable")  # fmt: skip
     results["advanced/cfg3"] = bool(torch.isfinite(guided["samples"]).all())
-    emit(check="ksampler_matrix", results=results, shape=list(out["samples"].shape))
+    # a size Qwen21 Encode does not derive (its latent is square without images): Qwen21 Empty Latent's
+    (wide,) = OURS["Qwen21EmptyLatent"]().make(96, 64, 2)
+    (wide_out,) = comfy_nodes.KSampler().sample(model, 7, 2, 1.0, "euler", "simple", positive, negative, wide)
+    (wide_image,) = comfy_nodes.VAEDecode().decode(vae, wide_out)
+    emit(check="ksampler_matrix", results=results, shape=list(out["samples"].shape),
+         wide_latent=list(wide_out["samples"].shape), wide_image=list(wide_image.shape))  # fmt: skip
 
 
 def check_simple_schedule():

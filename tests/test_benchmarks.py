@@ -533,3 +533,24 @@ def test_bench_lora_writes_the_same_lora_in_peft_and_in_comfyuis_key_names(tmp_p
     for name, delta in deltas["peft"].items():
         assert torch.equal(deltas["comfyui"][name], delta), name
         assert delta.abs().max() > 0
+
+
+@pytest.mark.parametrize("label, size", [("t2i_1344x768", (1344, 768)), ("t2i_1024", (1024, 1024))])
+def test_the_ksampler_session_samples_each_prompt_at_our_samplers_size(monkeypatch, label, size):
+    """as_ksampler gives KSampler a latent of the size Qwen21 Sampler samples (an H200 run sampled 1344x768 prompts
+    at 1344x1344 through Qwen21 Encode's square latent): Qwen21 Empty Latent at the sampler's width and height."""
+    import argparse
+
+    from qwen21_nodes.nodes.latent import Qwen21EmptyLatent
+
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    from bench_comfyui_session import as_ksampler
+    from bench_session import session_prompt
+
+    args = argparse.Namespace(tiny=False, steps=2, save_node="")
+    prompt = as_ksampler(session_prompt({"label": label, "changed": True, "lora": None}, 0, args, None, 0))
+    (sampler,) = [node for node in prompt.values() if node["class_type"] == "KSampler"]
+    source, _output = sampler["inputs"]["latent_image"]
+    assert prompt[source]["class_type"] == "Qwen21EmptyLatent"
+    (latent,) = Qwen21EmptyLatent().make(**prompt[source]["inputs"])
+    assert latent["samples"].shape == (1, 64, size[1] // 16, size[0] // 16)

@@ -65,6 +65,7 @@ def test_ksampler_runs_every_listed_sampler_and_scheduler(results):
     line = result(results, "ksampler_matrix")
     assert len(line["results"]) == 13 and all(line["results"].values()), line["results"]
     assert line["shape"][1] == 64
+    assert line["wide_latent"] == [2, 64, 4, 6] and line["wide_image"] == [2, 64, 96, 4]  # Qwen21 Empty Latent
 
 
 def test_ksamplers_simple_schedule_is_the_released_one_at_1024_but_its_terminal_stretch(results):

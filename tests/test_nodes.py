@@ -442,6 +442,7 @@ def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_n
         "Qwen21VAEDecode": lambda: {"model": model, "latent": latent},
         "Qwen21LoraLoader": lambda: {"model": model, "lora_name": host.list_weight_files("loras")[0]},
         "Qwen21Scheduler": lambda: {"model": None},  # another MODEL than ours: the released schedule
+        "Qwen21EmptyLatent": lambda: {},
     }
     assert node_name in cheap_links, f"{node_name} has numeric widgets: add a cheap call for it to this test"
     node_class = NODE_CLASS_MAPPINGS[node_name]
@@ -451,3 +452,17 @@ def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_n
     if node_name == "Qwen21LoraLoader":  # the strength is used where the DiT runs
         (with_lora,) = output
         assert sample(with_lora, encode(with_lora)[0], steps=1)["result"][0]["samples"].shape == (1, 64, 4, 4)
+
+
+def test_empty_latent_has_the_size_asked_for_and_names_a_bad_one():
+    from qwen21_nodes.nodes.latent import Qwen21EmptyLatent
+
+    node = Qwen21EmptyLatent()
+    (latent,) = node.make(1344, 768, 3)
+    assert latent["samples"].shape == (3, 64, 48, 84) and not latent["samples"].any()
+    with pytest.raises(ValueError, match="width 1000 is not a positive multiple of 32.*use 992"):
+        node.make(1000, 768)
+    with pytest.raises(ValueError, match="height 8192 is more than 4096"):
+        node.make(1024, 8192)
+    with pytest.raises(ValueError, match="batch_size must be from 1 to 16, got 17"):
+        node.make(1024, 1024, 17)

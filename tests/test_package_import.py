@@ -15,6 +15,7 @@ EXPECTED_NODES = {
     "Qwen21Encode",
     "Qwen21Sampler",
     "Qwen21Scheduler",
+    "Qwen21EmptyLatent",
     "Qwen21VAEDecode",
     "Qwen21VAEEncode",
     "Qwen21LoraLoader",
