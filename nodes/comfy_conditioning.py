@@ -26,6 +26,7 @@ from ..qwen21_core.conditioning import (
     context_without_slots,
     prompt_with_slots,
 )
+from ..qwen21_core.request import LATENT_SCALE
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ def conditioning_from_tensors(context, entry: dict, pipe) -> Conditioning:
     mean = torch.tensor(vae.latents_mean, dtype=torch.float32).view(1, -1, 1, 1)
     std = torch.tensor(vae.latents_std, dtype=torch.float32).view(1, -1, 1, 1)
     normalised = tuple(((latent.float().cpu() - mean) / std)[0] for latent in references)
-    size = (references[-1].shape[3] * 16, references[-1].shape[2] * 16) if references else (1024, 1024)
+    last = references[-1].shape if references else None
+    size = (last[3] * LATENT_SCALE, last[2] * LATENT_SCALE) if references else (1024, 1024)
     return Conditioning(prompt, condition_latents=normalised, width=size[0], height=size[1],
                         content_hash=content_digest(prompt.embeds, prompt.image_pad_mask, *normalised))  # fmt: skip
 

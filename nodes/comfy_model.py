@@ -35,6 +35,7 @@ import torch
 
 from ..qwen21_core.lora.merge import lora_layers
 from ..qwen21_core.options import SampleOptions
+from ..qwen21_core.request import LATENT_SCALE
 from ..qwen21_core.scheduler import resolution_shift
 from ..qwen21_core.velocity import Part
 from . import memory_adapter
@@ -258,7 +259,7 @@ class Qwen21Diffusion(torch.nn.Module):
     def _run_for(self, x, chunks, rows, transformer_options):
         if self.run is None:
             settings = self.run_settings
-            self.run = self.pipe.velocity_run(chunks[0], x.shape[-2] * 16, x.shape[-1] * 16,
+            self.run = self.pipe.velocity_run(chunks[0], x.shape[-2] * LATENT_SCALE, x.shape[-1] * LATENT_SCALE,
                                               settings.get("rows", rows), settings.get("cfg", 1.0),
                                               self.options_for(transformer_options))  # fmt: skip
         return self.run

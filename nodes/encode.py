@@ -6,6 +6,7 @@ import torch
 
 from ..qwen21_core.encoding import check_prompt_length
 from ..qwen21_core.images import masks_at_image_size
+from ..qwen21_core.request import LATENT_SCALE
 from . import host
 from .comfy_conditioning import conditioning_entries
 from .model import CONDITIONING_TYPE, MODEL_TYPE
@@ -134,5 +135,6 @@ class Qwen21Encode:
         device = host.intermediate_device()
         positive, negative = conditioning_entries(model, cond, device)
         channels = model.pipe.transformer.config.in_channels
-        empty = {"samples": torch.zeros(1, channels, cond.height // 16, cond.width // 16, device=device)}
+        shape = (1, channels, cond.height // LATENT_SCALE, cond.width // LATENT_SCALE)
+        empty = {"samples": torch.zeros(shape, device=device)}
         return (cond, cond.width, cond.height, positive, negative, empty)

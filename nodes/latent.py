@@ -7,10 +7,9 @@ import torch
 
 from ..qwen21_core.config import TransformerConfig
 from ..qwen21_core.images import MAX_SIDE, SIZE_MULTIPLE, check_output_size
-from ..qwen21_core.request import MAX_BATCH
+from ..qwen21_core.request import LATENT_SCALE, MAX_BATCH
 from . import host
 
-LATENT_SCALE = 16  # pixels per latent cell: the VAE's 8x and the model's 2x2 token grouping
 # The DiT's input channels (16 VAE channels in 2x2 groups): the same for every Qwen-Image-2.1 checkpoint, so the
 # node needs no model input.
 LATENT_CHANNELS = TransformerConfig.in_channels

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from ..qwen21_core.options import PARALLEL_MODES, SampleOptions
-from ..qwen21_core.request import SampleRequest
+from ..qwen21_core.request import LATENT_SCALE, SampleRequest
 from . import host
 from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
@@ -244,8 +244,8 @@ class Qwen21Sampler:
                 raise ValueError(f"latent must be Qwen-Image-2.1 latents [B, 64, H/16, W/16], got {tuple(start.shape)}")
             if start.shape[0] not in (1, batch_size):
                 raise ValueError(f"latent has a batch of {start.shape[0]}; batch_size is {batch_size} (use 1 or equal)")
-            height = height or start.shape[2] * 16
-            width = width or start.shape[3] * 16
+            height = height or start.shape[2] * LATENT_SCALE
+            width = width or start.shape[3] * LATENT_SCALE
         elif denoise < 1.0:
             raise ValueError(f"denoise {denoise} < 1 needs an input `latent` to start from; connect one or set 1.0")
         custom = schedule == "custom"

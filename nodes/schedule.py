@@ -4,10 +4,10 @@ checkpoint's few-step sigmas, as ComfyUI SIGMAS for SamplerCustomAdvanced and th
 from __future__ import annotations
 
 from ..qwen21_core.config import QWEN21_SCHEDULER
+from ..qwen21_core.request import LATENT_SCALE
 from ..qwen21_core.scheduler import partial_schedule
 
 SCHEDULES = ("released", "turbo")
-LATENT_SCALE = 16
 MAX_STEPS = 200  # as Qwen21 Sampler's steps widget
 
 
