@@ -26,7 +26,7 @@ _NODES = {
 }
 
 # Modules that subclass ComfyUI's own classes (the MODEL, its patcher, the VAE): imported only inside ComfyUI.
-COMFYUI_ONLY_MODULES = ("comfy_model", "comfy_patcher", "comfy_vae")
+COMFYUI_ONLY_MODULES = ("comfy.model", "comfy.patcher", "comfy.vae", "comfy.latents")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

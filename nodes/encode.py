@@ -8,7 +8,7 @@ from ..qwen21_core.encoding import check_prompt_length
 from ..qwen21_core.images import masks_at_image_size
 from ..qwen21_core.request import LATENT_SCALE
 from . import host
-from .comfy_conditioning import conditioning_entries
+from .comfy.conditioning import conditioning_entries
 from .model import CONDITIONING_TYPE, MODEL_TYPE
 
 # As many as native ComfyUI's TextEncodeQwenImage21 offers (the model's documentation describes up to 4; more

@@ -226,13 +226,15 @@ class _PipelineLoader:
 
     CATEGORY = CATEGORY
     RETURN_TYPES = (MODEL_TYPE, "MODEL", "VAE")
-    RETURN_NAMES = ("model", "MODEL", "VAE")
+    # names told apart by more than case; the links of saved workflows go by position, so they load as before
+    RETURN_NAMES = ("qwen21_model", "MODEL", "VAE")
     OUTPUT_TOOLTIPS = (
         "The loaded pipeline; connect it to the Qwen21 encode, sampler and VAE nodes.",
         "The same DiT as a ComfyUI MODEL: KSampler, every sampler and scheduler, SamplerCustomAdvanced, ComfyUI's "
         "LoRA loaders. Prefix K/V cache, CUDA graphs and quantised weights stay on. Conditioning from Qwen21 Encode "
         "(or native TextEncodeQwenImage21).",
-        "The same VAE as a ComfyUI VAE: VAE Decode (RGBA, 4 channels), VAE Decode (Tiled), VAE Encode.",
+        "The same VAE as a ComfyUI VAE: VAE Decode and VAE Decode (Tiled) give RGB images (Qwen21 VAE Decode gives "
+        "the alpha too, as a MASK), VAE Encode.",
     )
     FUNCTION = "load"
 

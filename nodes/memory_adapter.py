@@ -1,22 +1,25 @@
 """The one memory adapter: how our models are registered with a memory manager, for our own nodes and for the
 MODEL that KSampler drives alike.
 
-Inside ComfyUI every component (DiT, text encoder, VAE) is a ModelPatcher of ours (nodes/comfy_patcher.py, as
+Inside ComfyUI every component (DiT, text encoder, VAE) is a ModelPatcher of ours (nodes/comfy/patcher.py, as
 ComfyUI-GGUF's GGUFModelPatcher is one) registered with ComfyUI's model management: it counts their VRAM, evicts other
 models for them, moves them off when others need the room (a streamable stack partly: its other layers stream from
-pinned RAM) and `POST /free` unloads them. The DiT's patcher wraps `Qwen21ComfyModel` (nodes/comfy_model.py), which is
+pinned RAM) and `POST /free` unloads them. The DiT's patcher wraps `Qwen21ComfyModel` (nodes/comfy/model.py), which is
 also the MODEL output: the weights KSampler runs are the ones our sampler runs, with ComfyUI's LoRA patches merged
 through our merge. Outside ComfyUI the local manager (qwen21_core/memory/manager.py) places them on the same terms,
-within `--vram-budget`.
+within `--vram-budget`. The rules themselves (how many layers fit, what a device holds, the out-of-memory retry) are
+qwen21_core/memory/'s; this module only says which manager applies them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
 import torch
 
+from ..qwen21_core.memory import planner
 from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door to the memory rules
     TEXT_ENCODER_OFFLOAD,
     LocalMemoryManager,
@@ -28,7 +31,7 @@ from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door t
     text_encoder_load_device,
     text_encoder_offload,
 )
-from ..qwen21_core.memory.planner import indexed_device
+from ..qwen21_core.memory.out_of_memory import SMALLER_PLAN_FACTOR
 from ..qwen21_core.memory.sizing import job_bytes  # noqa: F401 - for the MODEL's memory_required
 from ..qwen21_core.memory.streaming import StreamableStack
 from . import host
@@ -59,18 +62,31 @@ def pipeline_memory():
 
 def device_capacity_bytes(device: torch.device) -> int:
     """All the memory our models may have on `device`: ComfyUI's total VRAM, or the local budget / device size."""
-    device = indexed_device(device)
-    if device.type != "cuda":
-        return 2**62
+    device = planner.indexed_device(device)
+    if host.IN_COMFYUI and device.type == "cuda":
+        return planner.device_capacity_bytes(device, manager_total=host.comfy_mm.get_total_memory(device))
+    return planner.device_capacity_bytes(device, LOCAL.budget)
+
+
+@contextlib.contextmanager
+def smaller_plan(device: torch.device, needed: int):
+    """Less memory planned for a retry after an out-of-memory error: inside ComfyUI its manager frees other models
+    (more than the run asked for); outside, the local budget is lowered by a fifth for the retry (the manager places
+    fewer blocks, the planner keeps more of the K/V cache in host RAM)."""
     if host.IN_COMFYUI:
-        return int(host.comfy_mm.get_total_memory(device))
-    total = torch.cuda.get_device_properties(device).total_memory
-    total = int(total * torch.cuda.get_per_process_memory_fraction(device))
-    return total if LOCAL.budget is None else min(total, LOCAL.budget)
+        host.comfy_mm.free_memory(int(needed / SMALLER_PLAN_FACTOR), device)
+        yield
+        return
+    saved = LOCAL.budget
+    LOCAL.budget = int((saved if saved is not None else device_capacity_bytes(device)) * SMALLER_PLAN_FACTOR)
+    try:
+        yield
+    finally:
+        LOCAL.budget = saved
 
 
 def _new_patcher(make_model, managed, load_device, offload_device):
-    from .comfy_patcher import new_patcher  # imports ComfyUI: inside it only
+    from .comfy.patcher import new_patcher  # imports ComfyUI: inside it only
 
     return new_patcher(make_model(), managed, load_device, offload_device)
 
@@ -97,6 +113,9 @@ class ManagedModules:
     offload_text_encoder "never"); ComfyUI's manager has no such setting.
     `comfy_model`: inside ComfyUI, makes the model the patcher wraps (the DiT's `Qwen21ComfyModel`, the MODEL);
     others are wrapped in a plain `Qwen21Weights`.
+    `merge_loras` (the DiT's): brings the weights to a LoRA stack once they are placed; `loras` is this handle's
+    stack (`with_loras`). Inside ComfyUI the patcher does it as part of loading, with ComfyUI's own patches after
+    ours, through the same call.
     """
 
     def __init__(
@@ -106,11 +125,14 @@ class ManagedModules:
         on_unload: Callable[[], None] | None = None,
         streamable: StreamableStack | None = None,
         comfy_model: Callable[[], torch.nn.Module] | None = None,
+        merge_loras: Callable[[tuple], None] | None = None,
     ):
         self.modules = modules
         self.load_device = torch.device(load_device)
         self.streamable = streamable
         self.on_unload = on_unload
+        self.merge_loras = merge_loras
+        self.loras: tuple = ()
         self.full_bytes = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters())
         self.name = "+".join(modules)  # for logs: "transformer", "text_encoder", "vae"
         self.evictable = True
@@ -121,33 +143,38 @@ class ManagedModules:
 
     def with_loras(self, stack: tuple) -> ManagedModules:
         """The same modules for a handle whose DiT runs with the LoRA `stack`: inside ComfyUI a clone of the patcher
-        carrying it (ComfyUI sees other weights, and merging them is part of loading), outside the same object."""
-        if self.patcher is None:
-            return self
+        carrying it (ComfyUI sees other weights, and merging them is part of loading)."""
         clone = object.__new__(ManagedModules)
         clone.__dict__.update(self.__dict__)
-        clone.patcher = self.patcher.clone_with_loras(stack)
+        clone.loras = tuple(stack)
+        if self.patcher is not None:
+            clone.patcher = self.patcher.clone_with_loras(clone.loras)
         return clone
 
     def load(self, memory_required: int = 0) -> None:
         """Put the modules on their device (partly, for a streamable stack that does not fit), evicting other
-        models if needed."""
+        models if needed, and bring the DiT's weights to this handle's LoRA stack."""
         if self.patcher is not None:
             host.comfy_mm.load_models_gpu([self.patcher], memory_required=int(memory_required),
                                           force_full_load=self.streamable is None)  # fmt: skip
-        else:
-            LOCAL.load(self, int(memory_required))
+            return
+        LOCAL.load(self, int(memory_required))
+        if self.merge_loras is not None:
+            self.merge_loras(self.loras)  # after placing: merging runs where the weights are
 
     def unload(self) -> None:
         """Move the modules off their device now (as ComfyUI does when it needs the room)."""
-        if self.patcher is not None:
-            for index, loaded in enumerate(host.comfy_mm.current_loaded_models):
-                if loaded.model.is_clone(self.patcher):
-                    host.comfy_mm.current_loaded_models.pop(index).model_unload()
-                    host.comfy_mm.soft_empty_cache()
-                    return
-        else:
+        if self.patcher is None:
             LOCAL.offload(self)
+            return
+        unload_one = getattr(host.comfy_mm, "unload_model_and_clones", None)  # newer ComfyUI
+        if unload_one is not None:
+            unload_one(self.patcher, unload_additional_models=False)
+        else:  # 0.3.64: ask its manager to free everything but the others
+            others = [loaded for loaded in host.comfy_mm.current_loaded_models
+                      if not loaded.model.is_clone(self.patcher)]  # fmt: skip
+            host.comfy_mm.free_memory(1e30, self.patcher.load_device, keep_loaded=others)
+        host.comfy_mm.soft_empty_cache()
 
     def released(self) -> None:
         """The modules left the device (the local manager calls it; ComfyUI's detach callback does the same)."""
@@ -178,8 +205,7 @@ class ManagedModules:
 
     def resident_for(self, weight_budget: int) -> int | None:
         """How many layers of the streamable stack fit `weight_budget` bytes of weights (None: all of them)."""
-        if self.streamable is None or weight_budget >= self.full_bytes:
+        if self.streamable is None:
             return None
         s = self.streamable
-        fixed = self.full_bytes - s.num_layers * s.layer_bytes + 2 * s.layer_bytes  # non-layer weights, 2 slots
-        return max(0, min(s.num_layers, (weight_budget - fixed) // s.layer_bytes))
+        return planner.resident_layers(weight_budget, self.full_bytes, s.layer_bytes, s.num_layers)

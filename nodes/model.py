@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ..qwen21_core.memory.out_of_memory import retry_out_of_memory
 from . import host, memory_adapter
 from .memory_adapter import ManagedModules
 from .preview import fit_latent_rgb
@@ -42,7 +43,8 @@ class Qwen21Model:
         self._preview_projection = [None]  # shared by the LoRA handles made from this one
         # the DiT's patcher wraps the ComfyUI MODEL (nodes/comfy_model.py): KSampler's and our sampler's weights
         self.transformer = ManagedModules({"transformer": pipe.transformer}, device, on_unload=unloaded,
-                                          streamable=pipe.transformer, comfy_model=self._comfy_model)  # fmt: skip
+                                          streamable=pipe.transformer, comfy_model=self._comfy_model,
+                                          merge_loras=self._merge_loras)  # fmt: skip
         # the text encoder and the VAE run where the loader put them (another GPU than the DiT's, perhaps)
         self.text_encoder = ManagedModules({"text_encoder": pipe.text_encoder.model}, pipe.text_encoder_device,
                                            streamable=pipe.text_encoder)  # fmt: skip
@@ -54,7 +56,11 @@ class Qwen21Model:
         # so its end says they are all gone: after POST /free, or when a changed loader input replaces it.
         where = pipe.sources.get("transformer", {}).get("path", "?")
         weakref.finalize(pipe.transformer, log.info, "Qwen21 model freed (%s)", os.path.basename(where)).atexit = False
-        self.loras: tuple = ()  # (LoraFile, strength) pairs this handle's DiT runs with
+
+    @property
+    def loras(self) -> tuple:
+        """(LoraFile, strength) pairs this handle's DiT runs with (merged when the DiT is placed for a run)."""
+        return self.transformer.loras
 
     def __repr__(self) -> str:
         loras = f", LoRAs {[(lora.path.name, s) for lora, s in self.loras]}" if self.loras else ""
@@ -67,12 +73,14 @@ class Qwen21Model:
         are brought to a handle's LoRAs right before its DiT runs (`sample`).
         """
         handle = copy.copy(self)
-        handle.loras = (*self.loras, (lora, float(strength)))
-        handle.transformer = self.transformer.with_loras(handle.loras)
+        handle.transformer = self.transformer.with_loras((*self.loras, (lora, float(strength))))
         return handle
 
+    def _merge_loras(self, stack: tuple) -> None:
+        self.pipe.set_loras(stack)
+
     def _comfy_model(self):
-        from .comfy_model import Qwen21ComfyModel  # inside ComfyUI only
+        from .comfy.model import Qwen21ComfyModel  # inside ComfyUI only
 
         return Qwen21ComfyModel(self.pipe, self.preview_projection)
 
@@ -85,7 +93,7 @@ class Qwen21Model:
         """Our VAE as a ComfyUI VAE (VAE Decode, VAE Encode take it); None outside ComfyUI."""
         if not host.IN_COMFYUI:
             return None
-        from .comfy_vae import Qwen21ComfyVAE
+        from .comfy.vae import Qwen21ComfyVAE
 
         return Qwen21ComfyVAE(self)
 
@@ -135,9 +143,9 @@ class Qwen21Model:
 
         def run():
             # the previous run's idle caches come back to this one (adopted or evicted): not counted as taken, or
-            # a rerun with a new seed would see them as used memory and stream part of the DiT
+            # a rerun with a new seed would see them as used memory and stream part of the DiT. Loading also brings
+            # the weights to this handle's LoRAs.
             self.transformer.load(max(0, needed - self.pipe.idle_cache_bytes()))
-            self.pipe.set_loras(self.loras)  # after load: merging runs where the weights are
             return self.pipe.sample_request(cond, request, options)
 
         what = (f"sampling {request.width}x{request.height} with {cond.num_images} condition images, batch "
@@ -145,31 +153,10 @@ class Qwen21Model:
         return self._retry_out_of_memory(run, what, needed)
 
     def _retry_out_of_memory(self, run, what: str, needed: int):
-        """run(); on an out-of-memory error, once more with less memory planned (caches and graphs released, the
-        budget lowered by a fifth, so more stays in host RAM), then a clear error that says what to lower."""
-        try:
-            return run()
-        except torch.OutOfMemoryError:
-            log.warning("out of GPU memory while %s; retrying once with a smaller memory budget", what)
-        self.pipe.release()
-        local = memory_adapter.LOCAL
-        saved = local.budget
-        if host.IN_COMFYUI:
-            host.comfy_mm.free_memory(int(needed * 1.2), self.device)
-        else:  # the local manager places fewer blocks, and the planner keeps more of the cache in host RAM
-            budget = local.budget if local.budget is not None else memory_adapter.device_capacity_bytes(self.device)
-            local.budget = int(budget * 0.8)
-        try:
-            return run()
-        except torch.OutOfMemoryError as error:
-            self.pipe.release()
-            raise MemoryError(
-                f"out of GPU memory while {what}, also after a retry with a fifth less memory planned. Lower the "
-                "output size, the number of condition images or the batch; use kv_cache fp8 or kv_placement cpu, "
-                "weight_dtype fp8 or int8; or free GPU memory (close other models)."
-            ) from error
-        finally:
-            local.budget = saved
+        """run(); an out-of-memory error is retried once with less memory planned (qwen21_core/memory/
+        out_of_memory.py: caches and graphs released first), then named with what to lower."""
+        return retry_out_of_memory(run, what, lambda: self.pipe.release(),
+                                   lambda: memory_adapter.smaller_plan(self.device, needed))  # fmt: skip
 
     def _kv_estimate(self, cond, request, options) -> str:
         """The K/V placement to ask the memory manager's room for (memory/manager.py expected_kv_placement)."""

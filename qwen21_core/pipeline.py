@@ -212,15 +212,17 @@ class Qwen21Pipeline:
         self.decode_graphs.end_generation()
         self.prefill_graphs.end_generation()
 
-    def velocity_run(self, cond: Conditioning, height: int, width: int, rows: int, true_cfg_scale: float = 1.0,
+    def velocity_run(self, cond: Conditioning, height: int, width: int, rows: int, guided: bool = False,
                      options: SampleOptions | None = None) -> VelocityRun:  # fmt: skip
         """Velocities for another sampler's loop (ComfyUI's KSampler): see velocity.py. `cond`, the size, the rows
-        of one call and the guidance say how much memory to plan for; several GPUs are not used (parallel off).
-        Close the run when the loop ends (`run.close()`): its stats become `last_sample_stats`."""
+        of one call and whether a negative branch runs beside (`guided`) say how much memory to plan for; several
+        GPUs are not used (parallel off). Close the run when the loop ends (`run.close()`): its stats become
+        `last_sample_stats`."""
         options = (options or SampleOptions()).replace(parallel="off")
-        # that loop's latents may be any multiple of 16 pixels: rounded up to the request's 32, they plan a bit more
+        # that loop's latents may be any multiple of 16 pixels: rounded up to the request's 32, they plan a bit more;
+        # its guidance scale is its own (any value): the request only needs to know whether two branches run
         request = SampleRequest(height=-(-height // 32) * 32, width=-(-width // 32) * 32, batch_size=rows,
-                                true_cfg_scale=true_cfg_scale)  # fmt: skip
+                                true_cfg_scale=2.0 if guided else 1.0)  # fmt: skip
         sampler, plan = self._sampler(cond, request, options, None)
         sampler.stats.prefix_cache = "on" if sampler.prefix_cache else "off"
         if self.device.type == "cuda":

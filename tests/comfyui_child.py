@@ -215,12 +215,12 @@ def check_vae():
     cond, *_ = encode(handle)
     latent = {"samples": ours(handle, cond)}
     (image,) = comfy_nodes.VAEDecode().decode(vae, latent)
-    rgb, mask = OURS["Qwen21VAEDecode"]().decode(handle, latent, "auto", 0, "auto", "exact")["result"]
+    rgb, _alpha = OURS["Qwen21VAEDecode"]().decode(handle, latent, "auto", 0, "auto", "exact")["result"]
     (tiled,) = comfy_nodes.VAEDecodeTiled().decode(vae, latent, 64, 32)
     (encoded,) = comfy_nodes.VAEEncode().encode(vae, image)
     (ours_encoded,) = OURS["Qwen21VAEEncode"]().encode(handle, image[..., :3])
-    emit(check="vae", channels=image.shape[-1], rgb=(image[..., :3] - rgb).abs().max().item(),
-         alpha=(image[..., 3] - (1 - mask)).abs().max().item(), tiled_finite=bool(torch.isfinite(tiled).all()),
+    emit(check="vae", channels=image.shape[-1], rgb=(image - rgb).abs().max().item(),
+         tiled_finite=bool(torch.isfinite(tiled).all()),
          tiled_shape=list(tiled.shape),
          encode=(encoded["samples"] - ours_encoded["samples"]).abs().max().item())  # fmt: skip
 
@@ -271,6 +271,161 @@ def check_sdxl_lora():
     except Exception as raised:  # noqa: BLE001 - the message is the measurement
         error = f"{type(raised).__name__}: {raised}"
     emit(check="sdxl_lora", keys_not_loaded=LORA_KEYS_NOT_LOADED[:], error=error)
+
+
+def ksampler(model, positive, negative, latent, cfg=1.0, seed=7, steps=3, sampler="euler", scheduler="simple"):
+    (out,) = comfy_nodes.KSampler().sample(model, seed, steps, cfg, sampler, scheduler, positive, negative, latent)
+    return out["samples"]
+
+
+def check_object_patch_leak():
+    """An object patch (ModelSamplingAuraFlow's shift) on one clone must not reach the plain MODEL: the plain MODEL
+    after the patched clone ran gives its own latent again, bit for bit."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingAuraFlow
+
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    plain = ksampler(model, positive, negative, latent)
+    (shifted,) = ModelSamplingAuraFlow().patch_aura(model, 6.0)
+    patched = ksampler(shifted, positive, negative, latent)
+    again = ksampler(model, positive, negative, latent)
+    emit(check="object_patch_leak", patched_effect=(patched - plain).abs().max().item(),
+         plain_again=(again - plain).abs().max().item())  # fmt: skip
+
+
+def check_negative_left_alone():
+    """At cfg 1 KSampler never uses the negative: it stays unencoded (no text-encoder load inside the run); at cfg 4
+    it is encoded once, before the run; a cfg below 1 (a legitimate ComfyUI setting) runs too."""
+    from qwen21_nodes.nodes.comfy.conditioning import unencoded_negative
+
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle, negative="")
+    entry = {"cross_attn": negative[0][0], **negative[0][1]}
+    encodes = []
+    original = handle.pipe.encode_negative
+    handle.pipe.encode_negative = lambda cond: encodes.append(1) or original(cond)
+    ksampler(model, positive, negative, latent, cfg=1.0)
+    after_cfg1 = len(encodes)
+    pending_after_cfg1 = unencoded_negative(entry) is not None and entry["qwen21"].emitted is None
+    guided = ksampler(model, positive, negative, latent, cfg=4.0)
+    ksampler(model, positive, negative, latent, cfg=4.0, seed=8)
+    low = ksampler(model, positive, negative, latent, cfg=0.5)
+    emit(check="negative_left_alone", encodes_at_cfg1=after_cfg1, pending_after_cfg1=pending_after_cfg1,
+         encodes_after_cfg4_twice=len(encodes), finite=bool(torch.isfinite(guided).all() and torch.isfinite(low).all()))
+
+
+def check_empty_latents():
+    """ComfyUI's Empty Latent Image and EmptySD3LatentImage on our MODEL: the size asked for, or a named error."""
+    from comfy_extras.nodes_sd3 import EmptySD3LatentImage
+
+    handle, model, vae = load()
+    _cond, _w, _h, positive, negative, _latent = encode(handle)
+    sizes, errors = {}, {}
+    makers = {"EmptyLatentImage": lambda w, h: comfy_nodes.EmptyLatentImage().generate(w, h, 1)[0],
+              "EmptySD3LatentImage": lambda w, h: _first(EmptySD3LatentImage.execute(w, h, 1))}  # fmt: skip
+    for name, make in makers.items():
+        for width, height in ((256, 256), (256, 160), (200, 136)):
+            key = f"{name}/{width}x{height}"
+            try:
+                samples = ksampler(model, positive, negative, make(width, height), steps=1)
+                (image,) = comfy_nodes.VAEDecode().decode(vae, {"samples": samples})
+                sizes[key] = list(image.shape)
+            except Exception as error:  # noqa: BLE001 - the message is the measurement
+                errors[key] = f"{type(error).__name__}: {error}"
+    emit(check="empty_latents", sizes=sizes, errors=errors)
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output.result[0]
+
+
+def check_unet_patches():
+    """FreeU reads a UNet setting from the model config: refused by name at the node, and the MODEL still works."""
+    from comfy_extras.nodes_freelunch import FreeU_V2
+
+    handle, model, _vae = load()
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    try:
+        FreeU_V2().patch(model, 1.3, 1.4, 0.9, 0.2)
+        error = None
+    except Exception as raised:  # noqa: BLE001 - the message is the measurement
+        error = f"{type(raised).__name__}: {raised}"
+    emit(check="unet_patches", error=error, is_key_error=error is not None and error.startswith("UNetPatchError"),
+         after_finite=bool(torch.isfinite(ksampler(model, positive, negative, latent)).all()))
+
+
+def check_alpha_not_rank():
+    """A LoRA whose alpha is not its rank, through ComfyUI's loader and Qwen21 Load LoRA: the merged weight is
+    W + strength * alpha / rank * up @ down (fp32, computed here), and the plain MODEL gets W back exactly."""
+    from qwen21_nodes.qwen21_core.lora.merge import lora_layers
+    from safetensors.torch import save_file
+
+    handle, model, _vae = load()
+    transformer = handle.pipe.transformer
+    slots = lora_layers(transformer)
+    layer, rank, alpha, strength = "transformer_blocks.0.attn.to_q", 4, 3.0, 0.5
+    slot = slots[layer]
+    generator = torch.Generator().manual_seed(5)
+    up = torch.randn(slot.shape[0], rank, generator=generator)
+    down = torch.randn(rank, slot.shape[1], generator=generator)
+    path = SCRATCH / "models" / "loras" / "alpha_not_rank.safetensors"
+    save_file({f"diffusion_model.{layer}.lora_up.weight": up, f"diffusion_model.{layer}.lora_down.weight": down,
+               f"diffusion_model.{layer}.alpha": torch.tensor(alpha)}, str(path))  # fmt: skip
+
+    def weight():
+        return transformer.get_parameter(slot.param)[slot.rows].detach().clone()
+
+    comfy.model_management.load_models_gpu([model])
+    original = weight()
+    expected = original + strength * alpha / rank * (up @ down)
+    (theirs,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, path.name, strength)
+    comfy.model_management.load_models_gpu([theirs])
+    through_comfy = weight()
+    (ours_handle,) = OURS["Qwen21LoraLoader"]().load(handle, path.name, strength)
+    comfy.model_management.load_models_gpu([ours_handle.comfy_model])
+    through_ours = weight()
+    comfy.model_management.load_models_gpu([model])
+    scale = (expected - original).abs().max().item()
+    emit(check="alpha_not_rank", comfy=(through_comfy - expected).abs().max().item() / scale,
+         ours=(through_ours - expected).abs().max().item() / scale,
+         plain_again=(weight() - original).abs().max().item())  # fmt: skip
+
+
+def check_conditioning_combine():
+    """ConditioningCombine of two different prompts through KSampler (cfg 1, and cfg 4 with a negative): ComfyUI
+    averages the two predictions; the reference computes each prompt's velocity in a run of its own (our math per
+    conditioning, nothing shared between them), inside the same KSampler loop."""
+    import comfy.patcher_extension
+    from qwen21_nodes.nodes.comfy.sampling import RUN_KEY
+
+    handle, model, _vae = load()
+    _c1, _w, _h, first, negative, latent = encode(handle, "a red apple on a table")
+    _c2, _w, _h, second, _negative, _latent = encode(handle, "a blue car in the rain")
+    (combined,) = comfy_nodes.ConditioningCombine().combine(first, second)
+
+    def one_run_per_conditioning(executor, x, timestep, context, control, transformer_options, **kwargs):
+        chunks = kwargs["qwen21"].conds
+        rows = x.shape[0] // len(chunks)
+        options = {k: v for k, v in transformer_options.items() if k != RUN_KEY}
+        sides = transformer_options.get("cond_or_uncond") or [0] * len(chunks)
+        out = []
+        for index, cond in enumerate(chunks):
+            part = slice(index * rows, (index + 1) * rows)
+            single = kwargs["qwen21"].__class__([cond])
+            out.append(executor(x[part], timestep[part], context, control,
+                                {**options, "cond_or_uncond": [sides[index]]}, **{**kwargs, "qwen21": single}))
+        return torch.cat(out)
+
+    reference = model.clone()
+    reference.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "reference",
+                                   one_run_per_conditioning)  # fmt: skip
+    out = {}
+    for cfg in (1.0, 4.0):
+        got = ksampler(model, combined, negative, latent, cfg=cfg)
+        expected = ksampler(reference, combined, negative, latent, cfg=cfg)
+        alone = ksampler(model, first, negative, latent, cfg=cfg)
+        out[f"cfg{cfg:g}"] = {"relative": relative(got, expected), "effect": relative(alone, expected)}
+    emit(check="conditioning_combine", **out)
 
 
 def main() -> int:

@@ -290,8 +290,8 @@ OUR_SAMPLER_WORKFLOWS = [path for path in API_WORKFLOWS if path not in KSAMPLER_
 
 @pytest.mark.parametrize("path", KSAMPLER_WORKFLOWS, ids=[p.stem for p in KSAMPLER_WORKFLOWS])
 def test_ksampler_workflow_runs_on_our_model_and_images_come_back(server, path):
-    """KSampler (and LoraLoaderModelOnly, VAE Decode, Save Image) on the loader's MODEL and VAE: RGBA images come
-    back, the prefix computed once per conditioning (the log line our sampling wrapper writes)."""
+    """KSampler (and LoraLoaderModelOnly, VAE Decode, Save Image) on the loader's MODEL and VAE: RGB images come
+    back (ComfyUI's IMAGE), the prefix computed once per conditioning (the log line our sampling wrapper writes)."""
     prompt = tiny_prompt(path, server.models)
     saver = find_node(prompt, "SaveImage")
     prompt[saver]["inputs"]["filename_prefix"] = f"test_{path.stem}_{uuid.uuid4().hex[:6]}"
@@ -300,10 +300,30 @@ def test_ksampler_workflow_runs_on_our_model_and_images_come_back(server, path):
     assert entry["status"]["status_str"] == "success", failure_report(entry, server)
     (image,) = entry["outputs"][saver]["images"]
     with fetch_png(server, image) as picture:
-        assert picture.mode == "RGBA" and all(side % 32 == 0 for side in picture.size)
+        assert picture.mode == "RGB" and all(side % 32 == 0 for side in picture.size)
     steps = prompt[find_node(prompt, "KSampler")]["inputs"]["steps"]
     assert f"qwen21: {steps} model calls, 1 prefix computations" in server.log()[mark:], server.log()[mark:][-3000:]
     assert "Requested to load Qwen21ComfyModel" in server.log()
+
+
+@pytest.mark.parametrize("node", ["EmptyLatentImage", "EmptySD3LatentImage"])
+def test_comfyuis_empty_latent_gives_the_size_asked_for_or_a_named_error(server, node):
+    """ComfyUI's own empty latents make 1/8 latents of another model's channels; on our MODEL the image has the
+    size asked for (not twice the side), and a size 16-pixel steps cannot give is refused by name."""
+    prompt = tiny_prompt(WORKFLOWS_DIR / "api" / "ksampler_text_to_image.json", server.models)
+    sampler, saver = find_node(prompt, "KSampler"), find_node(prompt, "SaveImage")
+    prompt["91"] = {"class_type": node, "inputs": {"width": 256, "height": 160, "batch_size": 1}}
+    prompt[sampler]["inputs"]["latent_image"] = ["91", 0]
+    prompt[saver]["inputs"]["filename_prefix"] = f"test_empty_{uuid.uuid4().hex[:6]}"
+    entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "success", failure_report(entry, server)
+    (image,) = entry["outputs"][saver]["images"]
+    with fetch_png(server, image) as picture:
+        assert picture.size == (256, 160)
+    prompt["91"]["inputs"].update(width=200, height=136)
+    failure = run_to_error(server, prompt)
+    assert failure["node_type"] == "KSampler" and "200x136 px" in failure["exception_message"]
+    assert "steps of 16 px" in failure["exception_message"]
 
 
 def test_a_model_patch_that_cannot_apply_is_named_and_the_next_ksampler_run_works(server):

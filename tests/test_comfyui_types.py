@@ -16,7 +16,9 @@ import pytest
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
 CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
-          "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora")  # fmt: skip
+          "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora",
+          "object_patch_leak", "negative_left_alone", "empty_latents", "unet_patches", "alpha_not_rank",
+          "conditioning_combine")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -65,7 +67,7 @@ def test_ksampler_runs_every_listed_sampler_and_scheduler(results):
     line = result(results, "ksampler_matrix")
     assert len(line["results"]) == 13 and all(line["results"].values()), line["results"]
     assert line["shape"][1] == 64
-    assert line["wide_latent"] == [2, 64, 4, 6] and line["wide_image"] == [2, 64, 96, 4]  # Qwen21 Empty Latent
+    assert line["wide_latent"] == [2, 64, 4, 6] and line["wide_image"] == [2, 64, 96, 3]  # Qwen21 Empty Latent
 
 
 def test_ksamplers_simple_schedule_is_the_released_one_at_1024_but_its_terminal_stretch(results):
@@ -93,8 +95,8 @@ def test_comfyuis_conditioning_nodes_work_on_ours(results):
 
 def test_our_vae_is_a_comfyui_vae(results):
     line = result(results, "vae")
-    assert line["channels"] == 4 and line["rgb"] == 0 and line["alpha"] <= 1e-6  # MASK is 1 - alpha, rounded
-    assert line["tiled_finite"] and line["tiled_shape"][-1] == 4
+    assert line["channels"] == 3 and line["rgb"] == 0  # ComfyUI's IMAGE is RGB; Qwen21 VAE Decode gives the alpha
+    assert line["tiled_finite"] and line["tiled_shape"][-1] == 3
     assert line["encode"] <= 1e-5
 
 
@@ -119,3 +121,44 @@ def test_stacked_comfyui_loras_and_a_changed_strength_land_as_our_chain_does(res
     for case in ("0.7+0.4", "0.7+-0.2"):
         assert line[case]["effect"] > 1e-3 and line[case]["difference"] <= 1e-6 * max(1.0, line[case]["effect"])
     assert line["plain_again"] == 0
+
+
+def test_an_object_patch_on_one_clone_never_reaches_another(results):
+    line = result(results, "object_patch_leak")
+    assert line["patched_effect"] > 1e-4  # the shift changed the clone's image
+    assert line["plain_again"] == 0  # and the plain MODEL, run after it, gives its own latent bit for bit
+
+
+def test_the_negative_is_encoded_only_where_the_guidance_uses_it(results):
+    line = result(results, "negative_left_alone")
+    assert line["encodes_at_cfg1"] == 0 and line["pending_after_cfg1"]
+    assert line["encodes_after_cfg4_twice"] == 1  # once per conditioning, whatever the runs
+    assert line["finite"]  # cfg below 1 is ComfyUI's business: it runs
+
+
+def test_comfyuis_empty_latents_give_the_size_asked_for_or_a_named_error(results):
+    line = result(results, "empty_latents")
+    for node in ("EmptyLatentImage", "EmptySD3LatentImage"):
+        assert line["sizes"][f"{node}/256x256"] == [1, 256, 256, 3]
+        assert line["sizes"][f"{node}/256x160"] == [1, 160, 256, 3]
+        error = line["errors"][f"{node}/200x136"]
+        assert error.startswith("EmptyLatentSizeError") and "200x136 px" in error and "208x144" in error
+
+
+def test_a_unet_patch_is_refused_by_name(results):
+    line = result(results, "unet_patches")
+    assert line["is_key_error"] and "FreeU" in line["error"] and "'model_channels'" in line["error"]
+    assert line["after_finite"]
+
+
+def test_a_lora_whose_alpha_is_not_its_rank_lands_scaled_through_both_loaders(results):
+    line = result(results, "alpha_not_rank")
+    assert line["comfy"] <= 1e-5 and line["ours"] <= 1e-5  # relative to the LoRA's own change of the weight
+    assert line["plain_again"] == 0
+
+
+def test_two_combined_prompts_through_ksampler_match_our_math_per_prompt(results):
+    line = result(results, "conditioning_combine")
+    for cfg in ("cfg1", "cfg4"):
+        assert line[cfg]["relative"] <= 1e-5, line
+        assert line[cfg]["effect"] > 1e-4  # the second prompt matters: sharing one branch would show

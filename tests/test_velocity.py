@@ -41,7 +41,7 @@ def comfy_euler(pipe, cond, noise, steps, cfg=1.0, batched=True):
     device = pipe.device  # ComfyUI keeps the latents on the model's device between steps
     sigmas, _ = partial_schedule(pipe.scheduler_config, h * w, steps, 1.0)
     sigmas = sigmas.to(device)
-    run = pipe.velocity_run(cond, h * 16, w * 16, noise.shape[0], true_cfg_scale=cfg)
+    run = pipe.velocity_run(cond, h * 16, w * 16, noise.shape[0], guided=cfg > 1)
     mean = torch.tensor(pipe.vae.config.latents_mean, device=device).view(1, -1, 1, 1)
     std = torch.tensor(pipe.vae.config.latents_std, device=device).view(1, -1, 1, 1)
     x = noise.to(device, torch.float32) * sigmas[0]

@@ -88,6 +88,29 @@ def device_free_bytes(device: torch.device, budget: int | None = None) -> int:
     return max(0, min(limits))
 
 
+def device_capacity_bytes(device, budget: int | None = None, manager_total: int | None = None) -> int:
+    """All the memory our models may have on `device`: what a memory manager says the device has (ComfyUI's total,
+    which --reserve-vram lowers), else the device's size under a per-process cap, and within `budget`."""
+    device = indexed_device(device)
+    if device.type != "cuda":
+        return 2**62
+    if manager_total is not None:
+        total = int(manager_total)
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        total = int(total * torch.cuda.get_per_process_memory_fraction(device))
+    return total if budget is None else min(total, int(budget))
+
+
+def resident_layers(weight_budget: int, full_bytes: int, layer_bytes: int, num_layers: int) -> int | None:
+    """How many layers of a streamable stack (full_bytes in all, num_layers of layer_bytes) fit `weight_budget`
+    bytes of weights on the device (None: all of them). Its other weights and two staging slots come first."""
+    if weight_budget >= full_bytes:
+        return None
+    fixed = full_bytes - num_layers * layer_bytes + 2 * layer_bytes
+    return max(0, min(num_layers, (weight_budget - fixed) // max(1, layer_bytes)))
+
+
 HOST_RESERVE_BYTES = 4 * 2**30  # RAM left to the OS, ComfyUI and the models it parks there
 
 

@@ -7,8 +7,10 @@ conversion (and keeps the content hash) while they are unchanged. Plain data and
 the encode node builds these outside ComfyUI too.
 
 The negative prompt stays lazy as it is in our own sampler: Qwen21 Encode's negative CONDITIONING holds a
-placeholder of the right shape and a `PendingNegative`; the MODEL's sampling wrapper encodes it only when guidance
-will use it (cfg other than 1), once per conditioning.
+placeholder of the right shape and a `PendingNegative`; the MODEL's sampling wrapper (nodes/comfy/sampling.py)
+encodes it only when guidance will use it (cfg other than 1), once per conditioning, before the DiT is loaded.
+Unused, it stays unencoded: the model is handed the PendingNegative itself, and refuses it if it is ever asked
+for it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..qwen21_core.conditioning import (
+from ...qwen21_core.conditioning import (
     Conditioning,
     PendingPrompt,
     content_digest,
     context_without_slots,
     prompt_with_slots,
 )
-from ..qwen21_core.request import LATENT_SCALE
+from ...qwen21_core.request import LATENT_SCALE
 
 log = logging.getLogger(__name__)
 
@@ -110,26 +112,34 @@ def conditioning_entries(handle, cond: Conditioning, device) -> tuple[list, list
     return positive, [[placeholder, {**extras, MARKER: pending}]]
 
 
+def unencoded_negative(entry: dict) -> PendingNegative | None:
+    """The entry's negative prompt if it is still pending (its context the placeholder, not changed by a node)."""
+    marker = entry.get(MARKER)
+    if isinstance(marker, PendingNegative) and entry.get("cross_attn") is marker.placeholder:
+        return marker
+    return None
+
+
 def resolve_pending(entry: dict) -> bool:
     """Encode an entry's pending negative in place (its context, marker); False if it had none or was changed."""
-    marker = entry.get(MARKER)
-    if not isinstance(marker, PendingNegative) or entry.get("cross_attn") is not marker.placeholder:
+    marker = unencoded_negative(entry)
+    if marker is None:
         return False
     emitted = marker.resolve()
     entry["cross_attn"], entry[MARKER] = emitted.context, emitted
     return True
 
 
-def conditioning_from_entry(entry: dict, pipe) -> Conditioning:
+def conditioning_from_entry(entry: dict, pipe) -> Conditioning | PendingNegative:
     """Our Conditioning for one CONDITIONING entry as ComfyUI hands it to the model (the dict, its tensor under
-    `cross_attn`). Refuses, by name, what is not a Qwen-Image-2.1 conditioning."""
+    `cross_attn`); a negative left unencoded (the guidance does not use it) as its PendingNegative. Refuses, by
+    name, what is not a Qwen-Image-2.1 conditioning."""
+    pending = unencoded_negative(entry)
+    if pending is not None:
+        return pending
     context = entry.get("cross_attn")
     references = entry.get("reference_latents")
     marker = entry.get(MARKER)
-    if isinstance(marker, PendingNegative) and context is marker.placeholder:
-        log.info("Qwen21: encoding the negative prompt now (the sampler uses it)")
-        resolve_pending(entry)
-        context, marker = entry["cross_attn"], entry[MARKER]
     if isinstance(marker, Emitted) and context is marker.context and references is marker.references:
         return marker.cond
     return conditioning_from_tensors(context, entry, pipe)

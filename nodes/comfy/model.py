@@ -1,5 +1,6 @@
 """Our DiT behind ComfyUI's own MODEL type, so KSampler, every ComfyUI sampler and scheduler, and custom sampling
-nodes drive it. Imported only inside ComfyUI (nodes/memory_adapter.py builds the patcher around this model).
+nodes drive it. Imported only inside ComfyUI (nodes/memory_adapter.py builds the patcher,
+nodes/comfy/patcher.py, around this model).
 
 - `Qwen21ComfyModel` is a `comfy.model_base.BaseModel` with flow-matching model sampling (ComfyUI's
   ModelSamplingFlux + CONST, as native Qwen-Image-2.1 uses: timestep = sigma, the exponential time shift of the
@@ -7,11 +8,12 @@ nodes drive it. Imported only inside ComfyUI (nodes/memory_adapter.py builds the
   Its `extra_conds` turns each CONDITIONING into our Conditioning; its state dict is a view of LoRA-addressable layer
   names, so ComfyUI's LoRA loaders find our layers (memory_adapter's patcher merges their patches through ours).
 - `Qwen21Diffusion` is the diffusion_model ComfyUI calls once per model evaluation: it splits the batch into the
-  conditionings ComfyUI put together and asks one `VelocityRun` (qwen21_core/velocity.py) per sampling run for their
-  velocity: the prefix K/V once per conditioning, decode steps replayed from CUDA graphs.
+  conditionings ComfyUI put together and asks the run's `SamplingRun` (nodes/comfy/sampling.py, carried in the run's
+  transformer_options) for their velocity: the prefix K/V once per conditioning, decode steps replayed from CUDA
+  graphs. It keeps no state of a run.
 - `Qwen21Cond` is the model condition carrying our Conditioning; cond and uncond may batch into one call.
-- `Qwen21LatentFormat`: 64 channels at 1/16, normalised with the loaded VAE's mean and std; live previews project
-  the latents to RGB with factors fitted from the VAE on first use.
+- `Qwen21LatentFormat` (nodes/comfy/latents.py): 64 channels at 1/16, normalised with the loaded VAE's mean and std;
+  ComfyUI's own empty latents are sized for it there.
 
 CONDITIONING layout (native ComfyUI's for Qwen-Image-2.1, so ours and native's are interchangeable):
 `[[context [1, L, 4096] (hidden states without the image-pad rows), {"image_slots": [...], "reference_latents":
@@ -33,62 +35,20 @@ import comfy.patcher_extension
 import comfy.supported_models_base
 import torch
 
-from ..qwen21_core.lora.merge import lora_layers
-from ..qwen21_core.options import SampleOptions
-from ..qwen21_core.request import LATENT_SCALE
-from ..qwen21_core.scheduler import resolution_shift
-from ..qwen21_core.velocity import Part
-from . import memory_adapter
-from .comfy_conditioning import conditioning_from_entry
+from ...qwen21_core.errors import stable_name
+from ...qwen21_core.lora.comfy_patches import comfy_patches_as_stack
+from ...qwen21_core.lora.merge import lora_layers
+from ...qwen21_core.options import SampleOptions
+from ...qwen21_core.scheduler import resolution_shift
+from .. import memory_adapter
+from .conditioning import conditioning_from_entry, unencoded_negative
+from .latents import Qwen21LatentFormat, size_empty_latents
+from .sampling import RUN_KEY, SamplingRun
 
 log = logging.getLogger(__name__)
 
 DIFFUSION_PREFIX = "diffusion_model."
 REFERENCE_SIDE_TOKENS = 64  # 1024 px / 16: the size KSampler's fixed shift is exact for
-
-
-class Qwen21LatentFormat(comfy.latent_formats.LatentFormat):
-    """The loaded VAE's latent space: raw [B, 64, H/16, W/16] latents travel between nodes (as native 2.1's do);
-    sampling runs on them normalised with the VAE's latents_mean / latents_std."""
-
-    latent_channels = 64
-    latent_dimensions = 2
-    spacial_downscale_ratio = 16
-
-    def __init__(self, mean, std, fit_rgb):
-        self.latents_mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.latents_std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        self._fit_rgb = fit_rgb  # () -> (factors [64, 3], bias [3]) for raw latents
-        self._rgb = None
-
-    def _check(self, latent):
-        if latent.dim() != 4 or latent.shape[1] != self.latent_channels:
-            raise ValueError(f"Qwen21 MODEL: the LATENT is {list(latent.shape)}; Qwen-Image-2.1 latents are [B, "
-                             f"{self.latent_channels}, H/16, W/16] (Qwen21 Encode's latent output, Qwen21 VAE Encode, "
-                             "or VAE Encode with the Qwen21 VAE)")  # fmt: skip
-        return latent
-
-    def process_in(self, latent):
-        return (self._check(latent) - self.latents_mean.to(latent)) / self.latents_std.to(latent)
-
-    def process_out(self, latent):
-        return self._check(latent) * self.latents_std.to(latent) + self.latents_mean.to(latent)
-
-    def _normalised_rgb(self):
-        """The previewer's factors for normalised latents: raw = z * std + mean folded into the fitted projection."""
-        if self._rgb is None:
-            factors, bias = self._fit_rgb()
-            std, mean = self.latents_std.view(-1, 1), self.latents_mean.view(1, -1)
-            self._rgb = ((factors * std).tolist(), (mean @ factors + bias).view(-1).tolist())
-        return self._rgb
-
-    @property
-    def latent_rgb_factors(self):
-        return self._normalised_rgb()[0]
-
-    @property
-    def latent_rgb_factors_bias(self):
-        return self._normalised_rgb()[1]
 
 
 @dataclass
@@ -119,7 +79,27 @@ def _model_config(pipe):
         memory_usage_factor = 0.0  # our memory_required counts what a run allocates
         supported_inference_dtypes = [torch.bfloat16, torch.float16, torch.float32]
 
-    return Qwen21Config({"disable_unet_model_creation": True})  # the diffusion model is ours
+    config = Qwen21Config({"disable_unet_model_creation": True})  # the diffusion model is ours
+    config.unet_config = TransformerConfig(config.unet_config)
+    return config
+
+
+@stable_name
+class UNetPatchError(KeyError):
+    """A node read a UNet's setting from our model's config (FreeU and the like): such patches cannot apply."""
+
+    def __str__(self) -> str:  # a KeyError shows its key quoted; this is a message
+        return str(self.args[0])
+
+
+class TransformerConfig(dict):
+    """The model config's `unet_config`: nodes that patch a UNet read its settings by key (FreeU reads
+    'model_channels'); ours has none, and such a read is refused by name (a KeyError, as those nodes expect)."""
+
+    def __missing__(self, key):
+        raise UNetPatchError(f"Qwen21 MODEL: this node reads {key!r} of a UNet model's config (FreeU and other UNet "
+                             "patches do); Qwen-Image-2.1's diffusion model is a transformer, where such patches "
+                             "cannot apply: remove the node")  # fmt: skip
 
 
 class Qwen21ComfyModel(comfy.model_base.BaseModel):
@@ -129,8 +109,10 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
         self.latent_format = self.model_config.latent_format = Qwen21LatentFormat(vae.latents_mean, vae.latents_std,
                                                                                  fit_rgb)  # fmt: skip
         self.diffusion_model = Qwen21Diffusion(pipe)
+        size_empty_latents()  # ComfyUI's Empty Latent Image gives the size asked for with this model
         self.memory_usage_factor_conds = ()
         self._lora_view = None
+        self._converted: tuple = (None, ())  # (patches_uuid, ComfyUI's patches as our stack)
 
     @property
     def pipe(self):
@@ -149,9 +131,9 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
 
     def extra_conds_shapes(self, **kwargs):
         """The prefix length of each conditioning (text rows and 4 rows per image slot): what memory_required sizes
-        the K/V caches with."""
-        context = kwargs.get("cross_attn")  # a pending negative's placeholder has its shape
-        if context is None or context.dim() != 3:
+        the K/V caches with. A negative left unencoded (the guidance does not use it) takes no room."""
+        context = kwargs.get("cross_attn")
+        if context is None or context.dim() != 3 or unencoded_negative(kwargs) is not None:
             return {}
         rows = context.shape[1]
         latents = kwargs.get("reference_latents") or ()
@@ -173,9 +155,13 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
 
     # ---- LoRAs ----------------------------------------------------------------------------------------------
 
-    def apply_lora_stack(self, stack) -> None:
-        """Bring the weights to `stack` through our merge (the patcher calls it when it loads)."""
-        self.pipe.set_loras(stack)
+    def apply_lora_stack(self, ours: tuple, patches: dict, patches_uuid) -> None:
+        """Bring the weights to our LoRA node's stack (`ours`) followed by ComfyUI's weight patches, through our
+        merge in one call (the patcher calls it when it loads). ComfyUI's patches are converted once per patch
+        set."""
+        if self._converted[0] != patches_uuid:
+            self._converted = (patches_uuid, tuple(comfy_patches_as_stack(patches, self.lora_slots(), patches_uuid)))
+        self.pipe.set_loras((*ours, *self._converted[1]))
 
     def lora_slots(self) -> dict:
         """Every LoRA-addressable layer (checkpoint names, and the fused to_qkv / gate_up) -> where its weight lives
@@ -197,15 +183,13 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
 
 
 class Qwen21Diffusion(torch.nn.Module):
-    """The diffusion model ComfyUI calls: (x, sigma, our conditions) -> velocity, through one VelocityRun per
-    sampling run (opened at the run's first call, closed by the patcher when the run ends)."""
+    """The diffusion model ComfyUI calls: (x, sigma, our conditions) -> velocity, through the sampling run's
+    `SamplingRun`, which ComfyUI hands over in `transformer_options`."""
 
     def __init__(self, pipe):
         super().__init__()
         self.transformer = pipe.transformer  # a child module: ComfyUI's model walks see our weights
         self.__dict__["pipe"] = pipe  # not a child: the pipeline is not a module
-        self.run = None
-        self.run_settings: dict = {}  # set by the patcher's sampling wrapper: {"cfg": ..., "rows": ...}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -248,31 +232,19 @@ class Qwen21Diffusion(torch.nn.Module):
         chunks = qwen21.conds
         if x.shape[0] % len(chunks):
             raise ValueError(f"Qwen21 MODEL: a batch of {x.shape[0]} rows cannot split into {len(chunks)} conditions")
-        rows = x.shape[0] // len(chunks)
         sides = list(transformer_options.get("cond_or_uncond") or [])
         roles = [("negative" if side == 1 else "positive") for side in sides] if len(sides) == len(chunks) else (
             ["positive"] * len(chunks))  # fmt: skip
-        run = self._run_for(x, chunks, rows, transformer_options)
-        parts = [Part(cond, role, rows) for cond, role in zip(chunks, roles, strict=True)]
-        return run.velocity(x, timestep, parts)
-
-    def _run_for(self, x, chunks, rows, transformer_options):
-        if self.run is None:
-            settings = self.run_settings
-            self.run = self.pipe.velocity_run(chunks[0], x.shape[-2] * LATENT_SCALE, x.shape[-1] * LATENT_SCALE,
-                                              settings.get("rows", rows), settings.get("cfg", 1.0),
-                                              self.options_for(transformer_options))  # fmt: skip
-        return self.run
-
-    def close_run(self) -> dict:
-        """End the current sampling run (the patcher calls it when ComfyUI's sampling ends, normally or not); the
-        run's stats."""
-        run, self.run = self.run, None
-        self.run_settings = {}
-        if run is None:
-            return {}
-        run.close()
-        return dict(self.pipe.last_sample_stats)
+        options = self.options_for(transformer_options)
+        run = transformer_options.get(RUN_KEY)
+        if isinstance(run, SamplingRun):
+            return run.velocity(self.pipe, x, timestep, chunks, roles, options)
+        # a call from outside ComfyUI's sampling (a node calling the model itself): a run of its own, one call long
+        run = SamplingRun(guided=len(set(roles)) > 1, rows=x.shape[0] // len(chunks))
+        try:
+            return run.velocity(self.pipe, x, timestep, chunks, roles, options)
+        finally:
+            run.close()
 
 
 def refuse_patches(control, transformer_options: dict) -> None:

@@ -2,9 +2,10 @@
 ComfyUI (the loaders make it there).
 
 Decoding is ours: the exact decode (bit-identical to the reference), tiled only when memory requires (VAE Decode) or
-when asked (VAE Decode (Tiled)), RGBA out as native Qwen-Image-2.1's VAE gives it: IMAGE [B, H, W, 4]. Qwen21 VAE
-Decode stays the node that gives the alpha as a MASK and offers the fast path. The weights load through the same
-memory adapter (nodes/memory_adapter.py) as with our own nodes.
+when asked (VAE Decode (Tiled)). VAE Decode gives ComfyUI's IMAGE, RGB [B, H, W, 3], so every image node downstream
+(blends, inverts, savers) sees what it expects; Qwen21 VAE Decode is the node that gives the alpha too (as a MASK)
+and offers the fast path. The weights load through the same memory adapter (nodes/memory_adapter.py) as with our
+own nodes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import comfy.sd
 import torch
 
-from . import host
+from .. import host
 
 SCALE = 16  # pixels per latent side
 
@@ -29,7 +30,7 @@ class Qwen21ComfyVAE(comfy.sd.VAE):
         self.downscale_ratio = self.upscale_ratio = SCALE
         self.latent_channels = vae.config.z_dim
         self.latent_dim = 2
-        self.output_channels = 4
+        self.output_channels = 3
         self.disable_offload = False
         self.extra_1d_channel = None
         self.not_video = True
@@ -45,13 +46,13 @@ class Qwen21ComfyVAE(comfy.sd.VAE):
 
     def decode(self, samples_in, vae_options={}):  # noqa: B006 - ComfyUI's signature
         rgba = self.handle.decode(self._latents(samples_in), tiling="auto", check_interrupt=host.check_interrupted)
-        return rgba.to(self.output_device, torch.float32)
+        return rgba[..., :3].to(self.output_device, torch.float32).contiguous()
 
     def decode_tiled(self, samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None):
         tile = max(tile_x or 0, tile_y or 0) * SCALE or None
         rgba = self.handle.decode(self._latents(samples), tiling="on", tile_size=tile,
                                   check_interrupt=host.check_interrupted)  # fmt: skip
-        return rgba.to(self.output_device, torch.float32)
+        return rgba[..., :3].to(self.output_device, torch.float32).contiguous()
 
     def vae_encode_crop_pixels(self, pixels):
         """Pixels cropped around the centre to multiples of 16 (what the encoder takes)."""
