@@ -5,6 +5,7 @@
     ... python benchmarks/bench_comfyui_session.py --tiny --device cpu --tail 1              # smoke test
     ... python benchmarks/bench_comfyui_session.py --limit 3 --pack-dir /tmp/old             # a restart's first images
     ... python benchmarks/bench_comfyui_session.py --samplers qwen21,ksampler                # KSampler on our MODEL
+    ... python benchmarks/bench_comfyui_session.py --samplers ksampler --caps none,24,16,12 --cfgs 1,4 --limit 12
 
 bench_session.py measures the session through our node classes in one process; this one starts ComfyUI (its
 default flags on the GPU, so its default cudaMallocAsync allocator and its memory manager are in the measurement;
@@ -26,6 +27,13 @@ rest (LoadImage); save_s is Qwen21 Save Image's, or Save Image's for a pack with
 cache. Memory after a prompt comes from /system_stats: `allocated_after_gib` is torch's active bytes,
 `reserved_after_gib` what its allocator holds. `memory_log` has the server log's model-placement lines of that
 prompt.
+
+Cards smaller than the GPU (`--caps`, GiB; "none" for the whole card): ComfyUI is told the card's size less the cap
+with `--reserve-vram`, and the server process gets a hard cap (`torch.cuda.set_per_process_memory_fraction`, set by a
+one-file custom node the benchmark puts beside the pack, which also answers GET /qwen21_bench/peak with the largest
+allocation since the last ask), so that an overshoot is an out-of-memory error, not a silent success. Each cap is a
+server of its own. `--cfgs 1,4` runs the prompts once per guidance scale in the same server (above 1 with the
+`--negative` prompt), each with its own summary; every prompt's text is new.
 
 Output, one JSON line each, streamed: `session_models` (files written or reused, seconds: setup, not the session),
 `session_setup`, `session_prompt` per prompt and one `session_summary` (bench_session's `summary`), each with
@@ -232,12 +240,36 @@ def full_size_files(models: Path, device: str, comfyui_dir: str) -> dict[str, Pa
 # ---- the server ----------------------------------------------------------------------------------------------
 
 
+# Put beside the pack for a capped session: the hard cap, set once ComfyUI's own start-up (its allocator choice)
+# is done, and the peak allocation since the last ask as a route.
+CAP_NODE = """import os
+import torch
+from aiohttp import web
+from server import PromptServer
+
+NODE_CLASS_MAPPINGS = {}
+_cap = float(os.environ.get("QWEN21_BENCH_HARD_CAP_GIB") or 0)
+if _cap and torch.cuda.is_available():
+    _total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, _cap * 2**30 / _total), 0)
+
+
+@PromptServer.instance.routes.get("/qwen21_bench/peak")
+async def _peak(request):
+    peak = torch.cuda.max_memory_allocated(0) if torch.cuda.is_available() else 0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(0)
+    return web.json_response({"peak_bytes": peak, "cap_gib": _cap or None})
+"""
+
+
 class ComfyUI:
     """A ComfyUI server of our own (private base directory, the pack linked into custom_nodes, the models folder
-    through extra_model_paths.yaml, the example images in input/), and one websocket client of it."""
+    through extra_model_paths.yaml, the example images in input/), and one websocket client of it. `hard_cap_gib`:
+    the server process may allocate no more on the GPU (CAP_NODE)."""
 
     def __init__(self, comfyui_dir: Path, python: str, models: Path, flags: list[str], log_path: Path,
-                 pack: Path = REPO):  # fmt: skip
+                 pack: Path = REPO, hard_cap_gib: float | None = None):  # fmt: skip
         import websocket
         from qwen21_nodes.runner.cli import EXAMPLE_INPUTS
 
@@ -245,6 +277,7 @@ class ComfyUI:
         for folder in ("custom_nodes", "input", "output", "temp", "user"):
             (self.base / folder).mkdir()
         (self.base / "custom_nodes" / PACK_FOLDER).symlink_to(pack, target_is_directory=True)
+        (self.base / "custom_nodes" / "qwen21_bench_cap.py").write_text(CAP_NODE)
         for image in EXAMPLE_INPUTS.glob("*.png"):  # the edits' reference images
             shutil.copyfile(image, self.base / "input" / image.name)
         kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras"))
@@ -255,7 +288,8 @@ class ComfyUI:
                    "--database-url", "sqlite:///:memory:", *flags]  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "QWEN21_BENCH_HARD_CAP_GIB": "" if hard_cap_gib is None else str(hard_cap_gib)}  # fmt: skip
         with open(log_path, "w") as log_file:
             self.process = subprocess.Popen(command, cwd=comfyui_dir, stdout=log_file, stderr=subprocess.STDOUT,
                                             env=env)  # fmt: skip
@@ -335,7 +369,17 @@ def with_files(prompt: dict, files: dict[str, str]) -> dict:
     return prompt
 
 
-# Our sampling wrapper's line after a run through the MODEL (nodes/comfy_patcher.py)
+def with_guidance(prompt: dict, cfg: float, negative: str) -> dict:
+    """The prompt with guidance `cfg` (above 1 with the negative prompt `negative`)."""
+    for node in prompt.values():
+        if node["class_type"] == "Qwen21Sampler":
+            node["inputs"]["true_cfg_scale"] = cfg
+        if node["class_type"] == "Qwen21Encode" and cfg != 1:
+            node["inputs"]["negative_prompt"] = negative
+    return prompt
+
+
+# Our sampling wrapper's line after a run through the MODEL (nodes/comfy/sampling.py)
 MODEL_RUN_LINE = re.compile(r"qwen21: (\d+) model calls, (\d+) prefix computations, (\d+) replayed steps, prefix "
                             r"cache (\S+), decode graphs (.*), peak ([\d.]+) GiB")  # fmt: skip
 
@@ -412,25 +456,30 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
                    prefix_cache=cache, decode_graph=graphs.strip(), sample_peak_gib=float(peak))  # fmt: skip
     device = server.get("/system_stats")["devices"][0]
     if device.get("type") == "cuda":
+        row["peak_allocated_gib"] = round(server.get("/qwen21_bench/peak")["peak_bytes"] / GIB, 2)
         row["allocated_after_gib"] = round((device["torch_vram_total"] - device["torch_vram_free"]) / GIB, 2)
         row["reserved_after_gib"] = round(device["torch_vram_total"] / GIB, 2)
     row["memory_log"] = [line.strip()[:200] for line in server.log()[log_start:].splitlines()
                          if MEMORY_LINE.search(line)][:12]  # fmt: skip
 
 
-def run_session(args, files: dict[str, str], flags: list[str]) -> tuple[int, dict]:
-    """One ComfyUI server, bench_session's prompts in order (through `args.sampler`); -> (failed prompts, the
-    session's summary)."""
+def run_session(args, files: dict[str, str], flags: list[str], cap: float | None) -> tuple[int, dict]:
+    """One ComfyUI server (told a card of `cap` GiB, and held to it, where a cap is given), bench_session's prompts in
+    order (through `args.sampler`) once per guidance scale of --cfgs; -> (failed prompts, {cfg: the summary})."""
     cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     found = "warm" if cache_dir.is_dir() and any(cache_dir.iterdir()) else "empty"
-    kind = dict(precision=PRECISION, cap_gib=None, kernel_cache=found, via="comfyui", comfyui_flags=flags,
+    if cap is not None and args.device == "cuda":
+        total_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        flags = [*flags, "--reserve-vram", f"{max(0.0, total_gib - cap):.3f}"]
+    kind = dict(precision=PRECISION, cap_gib=cap, kernel_cache=found, via="comfyui", comfyui_flags=flags,
                 sampler=args.sampler)  # fmt: skip
     log_dir = Path(args.log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     pack = Path(args.pack_dir).resolve() if args.pack_dir else REPO
-    server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags,
-                     log_dir / "comfyui_session_server.txt", pack)  # fmt: skip
+    name = f"comfyui_session_server_{args.sampler}_{'none' if cap is None else cap}.txt"
+    server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags, log_dir / name, pack,
+                     hard_cap_gib=cap)  # fmt: skip
     try:
         system = server.stats.get("system", {})
         if not args.save_node:  # the pack's own saver where the pack has it (an older release's has not)
@@ -439,29 +488,40 @@ def run_session(args, files: dict[str, str], flags: list[str]) -> tuple[int, dic
              comfyui_version=system.get("comfyui_version"), pytorch=system.get("pytorch_version"),
              device=server.stats["devices"][0].get("name"), log=str(server.log_path), files=files,
              pack=str(pack), save_node=args.save_node)  # fmt: skip
-        rows, seen = [], set()
-        for index, spec in enumerate(plan(args.tail)[: args.limit or None]):
-            text_index = index if spec["changed"] else index - 1  # the rerun: the previous prompt's text
-            prompt = with_files(session_prompt(spec, index, args, files["lora"], text_index), files)
-            if args.sampler == "ksampler":
-                prompt = as_ksampler(prompt)
-            shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
-            row = dict(what="session_prompt", **kind, i=index, label=shape, first_of_shape=shape not in seen,
-                       changed_prompt=spec["changed"], lora_strength=spec["lora"])  # fmt: skip
-            seen.add(shape)
-            lost = None
-            try:
-                run_prompt(server, prompt, row, args.prompt_timeout)
-            except Exception as error:  # noqa: BLE001 - the client lost the server (a timeout, an exit): stop here
-                lost = row["error"] = f"client: {type(error).__name__}: {str(error)[:300]}"
-                row["server_returncode"] = server.process.poll()
-            emit(**row)
-            rows.append(row)
+        specs = plan(args.tail)[: args.limit or None]
+        failed, summaries, offset, lost = 0, {}, 0, None
+        for cfg in args.cfgs:
+            rows, seen = [], set()
+            for index, spec in enumerate(specs):
+                number = offset + index  # every prompt's text new, also across guidance scales
+                text_index = number if spec["changed"] else number - 1  # the rerun: the previous prompt's text
+                prompt = with_files(session_prompt(spec, number, args, files["lora"], text_index), files)
+                prompt = with_guidance(prompt, cfg, args.negative)
+                if args.sampler == "ksampler":
+                    prompt = as_ksampler(prompt)
+                shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
+                row = dict(what="session_prompt", **kind, cfg=cfg, i=number, label=shape,
+                           first_of_shape=shape not in seen, changed_prompt=spec["changed"],
+                           lora_strength=spec["lora"])  # fmt: skip
+                seen.add(shape)
+                try:
+                    run_prompt(server, prompt, row, args.prompt_timeout)
+                except Exception as error:  # noqa: BLE001 - the client lost the server (a timeout, an exit)
+                    lost = row["error"] = f"client: {type(error).__name__}: {str(error)[:300]}"
+                    row["server_returncode"] = server.process.poll()
+                emit(**row)
+                rows.append(row)
+                if lost:
+                    break
+            offset += len(specs)
+            summaries[cfg] = summary(rows, {**kind, "cfg": cfg}, rows[0].get("loader_s") if rows else None, None)
+            peaks = [row["peak_allocated_gib"] for row in rows if "peak_allocated_gib" in row]
+            summaries[cfg]["peak_allocated_max_gib"] = max(peaks) if peaks else None
+            emit(**summaries[cfg])
+            failed += sum("error" in row for row in rows)
             if lost:
                 break
-        result = summary(rows, kind, rows[0].get("loader_s") if rows else None, None)
-        emit(**result)
-        return sum("error" in row for row in rows), result
+        return failed, summaries
     finally:
         server.close()
 
@@ -504,6 +564,11 @@ def main() -> int:
                         help="comma-separated, one server session each, in order: qwen21 (Qwen21 Sampler and our "
                         "nodes) and/or ksampler (KSampler, VAE Decode, LoraLoaderModelOnly on the loader's MODEL "
                         "and VAE); with both, a ksampler_vs_qwen21 line compares their steady images")  # fmt: skip
+    parser.add_argument("--caps", default="none",
+                        help="comma-separated card sizes in GiB, one server each (none: the whole card), e.g. "
+                        "none,24,16,12")  # fmt: skip
+    parser.add_argument("--cfgs", default="1", help="comma-separated guidance scales, each a pass over the prompts")
+    parser.add_argument("--negative", default="blurry, low quality, distorted", help="the negative prompt at cfg > 1")
     parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -530,19 +595,25 @@ def main() -> int:
     samplers = [name.strip() for name in args.samplers.split(",") if name.strip()]
     if not samplers or set(samplers) - {"qwen21", "ksampler"}:
         parser.error(f"--samplers takes qwen21 and/or ksampler, got {args.samplers!r}")
+    caps = [None if cap.strip() in ("none", "") else float(cap) for cap in args.caps.split(",")]
+    args.cfgs = [float(cfg) for cfg in args.cfgs.split(",")]
     try:
-        failures, summaries = 0, {}
-        for name in samplers:
-            args.sampler = name
-            failed, summaries[name] = run_session(args, model_files(args), comfyui_flags(args))
-            failures += failed
-        if {"qwen21", "ksampler"} <= summaries.keys():
-            ours, theirs = summaries["qwen21"], summaries["ksampler"]
-            ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
-                     if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
-            emit(what="ksampler_vs_qwen21", steady_ratio=ratio, qwen21_steady_s=ours.get("steady_image_s"),
-                 ksampler_steady_s=theirs.get("steady_image_s"), qwen21_first_s=ours.get("first_image_s"),
-                 ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip
+        failures = 0
+        for cap in caps:
+            summaries = {}
+            for name in samplers:
+                args.sampler = name
+                failed, summaries[name] = run_session(args, model_files(args), comfyui_flags(args), cap)
+                failures += failed
+            if {"qwen21", "ksampler"} <= summaries.keys():
+                for cfg in args.cfgs:
+                    ours, theirs = summaries["qwen21"].get(cfg, {}), summaries["ksampler"].get(cfg, {})
+                    ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
+                             if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
+                    emit(what="ksampler_vs_qwen21", cap_gib=cap, cfg=cfg, steady_ratio=ratio,
+                         qwen21_steady_s=ours.get("steady_image_s"), ksampler_steady_s=theirs.get("steady_image_s"),
+                         qwen21_first_s=ours.get("first_image_s"),
+                         ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip
         return 1 if failures else 0
     finally:
         if temporary:

@@ -4,7 +4,8 @@
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
-#   attention-lengths save-png loader-node session-comfyui-ksampler
+#   attention-lengths save-png loader-node session-comfyui-ksampler tests-door velocity session-door-baseline
+#   session-door-caps session-door-lowvram
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -148,6 +149,29 @@ for part in "$@"; do
       comfyui_run bench_comfyui_ksampler "${SESSION_COMFYUI_LIMIT:-560}" \
         python3 benchmarks/bench_comfyui_session.py --tail 4 --samplers qwen21,ksampler --log-dir "$OUT" \
         ${SESSION_COMFYUI_ARGS:-} ;;
+    tests-door)  # the MODEL door under ComfyUI's memory management on the GPU (0.3.64 in-process, tiny model), and
+      # the velocity and node GPU tests
+      unpack_comfyui
+      comfyui_run tests_door "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_comfyui_gpu.py \
+        tests/test_velocity.py tests/test_comfy_door_contract.py ;;
+    velocity)  # KSampler's way into the DiT (VelocityRun) against our sampler, full size fp8, per size; profiles
+      run bench_velocity "${VELOCITY_LIMIT:-200}" python3 benchmarks/bench_velocity.py --profile ${VELOCITY_ARGS:-} ;;
+    session-door-baseline)  # the uncapped card through Qwen21 Sampler, then KSampler: 12 prompts at cfg 1 and 4 each
+      unpack_comfyui
+      comfyui_run bench_door_qwen21 "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py --samplers qwen21 \
+        --caps none --cfgs 1,4 --limit 12 --log-dir "$OUT"
+      comfyui_run bench_door_ksampler "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
+        --samplers ksampler --caps none --cfgs 1,4 --limit 12 --log-dir "$OUT" ;;
+    session-door-caps)  # KSampler on cards of DOOR_CAPS GiB (--reserve-vram and a hard cap in the server)
+      unpack_comfyui
+      comfyui_run bench_door_caps "${DOOR_LIMIT:-590}" python3 benchmarks/bench_comfyui_session.py --samplers ksampler \
+        --caps "${DOOR_CAPS:-24,16,12}" --cfgs "${DOOR_CFGS:-1,4}" --limit 12 --log-dir "$OUT" ;;
+    session-door-lowvram)  # KSampler with ComfyUI's --lowvram (cfg 1 and 4), then --novram (cfg 1)
+      unpack_comfyui
+      comfyui_run bench_door_lowvram "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
+        --samplers ksampler --cfgs 1,4 --limit 12 --extra-args=--lowvram --log-dir "$OUT"
+      comfyui_run bench_door_novram "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
+        --samplers ksampler --cfgs 1 --limit 12 --extra-args=--novram --log-dir "$OUT" ;;
     loader-node)  # the loader node's load on the full-size ComfyUI files, fresh processes (ComfyUI's tokenizer from
       # .carry/comfyui); LOADER_NODE_ARGS="--pack-dirs . /path/old" alternates two packages
       unpack_comfyui

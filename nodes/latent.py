@@ -17,8 +17,7 @@ LATENT_CHANNELS = TransformerConfig.in_channels
 
 class Qwen21EmptyLatent:
     """An empty LATENT for KSampler (or SamplerCustomAdvanced) on a Qwen21 MODEL: width x height pixels, multiples of
-    32. ComfyUI's Empty Latent Image has another model's layout (4 channels per 8x8 pixels): KSampler widens its zeros
-    to our channels, and the image comes out at twice its width and height."""
+    32. ComfyUI's Empty Latent Image works on that MODEL too (its latent is resized to ours, multiples of 16)."""
 
     CATEGORY = "Qwen21"
     DESCRIPTION = __doc__

@@ -1,6 +1,7 @@
-"""Run inside a real ComfyUI (its Python, on the CPU) by tests/test_comfyui_types.py: our MODEL, CONDITIONING,
-SIGMAS and VAE driven by ComfyUI's own nodes in-process. argv: ComfyUI folder, a scratch folder, the checks to run.
-Prints one JSON line per check: {"check": name, ...measurements}; the pytest side asserts on them."""
+"""Run inside a real ComfyUI (its Python) by tests/test_comfyui_types.py (on the CPU) and tests/test_comfyui_gpu.py: our
+MODEL, CONDITIONING, SIGMAS and VAE driven by ComfyUI's own nodes in-process. argv: ComfyUI folder, a scratch folder,
+the checks to run, and optionally the device ("cpu", the default, or "cuda"). Prints one JSON line per check:
+{"check": name, ...measurements}; the pytest side asserts on them."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 
 COMFYUI_DIR, SCRATCH = Path(sys.argv[1]), Path(sys.argv[2])
 CHECKS = sys.argv[3].split(",")
+DEVICE = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 sys.path.insert(0, str(COMFYUI_DIR))  # ComfyUI's own modules, as its main.py has them
 
 import comfy.cli_args  # noqa: E402
 
-comfy.cli_args.args.cpu = True
+comfy.cli_args.args.cpu = DEVICE == "cpu"
 import comfy.model_management  # noqa: E402,F401 - first, so the pack sees a ComfyUI process
 import comfy.samplers  # noqa: E402
 import folder_paths  # noqa: E402
@@ -58,7 +60,7 @@ def setup():
 def load(weight_dtype="fp32"):
     loader = OURS["Qwen21ModelLoader"]()
     return loader.load(Path(NAMES["transformer"]).name, Path(NAMES["text_encoder"]).name, Path(NAMES["vae"]).name,
-                       weight_dtype, "cpu", "auto")  # fmt: skip
+                       weight_dtype, "cpu" if DEVICE == "cpu" else "cuda:0", "auto")  # fmt: skip
 
 
 def encode(handle, prompt="a red apple", negative="blurry", resolution=64, **images):
@@ -426,6 +428,37 @@ def check_conditioning_combine():
         alone = ksampler(model, first, negative, latent, cfg=cfg)
         out[f"cfg{cfg:g}"] = {"relative": relative(got, expected), "effect": relative(alone, expected)}
     emit(check="conditioning_combine", **out)
+
+
+def check_small_card():
+    """KSampler at cfg 1 and cfg 4 on a card where ComfyUI sees no room for the DiT and the text encoder together
+    (--reserve-vram taken to all but what is allocated now, and a hard cap on this process): its manager evicts one
+    for the other at every load. The latents equal the uncapped run's, and at every model call the DiT is on the GPU
+    (it was once evicted mid-run by an encode of the negative, and the step ran on the CPU)."""
+    import comfy.model_management as mm
+    import comfy.patcher_extension
+
+    handle, model, _vae = load("bf16")
+    _cond, _w, _h, positive, negative, latent = encode(handle, negative="blurry")
+    uncapped = {cfg: ksampler(model, positive, negative, latent, cfg=cfg) for cfg in (1.0, 4.0)}
+    devices = []
+
+    def where(executor, *args, **kwargs):
+        devices.append(str(handle.pipe.transformer.device))
+        return executor(*args, **kwargs)
+
+    watched = model.clone()
+    watched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "where", where)
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated(device) + 2**31) / total))
+    mm.EXTRA_RESERVED_VRAM = int(mm.get_free_memory(device))  # ComfyUI's own view: nothing free beyond what it holds
+    encode(handle, "a new prompt", negative="blurry")  # the text encoder comes back, the DiT makes room
+    capped = {cfg: ksampler(watched, positive, negative, latent, cfg=cfg) for cfg in (1.0, 4.0)}
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    emit(check="small_card", devices=sorted(set(devices)), calls=len(devices),
+         difference={f"cfg{cfg:g}": (capped[cfg] - uncapped[cfg]).abs().max().item() for cfg in capped},
+         effect=(uncapped[4.0] - uncapped[1.0]).abs().max().item())  # fmt: skip
 
 
 def main() -> int:

@@ -116,7 +116,8 @@ weights, and *Qwen21 Encode*'s `positive`, `negative` and `latent` outputs feed 
 reference prefix is computed once per conditioning, decode steps replay from CUDA graphs, quantised weights stay
 quantised. Any sampler and scheduler works; for the released schedule at every size use *Qwen21 Scheduler* with
 *SamplerCustomAdvanced* (KSampler's `simple` matches it at 1024x1024 except the last steps). cfg 1 is the released
-default: the negative prompt is then never encoded. *VAE Decode* gives RGBA (4 channels)."""
+default: the negative prompt is then never encoded. *VAE Decode* gives an RGB image (*Qwen21 VAE Decode* gives the
+alpha as a MASK too)."""
 
 KSAMPLER_LORA_NOTE = f"""{KSAMPLER_NOTE}
 

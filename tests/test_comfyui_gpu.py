@@ -1,0 +1,51 @@
+"""Our MODEL under ComfyUI's memory management on a GPU (ComfyUI 0.3.64 in-process, tests/comfyui_child.py): the case a
+CPU cannot show, where ComfyUI sees no room for the DiT and the text encoder together. Skipped, saying why, without a
+CUDA GPU or without COMFYUI_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
+CHILD = Path(__file__).with_name("comfyui_child.py")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.comfyui,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU; this machine has none (run on the H200)"),
+    pytest.mark.skipif(not (COMFYUI_DIR and os.path.isfile(os.path.join(COMFYUI_DIR, "main.py"))),
+                       reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter)"),
+]
+
+
+def run_child(tmp_path, checks):
+    import qwen21_nodes
+
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "qwen21_nodes").symlink_to(Path(qwen21_nodes.__file__).parent)
+    python = os.environ.get("COMFYUI_PYTHON") or sys.executable
+    path = os.pathsep.join(filter(None, [str(packages), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([python, "-P", str(CHILD), COMFYUI_DIR, str(tmp_path), ",".join(checks), "cuda"],
+                          env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    found = {line["check"]: line for line in map(json.loads, filter(lambda s: s.startswith("{"),
+                                                                    done.stdout.splitlines()))}  # fmt: skip
+    assert done.returncode == 0 and set(found) == set(checks), done.stdout[-3000:] + done.stderr[-5000:]
+    return found
+
+
+def test_ksampler_on_a_card_without_room_for_both_models_keeps_the_dit_on_the_gpu(tmp_path):
+    line = run_child(tmp_path, ["small_card"])["small_card"]
+    assert "failed" not in line, line.get("failed")
+    assert line["devices"] == ["cuda:0"] and line["calls"] >= 6, line  # every model call, both runs
+    assert line["effect"] > 1e-3  # cfg 4 differs from cfg 1: the negative was used
+    assert line["difference"] == {"cfg1": 0.0, "cfg4": 0.0}, line  # the uncapped run's latents, bit for bit
