@@ -4,8 +4,7 @@
 #   tests tests-vae tests-quant demo dit dit-quick dit-batch dit-quant dit-quant-1024 dit-quant-profile quant vae
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
-#   attention-lengths save-png loader-node session-comfyui-ksampler tests-door velocity session-door-baseline
-#   session-door-caps session-door-lowvram
+#   attention-lengths save-png loader-node session-comfyui-ksampler tests-door velocity session-door
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +30,9 @@ run() {  # run NAME SECONDS COMMAND...: time-box one part so a hang cannot eat t
 }
 
 unpack_comfyui() {  # ComfyUI from .carry/comfyui (benchmarks/comfyui_carry.sh) into /tmp/comfyui, its missing
-  # requirements into /tmp/comfysite; PyAV is replaced by a stand-in module, the frontend by an empty folder
+  # requirements into /tmp/comfysite; PyAV is replaced by a stand-in module, the frontend by an empty folder. Once a
+  # machine: later parts find it there.
+  [ -f /tmp/comfyui/.unpacked ] && return
   rm -rf /tmp/comfyui /tmp/comfysite && mkdir -p /tmp/comfyui /tmp/comfysite/av/subtitles /tmp/frontend
   tar xzf .carry/comfyui/comfyui.tar.gz -C /tmp/comfyui
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/comfysite .carry/comfyui/wheels/*.whl
@@ -40,6 +41,7 @@ unpack_comfyui() {  # ComfyUI from .carry/comfyui (benchmarks/comfyui_carry.sh) 
   for module in av/__init__ av/container av/subtitles/__init__ av/subtitles/stream; do
     echo "$stand_in" > "/tmp/comfysite/$module.py"
   done
+  touch /tmp/comfyui/.unpacked
 }
 
 comfyui_run() {  # run NAME SECONDS COMMAND... with the unpacked ComfyUI where the server tests and benchmarks look
@@ -156,22 +158,13 @@ for part in "$@"; do
         tests/test_velocity.py tests/test_comfy_door_contract.py ;;
     velocity)  # KSampler's way into the DiT (VelocityRun) against our sampler, full size fp8, per size; profiles
       run bench_velocity "${VELOCITY_LIMIT:-200}" python3 benchmarks/bench_velocity.py --profile ${VELOCITY_ARGS:-} ;;
-    session-door-baseline)  # the uncapped card through Qwen21 Sampler, then KSampler: 12 prompts at cfg 1 and 4 each
+    session-door)  # a ComfyUI server session on the full-size fp8 files: DOOR_SAMPLER (ksampler or qwen21), card sizes
+      # DOOR_CAPS (GiB, one server each; none: the whole card), guidance scales DOOR_CFGS, DOOR_PROMPTS prompts per
+      # scale, DOOR_ARGS more flags (--extra-args=--lowvram); the log is $OUT/DOOR_NAME.log
       unpack_comfyui
-      comfyui_run bench_door_qwen21 "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py --samplers qwen21 \
-        --caps none --cfgs 1,4 --limit 12 --log-dir "$OUT"
-      comfyui_run bench_door_ksampler "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
-        --samplers ksampler --caps none --cfgs 1,4 --limit 12 --log-dir "$OUT" ;;
-    session-door-caps)  # KSampler on cards of DOOR_CAPS GiB (--reserve-vram and a hard cap in the server)
-      unpack_comfyui
-      comfyui_run bench_door_caps "${DOOR_LIMIT:-590}" python3 benchmarks/bench_comfyui_session.py --samplers ksampler \
-        --caps "${DOOR_CAPS:-24,16,12}" --cfgs "${DOOR_CFGS:-1,4}" --limit 12 --log-dir "$OUT" ;;
-    session-door-lowvram)  # KSampler with ComfyUI's --lowvram (cfg 1 and 4), then --novram (cfg 1)
-      unpack_comfyui
-      comfyui_run bench_door_lowvram "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
-        --samplers ksampler --cfgs 1,4 --limit 12 --extra-args=--lowvram --log-dir "$OUT"
-      comfyui_run bench_door_novram "${DOOR_LIMIT:-300}" python3 benchmarks/bench_comfyui_session.py \
-        --samplers ksampler --cfgs 1 --limit 12 --extra-args=--novram --log-dir "$OUT" ;;
+      comfyui_run "${DOOR_NAME:-bench_door}" "${DOOR_LIMIT:-590}" python3 benchmarks/bench_comfyui_session.py \
+        --samplers "${DOOR_SAMPLER:-ksampler}" --caps "${DOOR_CAPS:-none}" --cfgs "${DOOR_CFGS:-1,4}" \
+        --limit "${DOOR_PROMPTS:-12}" --log-dir "$OUT" ${DOOR_ARGS:-} ;;
     loader-node)  # the loader node's load on the full-size ComfyUI files, fresh processes (ComfyUI's tokenizer from
       # .carry/comfyui); LOADER_NODE_ARGS="--pack-dirs . /path/old" alternates two packages
       unpack_comfyui
