@@ -41,7 +41,7 @@ class Qwen21Model:
         # its unloading frees what reads its weights by address (decode graphs), not the references or host buffers
         unloaded = pipe.release_device_caches
         self._preview_projection = [None]  # shared by the LoRA handles made from this one
-        # the DiT's patcher wraps the ComfyUI MODEL (nodes/comfy_model.py): KSampler's and our sampler's weights
+        # the DiT's patcher wraps the ComfyUI MODEL (nodes/comfy/model.py): KSampler's and our sampler's weights
         self.transformer = ManagedModules({"transformer": pipe.transformer}, device, on_unload=unloaded,
                                           streamable=pipe.transformer, comfy_model=self._comfy_model,
                                           merge_loras=self._merge_loras)  # fmt: skip
