@@ -164,6 +164,38 @@ def test_corrupt_header_entry(tmp_path):
         Checkpoint.open(path)
 
 
+def test_tensors_sharing_bytes_are_refused_at_the_header_for_checkpoints_loras_and_shards(tmp_path):
+    """A 24 MiB file whose tensors all point at the same bytes would be read (and held) once per tensor: refused at
+    the header, quickly, before a byte of data is read (a LoRA at Qwen21 Load LoRA's reader too)."""
+    import time
+
+    from qwen21_nodes.qwen21_core.lora.reading import LoraError, read_lora
+
+    mib = 2**20
+    region = {"dtype": "F32", "shape": [mib], "data_offsets": [0, 4 * mib]}
+    shared = {f"diffusion_model.transformer_blocks.{i}.attn.to_q.lora_up.weight": region for i in range(40)}
+    path = _raw_safetensors(tmp_path / "shared.safetensors", shared, data_bytes=24 * mib)
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match="share bytes of the file"):
+        Checkpoint.open(path)
+    assert time.perf_counter() - started < 0.5
+    with pytest.raises(LoraError, match="share bytes of the file"):
+        read_lora(path, {})
+    half = {"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+            "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]}}  # fmt: skip
+    _raw_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"ok": {"dtype": "U8", "shape": [4],
+                                                                            "data_offsets": [0, 4]}})  # fmt: skip
+    _raw_safetensors(tmp_path / "model-00002-of-00002.safetensors", half)
+    index = {"weight_map": {"ok": "model-00001-of-00002.safetensors", "a": "model-00002-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'a' and 'b' share bytes"):
+        Checkpoint.open(tmp_path / "model.safetensors.index.json")
+    empty = {"a": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]}, "b": {"dtype": "U8", "shape": [8],
+                                                                              "data_offsets": [0, 8]}}  # fmt: skip
+    Checkpoint.open(_raw_safetensors(tmp_path / "empty.safetensors", empty)).close()  # no bytes: nothing shared
+
+
 def _raw_safetensors(path, header: dict, data_bytes: int = 64):
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * data_bytes)

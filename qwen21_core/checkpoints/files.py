@@ -17,6 +17,7 @@ Three steps, in the order the loader uses them:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -275,7 +276,20 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             f"but only {data_size} are present ({data_end - data_size} missing). The download or copy is "
             "incomplete; fetch the file again."
         )
+    _refuse_overlaps(path, tensors)
     return tensors, metadata
+
+
+def _refuse_overlaps(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Tensors must not share bytes (as the safetensors library requires): a file whose tensors all point at one
+    region would otherwise be read, and held, once per tensor: many times its size in memory."""
+    spans = sorted((info.start, info.start + info.nbytes, key) for key, info in tensors.items() if info.nbytes)
+    for (_start, end, before), (start, _end, key) in itertools.pairwise(spans):
+        if start < end:
+            raise CheckpointError(
+                f"{path}: corrupt header: tensors {before!r} and {key!r} share bytes of the file (their data_offsets "
+                "overlap); a safetensors file stores each tensor in bytes of its own. Fetch the file again."
+            )
 
 
 def _tensor_info(path: Path, key: str, entry, data_start: int) -> TensorInfo:
