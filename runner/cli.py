@@ -123,33 +123,43 @@ def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int 
     for node_id, node in prompt.items():
         if node["class_type"] == "Qwen21ModelLoader":
             for kind, name in LOADER_FILES:
-                settings.append(f"{node_id}.{name}={json.dumps(_only_file(models_dir / kind))}")
+                settings.append(f"{node_id}.{name}={json.dumps(_tiny_file(models_dir, kind))}")
         elif node["class_type"] == "Qwen21DiffusersLoader":
-            settings.append(f"{node_id}.folder={json.dumps(_tiny_diffusers_folder(models_dir / 'diffusers', turbo))}")
+            settings.append(f"{node_id}.folder={json.dumps(_tiny_diffusers_folder(models_dir, turbo))}")
         elif node["class_type"] == "Qwen21LoraLoader":
-            settings.append(f"{node_id}.lora_name={json.dumps(_only_file(models_dir / 'loras'))}")
+            settings.append(f"{node_id}.lora_name={json.dumps(_tiny_file(models_dir, 'loras'))}")
         elif node["class_type"] == "Qwen21Encode":
             settings.append(f"{node_id}.output_resolution={resolution}")
         elif node["class_type"] in ("Qwen21Sampler", "KSampler"):
             settings.append(f"{node_id}.steps={steps}")
         elif node["class_type"] == "LoraLoaderModelOnly":
-            settings.append(f"{node_id}.lora_name={json.dumps(_only_file(models_dir / 'loras'))}")
+            settings.append(f"{node_id}.lora_name={json.dumps(_tiny_file(models_dir, 'loras'))}")
     return settings
 
 
-def _only_file(folder: Path) -> str:
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if len(files) != 1:
-        raise FileNotFoundError(f"expected one .safetensors file in {folder}, found {files}")
-    return files[0]
+# a models folder's kind -> the tiny checkpoint's file of it (make-tiny's names: other files may sit beside them)
+TINY_ROLES = {"diffusion_models": "transformer", "text_encoders": "text_encoder", "vae": "vae", "loras": "lora"}
 
 
-def _tiny_diffusers_folder(root: Path, turbo: bool) -> str:
-    """The tiny diffusers folder; for a turbo workflow the one whose model_index.json has sample_sigmas."""
-    for index in sorted(root.glob("*/model_index.json")):
-        if not turbo or json.loads(index.read_text()).get("sample_sigmas"):
-            return index.parent.name
-    raise FileNotFoundError(f"no tiny diffusers folder{' with sample_sigmas' if turbo else ''} under {root}")
+def _tiny_file(models_dir: Path, kind: str) -> str:
+    from ..qwen21_core.tiny import NAMES
+
+    path = models_dir / NAMES[TINY_ROLES[kind]]
+    if not path.is_file():
+        raise FileNotFoundError(f"the tiny checkpoint's {kind} file {path.name} is not in {path.parent}; make it with "
+                                f"`qwen21-nodes make-tiny {models_dir}`")  # fmt: skip
+    return path.name
+
+
+def _tiny_diffusers_folder(models_dir: Path, turbo: bool) -> str:
+    """The tiny diffusers folder; for a turbo workflow the turbo one (its model_index.json has sample_sigmas)."""
+    from ..qwen21_core.tiny import NAMES
+
+    path = models_dir / NAMES["diffusers_turbo" if turbo else "diffusers"]
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"the tiny diffusers folder {path.name} is not in {path.parent}; make it with "
+                                f"`qwen21-nodes make-tiny {models_dir}`")  # fmt: skip
+    return path.name
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +199,20 @@ def test_make_tiny_runs_inside_a_real_comfyui_folder(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "models" / "vae" / "qwen_image_2.1_vae_tiny.safetensors").is_file()
+
+
+def test_the_tiny_files_are_picked_by_name_beside_other_models(tmp_path):
+    """`qwen21-nodes demo --tiny-dir models` from a ComfyUI folder: the models folders hold the user's own files too;
+    the tiny ones are found by their names (a folder without them says how to make them)."""
+    from qwen21_nodes.qwen21_core.tiny import NAMES
+
+    models = ensure_tiny_models(tmp_path / "models")
+    for kind in ("diffusion_models", "text_encoders", "vae", "loras"):
+        (models / kind / "someone_elses.safetensors").write_bytes(b"")
+    prompt = load_prompt(json.loads((WORKFLOWS_DIR / "api" / "turbo_lora.json").read_text()))
+    settings = tiny_overrides(prompt, models)
+    assert any(Path(NAMES["lora"]).name in setting for setting in settings)
+    assert not any("someone_elses" in setting for setting in settings)
+    (models / NAMES["transformer"]).unlink()
+    with pytest.raises(FileNotFoundError, match="make-tiny"):
+        tiny_overrides(load_prompt(json.loads((WORKFLOWS_DIR / "api" / "text_to_image.json").read_text())), models)
