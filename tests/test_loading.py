@@ -309,3 +309,30 @@ def test_text_encoder_load_restores_torch_init_and_reports_a_broken_tokenizer(ti
     (broken / "tokenizer.json").write_text("{ this is not a tokenizer")
     with pytest.raises(ValueError, match="Expecting property name"):  # its JSON, read in the processor's thread
         loading.load_qwen3vl(tiny["text_encoder"], "cpu", torch.float32, tokenizer=broken)
+
+
+def test_a_config_that_does_not_fit_its_weights_is_refused_before_anything_is_built(tiny, tmp_path):
+    """A downloaded folder's config.json (or a sidecar .json) claiming 100,000 layers sized the model first (58 s and
+    4.8 GB before its refusal): it is checked against the weights' header now, and refused at once."""
+    import time
+    import tracemalloc
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(tiny["diffusers"] / "transformer", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_layers": 100_000}))
+    encoders = tmp_path / "text_encoders"
+    shutil.copytree(tiny["text_encoder"].parent, encoders)
+    sidecar = encoders / tiny["text_encoder"].with_suffix(".json").name
+    data = json.loads(sidecar.read_text())
+    data["text_config"]["num_hidden_layers"] = 20_000
+    sidecar.write_text(json.dumps(data))
+    tracemalloc.start()
+    started = time.perf_counter()
+    with pytest.raises(CheckpointMismatchError, match=r"does not fit .* num_layers 100000 \(the weights: 2"):
+        loading.load_transformer(folder, "cpu", torch.float32)
+    with pytest.raises(CheckpointMismatchError, match=r"does not fit the weights beside it: .* 20000 layers"):
+        loading.load_qwen3vl(encoders / tiny["text_encoder"].name, "cpu", torch.float32)
+    assert time.perf_counter() - started < 1.0
+    assert tracemalloc.get_traced_memory()[1] < 100 * 2**20
+    tracemalloc.stop()

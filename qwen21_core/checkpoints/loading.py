@@ -298,6 +298,7 @@ def _load_model(path, device, dtype, config_path, component, config_cls, config_
         if config_path is not None:
             config = config_cls.from_dict(_check_class(config_path, COMPONENT_CLASSES[component]))
             config_from = str(config_path)
+            _check_config_fits(config, config_path, _shapes(ckpt, convert, quant), config_from_shapes)
         else:
             config = config_from_shapes(_shapes(ckpt, convert, quant))
             config_from = "derived from tensor shapes"
@@ -307,6 +308,27 @@ def _load_model(path, device, dtype, config_path, component, config_cls, config_
         info = _info(ckpt, layout, quant, dtype, device, config_from)
     log.debug("%s: %s", component, info)
     return model, info
+
+
+# What a config says that the weights' shapes show too (the rest, such as the rotary split, is not stored)
+_STRUCTURE = {TransformerConfig: ("in_channels", "out_channels", "num_layers", "attention_head_dim",
+                                  "num_attention_heads", "context_in_dim", "mlp_ratio"),
+              VAEConfig: ("base_dim", "decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "in_channels",
+                          "out_channels")}  # fmt: skip
+
+
+def _check_config_fits(config, config_path: Path, shapes, config_from_shapes) -> None:
+    """A config file beside downloaded weights is checked against the weights' header before anything is built from
+    it: a config that claims 100,000 layers would otherwise size (and allocate) the model first."""
+    try:
+        derived = config_from_shapes(shapes)
+    except CheckpointMismatchError:
+        return  # the weights lack what the sizes are read from: the load itself names what is missing
+    wrong = [f"{field} {getattr(config, field)!r} (the weights: {getattr(derived, field)!r})"
+             for field in _STRUCTURE[type(config)] if getattr(config, field) != getattr(derived, field)]  # fmt: skip
+    if wrong:
+        raise CheckpointMismatchError(f"{config_path} does not fit the weights beside it: it says {'; '.join(wrong)}. "
+                                      "Use the config that came with these weights, or remove it")  # fmt: skip
 
 
 def _stored_formats(quant: formats.QuantScheme, convert) -> dict[str, QuantFormat]:
@@ -544,16 +566,26 @@ def _describe_linears(model: nn.Module) -> str:
 
 def _text_encoder_config(ckpt: Checkpoint, path: Path, config_path) -> tuple[Qwen3VLConfig, str]:
     config_path = _config_file(path, config_path)
+    norm = next((k for k in ("model.language_model.norm.weight", "model.norm.weight") if k in ckpt), None)
+    hidden = ckpt.shape(norm)[0] if norm is not None else None
+    layer_key = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
+    layers = len({m.group(1) for k in ckpt.keys() if (m := layer_key.match(k))})
     if config_path is not None:
         data = json.loads(config_path.read_text(encoding="utf-8"))
         if data.get("model_type") != "qwen3_vl":
             raise WrongModelError(f"{config_path}: not a Qwen3-VL config (model_type {data.get('model_type')!r})")
+        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+        says = (text.get("hidden_size", hidden), text.get("num_hidden_layers", layers))
+        if hidden is not None and says != (hidden, layers):  # before a model is sized from it
+            raise CheckpointMismatchError(
+                f"{config_path} does not fit the weights beside it: it says hidden size {says[0]!r:.20} and "
+                f"{says[1]!r:.20} layers, the weights have {hidden} and {layers}. Use the config that came with "
+                "these weights, or remove it"
+            )
         return Qwen3VLConfig.from_dict(data), str(config_path)
 
-    norm = next(k for k in ("model.language_model.norm.weight", "model.norm.weight") if k in ckpt)
-    hidden = ckpt.shape(norm)[0]
-    layer_key = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
-    layers = len({m.group(1) for k in ckpt.keys() if (m := layer_key.match(k))})
+    if norm is None:
+        raise WrongModelError(f"{ckpt.path}: no language-model norm weight: not a Qwen3-VL text encoder")
     facts = QWEN3_VL_8B_CONFIG["text_config"]
     if (hidden, layers) != (facts["hidden_size"], facts["num_hidden_layers"]):
         size = " (Qwen3-VL-4B)" if hidden == 2560 else ""
