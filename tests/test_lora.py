@@ -564,7 +564,8 @@ def test_rank_zero_and_bad_alpha_tensors_are_lora_errors(tmp_path):
         tensors, _ = lora_state_dict(random_factors(model, ("img_in",)), "kohya", alpha=alpha)
         with pytest.raises(LoraError, match=r"LoRA x.safetensors: lora_unet_img_in.alpha is .*, expected a finite"):
             _read(tmp_path, tensors, model)
-    for metadata in ('["not", "a", "dict"]', "{not json"):
+    for metadata in ('["not", "a", "dict"]', "{not json", "[" * 100_000 + "]" * 100_000,
+                     '{"transformer.lora_alpha": ' + "9" * 5000 + "}"):  # deep nesting, a 5,000-digit number
         with pytest.raises(LoraError, match="LoRA x.safetensors: .*lora_adapter_metadata"):
             _read(tmp_path, lora_state_dict(random_factors(model, ("img_in",)), "peft")[0], model,
                   {"lora_adapter_metadata": metadata})  # fmt: skip

@@ -221,8 +221,8 @@ def _peft_alphas(metadata: Mapping[str, str], name: str):
     where = f"LoRA {name}: metadata {_METADATA_KEY}"
     try:
         config = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise LoraError(f"{where} is not JSON: {error}") from error
+    except (ValueError, RecursionError) as error:  # not JSON, a number of thousands of digits, deep nesting
+        raise LoraError(f"{where} is not JSON this reader takes: {str(error)[:200]}") from error
     if not isinstance(config, dict):
         raise LoraError(f"{where} is a JSON {type(config).__name__}, expected an object")
     config = {k.removeprefix("transformer."): v for k, v in config.items()}
