@@ -567,3 +567,19 @@ def test_peak_memory_stays_near_one_tensor_above_the_model(tmp_path):
     print(f"peak RSS growth {growth:.0f} MiB for a {model_mib:.0f} MiB model (one tensor = {tensor_mib:.0f} MiB)")
     assert growth >= model_mib * 0.9  # the weights really were written
     assert growth <= model_mib + tensor_mib + 8, f"peak grew {growth:.0f} MiB, more than the model + one tensor"
+
+
+def test_a_lora_header_far_beyond_what_loras_need_is_refused_before_it_is_parsed(tmp_path):
+    """A 40 MiB header (safetensors allows 100) held the server for seconds while it was parsed: refused at once."""
+    import time
+
+    from qwen21_nodes.qwen21_core.lora.reading import LoraError, read_lora
+
+    path = tmp_path / "huge_header.safetensors"
+    header = b'{"__metadata__": {"x": "' + b"y" * (40 * 2**20) + b'"}}'
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    started = time.perf_counter()
+    with pytest.raises(LoraError, match=r"header is 40.0 MiB, more than the 16 MiB"):
+        read_lora(path, {})
+    assert time.perf_counter() - started < 0.5
+    Checkpoint.open(path).close()  # as a checkpoint (safetensors' own limit) it is a file like any other

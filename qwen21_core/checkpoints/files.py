@@ -110,8 +110,9 @@ class Checkpoint:
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Checkpoint:
-        """Open a `.safetensors` file, a `*.safetensors.index.json`, or a folder holding one of them."""
+    def open(cls, path: str | os.PathLike, header_limit: int | None = None) -> Checkpoint:
+        """Open a `.safetensors` file, a `*.safetensors.index.json`, or a folder holding one of them. header_limit:
+        the largest header (bytes) a file may have (safetensors' own 100 MiB by default; LoRAs ask far less)."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint not found: {path} (check the path or the file name)")
@@ -119,7 +120,7 @@ class Checkpoint:
             path = _pick_in_folder(path)
         if path.name.endswith(".index.json"):
             return cls._open_sharded(path)
-        tensors, metadata = _read_header(path)
+        tensors, metadata = _read_header(path, header_limit or _HEADER_LIMIT)
         return cls(path, tensors, metadata)
 
     @classmethod
@@ -246,13 +247,16 @@ def _pick_in_folder(folder: Path) -> Path:
     raise CheckpointError(f"{folder}: no .safetensors file in this folder.{hint}")
 
 
-def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def _read_header(path: Path, limit: int = _HEADER_LIMIT) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes long)")
         header_len = int.from_bytes(head, "little")
+        if _HEADER_LIMIT >= header_len > limit and 8 + header_len <= size:
+            raise CheckpointError(f"{path}: its header is {header_len / 2**20:.1f} MiB, more than the "
+                                  f"{limit / 2**20:g} MiB this kind of file needs (a crafted file?)")  # fmt: skip
         if header_len > _HEADER_LIMIT or 8 + header_len > size:
             raise CheckpointError(f"{path}: {_not_safetensors_reason(path, head)}")
         raw = f.read(header_len)

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 _SHOWN = 8  # how many names an error message lists
 _METADATA_KEY = "lora_adapter_metadata"  # where diffusers / PEFT keep r, lora_alpha, alpha_pattern, ...
 _PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's default, which diffusers uses when the metadata omits lora_alpha
+# A LoRA's header (its tensor list and the trainer's metadata) is far under this; parsing a 100 MiB one (what
+# safetensors allows) holds Python, and ComfyUI's server with it, for seconds.
+LORA_HEADER_LIMIT = 16 * 2**20
 
 
 @stable_name
@@ -76,7 +79,7 @@ def read_lora(path: str | os.PathLike, layer_shapes: Mapping[str, tuple[int, ...
     path = Path(path)
     stat = path.stat() if path.is_file() else None
     try:
-        ckpt = Checkpoint.open(path)
+        ckpt = Checkpoint.open(path, header_limit=LORA_HEADER_LIMIT)
     except CheckpointError as error:
         raise LoraError(f"LoRA {path.name}: {error}") from error
     with ckpt:
