@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from itertools import pairwise
 
 from ..qwen21_core.options import PARALLEL_MODES, SampleOptions
@@ -9,6 +10,8 @@ from ..qwen21_core.request import LATENT_SCALE, SampleRequest
 from . import host
 from .model import CONDITIONING_TYPE, MODEL_TYPE, sample_status
 from .preview import latent_to_preview
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("default", "turbo", "custom")
 
@@ -265,7 +268,12 @@ class Qwen21Sampler:
 
         latents = model.sample(conditioning, request.replace(callback=on_step), options)
         stats = dict(model.pipe.last_sample_stats or {})
+        status = sample_status(stats)
+        if sigmas.strip() and not custom:  # a string left from a custom schedule, or typed without switching to it
+            log.warning("Qwen21 Sampler: the sigmas input is used only with schedule 'custom' (it is %r); ignored",
+                        schedule)  # fmt: skip
+            status += f" · sigmas ignored (schedule {schedule}, not custom)"
         return {
-            "ui": {"qwen21_stats": [stats], "qwen21_status": [sample_status(stats)]},
+            "ui": {"qwen21_stats": [stats], "qwen21_status": [status]},
             "result": ({"samples": latents.to(host.intermediate_device())},),
         }

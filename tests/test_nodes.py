@@ -156,6 +156,9 @@ def test_sampler_size_schedules_and_denoise(model):
     assert latent["samples"].shape[-2:] == (4, 6)
     custom = sample(model, cond, schedule="custom", sigmas="1.0, 0.6, 0.3, 0")  # ComfyUI-style list
     assert custom["ui"]["qwen21_stats"][0]["steps"] == 3
+    left = sample(model, cond, sigmas="1.0, 0.6, 0.3, 0")  # a custom list without schedule custom: said, not used
+    assert left["ui"]["qwen21_stats"][0]["steps"] == 2
+    assert "sigmas ignored (schedule default, not custom)" in left["ui"]["qwen21_status"][0]
     half = sample(model, cond, latent=latent, denoise=0.5)["result"][0]["samples"]
     assert half.shape == latent["samples"].shape  # size taken from the input latent
     with pytest.raises(ValueError, match="denoise 0.5 < 1 needs an input `latent`"):
