@@ -6,6 +6,7 @@ logged and leaves the others working. Importing them starts nothing: start-up wo
 """
 
 import importlib
+import inspect
 import logging
 
 log = logging.getLogger(__name__)
@@ -41,5 +42,8 @@ for _module_name, _classes in _NODES.items():
                                                    f"{type(_error).__name__}: {_error}"))  # fmt: skip
         continue
     for _class_name, _display_name in _classes.items():
-        NODE_CLASS_MAPPINGS[_class_name] = getattr(_module, _class_name)
+        _class = getattr(_module, _class_name)
+        if isinstance(getattr(_class, "DESCRIPTION", None), str):  # a docstring's indentation is not the help's
+            _class.DESCRIPTION = inspect.cleandoc(_class.DESCRIPTION)
+        NODE_CLASS_MAPPINGS[_class_name] = _class
         NODE_DISPLAY_NAME_MAPPINGS[_class_name] = _display_name

@@ -85,7 +85,7 @@ def test_every_node_has_a_help_page_and_tooltips():
                 stem = input_name.rstrip("0123456789").rstrip("_")
                 assert stem in text, f"{page.name} does not mention the input {input_name!r}"
         assert node_class.CATEGORY.split("/")[0] == "Qwen21"
-        assert node_class.DESCRIPTION
+        assert node_class.DESCRIPTION and "\n    " not in node_class.DESCRIPTION  # no source indentation
 
 
 # ComfyUI's real module name for a pack folder: its whole path, dots replaced (nodes.py load_custom_node).
