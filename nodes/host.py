@@ -39,7 +39,9 @@ IN_COMFYUI = comfy_mm is not None
 
 # ComfyUI model-folder keys we read (they cover the legacy `unet` and `clip` folders too).
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers", "loras")
-WEIGHT_EXTENSIONS = (".safetensors", ".sft")
+WEIGHT_EXTENSIONS = (".safetensors", ".sft", ".gguf")  # GGUF: the diffusion model only (the loader says so)
+# Outside ComfyUI, the folders of each kind beside its own (ComfyUI's folder_paths has the same pairs)
+LEGACY_FOLDERS = {"diffusion_models": ("unet",), "text_encoders": ("clip",)}
 
 
 @stable_name
@@ -66,20 +68,29 @@ def model_folders(kind: str) -> list[str]:
         raise ValueError(f"model folder kind must be one of {MODEL_FOLDERS}, got {kind!r}")
     if IN_COMFYUI:
         return list(comfy_folder_paths.get_folder_paths(kind))
-    return [os.path.join(_models_dir, kind)] if _models_dir else []
+    if not _models_dir:
+        return []
+    return [os.path.join(_models_dir, name) for name in (kind, *LEGACY_FOLDERS.get(kind, ()))]
 
 
 def list_weight_files(kind: str) -> list[str]:
-    """Safetensors files under the `kind` folders, as paths relative to their folder (sorted)."""
+    """Weight files (safetensors, GGUF) under the `kind` folders, as paths relative to their folder (sorted). Inside
+    ComfyUI its own list, plus the GGUF files it does not list (its folders know no .gguf unless ComfyUI-GGUF added
+    it; adding it there would show them to core's loaders, which cannot read them)."""
     if IN_COMFYUI:
-        return sorted(f for f in comfy_folder_paths.get_filename_list(kind) if f.endswith(WEIGHT_EXTENSIONS))
+        listed = {f for f in comfy_folder_paths.get_filename_list(kind) if f.endswith(WEIGHT_EXTENSIONS)}
+        return sorted(listed | _walk_for(kind, (".gguf",)))
+    return sorted(_walk_for(kind, WEIGHT_EXTENSIONS))
+
+
+def _walk_for(kind: str, extensions: tuple[str, ...]) -> set[str]:
     found = set()
     for root in model_folders(kind):
         for dirpath, _dirs, files in _walk(root):
             for name in files:
-                if name.endswith(WEIGHT_EXTENSIONS):
+                if name.endswith(extensions):
                     found.add(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
-    return sorted(found)
+    return found
 
 
 def weight_file_path(kind: str, name: str) -> str:

@@ -37,8 +37,9 @@ WEIGHT_DTYPE_TOOLTIP = (
     "int8_convrot: INT8 weights and activations (RTX 20xx and newer); int8_convrot (native ComfyUI's int8 files) "
     "rotates first, for less error on real weights. On an H200 at 1024x1024 the quantised DiT takes 6.76 GiB and "
     "a step 0.593x (fp8), 0.696x (int8), 0.727x (int8_convrot) of bf16's time (BENCHMARKS: Quantised DiT). Quantised "
-    "files load as they are; bf16 files are quantised while loading. fp32: twice bf16's memory; matches the "
-    "diffusers fp32 reference to rounding."
+    "files load as they are; bf16 files are quantised while loading. A GGUF DiT: auto keeps its blocks, any other "
+    "choice dequantises them while loading. fp32: twice bf16's memory; matches the diffusers fp32 reference to "
+    "rounding."
 )
 TEXT_ENCODER_DTYPE_TOOLTIP = (
     "same: follow weight_dtype. Otherwise the text encoder's own precision; auto keeps its file's format. fp8 / "
@@ -260,7 +261,9 @@ class Qwen21ModelLoader(_PipelineLoader):
             "required": {
                 "diffusion_model": (
                     host.list_weight_files("diffusion_models"),
-                    {"tooltip": "The DiT file from models/diffusion_models (e.g. qwen_image_2.1_bf16.safetensors)."},
+                    {"tooltip": "The DiT file from models/diffusion_models (or models/unet), e.g. "
+                     "qwen_image_2.1_bf16.safetensors, or a GGUF file (Q8_0 ... Q4_K, Q4_0): its blocks stay "
+                     "blocks in memory (weight_dtype auto) and are dequantised right before each GEMM."},
                 ),
                 "text_encoder": (
                     host.list_weight_files("text_encoders"),

@@ -107,8 +107,17 @@ def test_streamer_moves_layers_between_host_and_device_without_changing_them():
     assert streamer.streamed == [] and all(
         torch.equal(layer.weight, w) for layer, w in zip(layers, before, strict=True)
     )
-    with pytest.raises(ValueError, match="share one shape"):
-        LayerStreamer([torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)], torch.device("cpu"))
+    # layers of other shapes (a GGUF file's blocks in other block types) stream too: a slot holds the largest
+    mixed = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 16, bias=False)]
+    weights = [layer.weight.detach().clone() for layer in mixed]
+    streamer = LayerStreamer(mixed, torch.device("cpu"))
+    streamer.set_resident(1)
+    assert streamer.streamed == [1, 2] and streamer.layer_bytes == max(b for _, b in streamer.layouts)
+    streamer.begin()
+    for i, layer in enumerate(mixed):
+        streamer.before(i)
+        assert torch.equal(layer.weight, weights[i])
+        streamer.after(i)
 
 
 def test_weights_made_under_inference_mode_stream(model):

@@ -1,10 +1,11 @@
-"""Safetensors checkpoints: open and validate, identify what they hold, stream them into a module.
+"""Safetensors (and GGUF) checkpoints: open and validate, identify what they hold, stream them into a module.
 
 Three steps, in the order the loader uses them:
 
 1. `Checkpoint.open(path)` reads only the JSON headers of a single `.safetensors` file, a sharded set
    (`*.safetensors.index.json`) or a folder holding either, and checks them: missing file, not a
-   safetensors file (pickle, GGUF, garbage), truncated download, inconsistent header.
+   safetensors file (pickle, garbage), truncated download, inconsistent header. A GGUF file (its magic) is read
+   the same way from its own header (gguf_files.py); its quantised tensors read as uint8 rows of blocks.
 2. `identify(ckpt, component)` probes a few distinctive keys and shapes to find the layout (diffusers or
    ComfyUI, ...) of the Qwen-Image-2.1 component we expect, or to say what the file is instead
    (Qwen-Image 1.x, Wan, Flux, SD, an LLM, a LoRA, ...).
@@ -31,10 +32,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...kernels.dequantize_gguf import BLOCKS as GGUF_BLOCKS
+from ...kernels.dequantize_gguf import dequantize_gguf
 from ..errors import stable_name
 from ..paths import join_inside
+from ..quant.gguf_linear import GGUFSlot
 from ..quant.slots import QuantSlot, StoredQuant
 from . import formats
+from .gguf_files import GGUF_MAGIC, read_gguf_header
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +125,16 @@ class Checkpoint:
             path = _pick_in_folder(path)
         if path.name.endswith(".index.json"):
             return cls._open_sharded(path)
+        if _is_gguf(path):
+            tensors, metadata = read_gguf_header(path, CheckpointError)
+            _refuse_overlaps(path, tensors)
+            return cls(path, tensors, metadata)
         tensors, metadata = _read_header(path, header_limit or _HEADER_LIMIT)
         return cls(path, tensors, metadata)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.metadata.get("format") == "gguf" and Path(self.path).suffix != ".json"
 
     @classmethod
     def _open_sharded(cls, index_path: Path) -> Checkpoint:
@@ -329,8 +342,6 @@ def _is_size(value) -> bool:
 
 
 def _not_safetensors_reason(path: Path, head: bytes) -> str:
-    if head.startswith(b"GGUF"):
-        return "a GGUF file; GGUF is not supported, only .safetensors (bf16/fp16/fp32/fp8)"
     if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80" or path.suffix in _PICKLE_SUFFIXES:
         return "a PyTorch pickle checkpoint; pickles are never opened (they can run code). Use a .safetensors file"
     return "not a safetensors file (its first 8 bytes do not give a plausible header length)"
@@ -353,8 +364,21 @@ def _pread_into(fd: int, view: memoryview, position: int, key: str) -> None:
 
 
 def _as_tensor(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    """View raw uint8 bytes (CPU or device) as the tensor they encode."""
+    """View raw uint8 bytes (CPU or device) as the tensor they encode; a GGUF block type's as uint8 rows (one per
+    row of the tensor's shape, its values in blocks)."""
+    if isinstance(info.dtype, str) and info.dtype in GGUF_BLOCKS:
+        return raw.view(_numel(info.shape[:-1]), -1)
     return raw.view(info.dtype).view(info.shape)
+
+
+def gguf_type(info: TensorInfo) -> str | None:
+    """The GGUF block type of a quantised GGUF tensor ("Q4_K"), None for any other tensor."""
+    return info.dtype if isinstance(info.dtype, str) and info.dtype in GGUF_BLOCKS else None
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,10 +706,17 @@ def _copy_one(key, slots, stager, convert, quant) -> None:
     parts = convert(key, raw)
     # per-row scales follow their rows through the converter (the ComfyUI gate_up split, say)
     scales = [s for _, s in convert(key, scale.reshape(-1))] if scale is not None and scale.numel() > 1 else None
+    info = stager.ckpt.tensors[key]
+    blocks = gguf_type(info)  # a GGUF tensor's block type: its parts are uint8 rows of blocks
     for index, (name, tensor) in enumerate(parts):
         slot = slots[name]
         if slot is None:
             continue
+        if isinstance(slot, GGUFSlot):  # a GGUF layer takes the file's blocks (or a float tensor) as they are
+            slot.fill(tensor, blocks)
+            continue
+        if blocks is not None:  # into a float (or our quantised) weight: dequantised here, on the slot's device
+            tensor = dequantize_gguf(tensor, blocks, info.shape[-1], torch.float32).view(slot.shape)
         part_scale = scales[index] if scales is not None else scale
         if isinstance(slot, QuantSlot):
             _fill_quantized(slot, tensor, part_scale, stored)

@@ -45,10 +45,12 @@ from .files import (
     WrongModelError,
     build_empty,
     converted_shapes,
+    gguf_type,
     identify,
     load_into,
     module_slots,
 )
+from .gguf_files import foreign_architecture
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +245,38 @@ def _check_dtype(dtype, what: str) -> torch.dtype:
 def _open(path: Path, component: str) -> tuple[Checkpoint, Layout, formats.QuantScheme]:
     ckpt = Checkpoint.open(path)
     try:
+        if ckpt.is_gguf:
+            return ckpt, _identify_gguf(ckpt, component), formats.QuantScheme(name="GGUF")
         layout = identify(ckpt, component)
         quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
     except BaseException:
         ckpt.close()
         raise
     return ckpt, layout, quant
+
+
+def _identify_gguf(ckpt: Checkpoint, component: str) -> Layout:
+    """A GGUF file's layout: only Qwen-Image-2.1's diffusion model is read from GGUF (its architecture, if the file
+    names one, is Qwen-Image's; the tensor names say the rest, as for a safetensors file)."""
+    arch = foreign_architecture(ckpt.metadata)
+    if arch is not None:
+        raise WrongModelError(f"{ckpt.path}: a GGUF of architecture {arch!r}; the Qwen-Image-2.1 diffusion model's "
+                              "GGUF files name qwen_image21 (or qwen_image, or nothing)")  # fmt: skip
+    if component != "transformer":
+        raise WrongModelError(f"{ckpt.path}: a GGUF file; qwen21-nodes reads the diffusion model from GGUF, the "
+                              f"{component.replace('_', ' ')} from .safetensors only")  # fmt: skip
+    return identify(ckpt, component)
+
+
+def _gguf_types(ckpt: Checkpoint, convert) -> dict[str, str]:
+    """Diffusers name -> GGUF type ("Q4_K", "BF16", ...) of every tensor of a GGUF file."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    out = {}
+    for key, info in ckpt.tensors.items():
+        qtype = gguf_type(info) or names.get(info.dtype, str(info.dtype))
+        for name, _ in convert(key, torch.empty(info.shape, device="meta")):
+            out[name] = qtype
+    return out
 
 
 def _config_file(path: Path, explicit) -> Path | None:
@@ -302,7 +330,7 @@ def _load_model(path, device, dtype, config_path, component, config_cls, config_
         else:
             config = config_from_shapes(_shapes(ckpt, convert, quant))
             config_from = "derived from tensor shapes"
-        stored = _stored_formats(quant, convert)
+        stored = _gguf_types(ckpt, convert) if ckpt.is_gguf else _stored_formats(quant, convert)
         model = build_empty(lambda: build(config, stored), device, dtype)
         load_into(module_slots(model), ckpt, convert, what=what, quant=quant)
         info = _info(ckpt, layout, quant, dtype, device, config_from)
@@ -360,7 +388,9 @@ def estimated_loaded_bytes(path: str | os.PathLike, component: str, choice: str,
                 count *= size
             stored_8bit = isinstance(info.dtype, torch.dtype) and info.dtype.itemsize == 1
             linear = len(info.shape) == 2 and _quantisable_name(component, name)
-            if linear and (choice in QUANTIZED_CHOICES or (choice == "auto" and stored_8bit)):
+            if gguf_type(info) is not None and linear and choice == "auto":  # GGUF blocks stay blocks
+                total += info.nbytes
+            elif linear and (choice in QUANTIZED_CHOICES or (choice == "auto" and stored_8bit)):
                 total += count
             elif info.dtype == torch.float32 and len(info.shape) <= 1:
                 total += count * 4
@@ -390,10 +420,14 @@ def load_transformer(
     weight_formats = weight_formats or WeightFormats()
 
     def build(config, stored):
-        candidates = [(i, path) for i in range(config.num_layers) for path in QUANTIZABLE]
-        plan = choose(weight_formats.dit, candidates, dit_stored_formats(stored), weight_formats.keep)
         # in `dtype` before quantising: a QuantLinear computes in the dtype of the Linear it replaces
-        return QwenImage21Transformer(config).to(dtype).quantize_linears(plan)
+        model = QwenImage21Transformer(config).to(dtype)
+        gguf = stored and all(isinstance(fmt, str) for fmt in stored.values())  # a GGUF file's types
+        if gguf and weight_formats.dit == "auto":  # its blocks stay blocks; another choice dequantises at load
+            return model.use_gguf_linears(model.gguf_plan(stored))
+        candidates = [(i, path) for i in range(config.num_layers) for path in QUANTIZABLE]
+        plan = choose(weight_formats.dit, candidates, {} if gguf else dit_stored_formats(stored), weight_formats.keep)
+        return model.quantize_linears(plan)
 
     model, info = _load_model(
         path, device, dtype, config_path, "transformer", TransformerConfig, transformer_config_from_shapes, build,

@@ -25,10 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...kernels.dequantize_gguf import QUANTIZED as GGUF_QUANTIZED
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer, place_with_streaming
+from ..quant.gguf_linear import GGUFLinear, GGUFSlot
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
@@ -284,7 +286,10 @@ class Branch:
 
 
 def _rows(layer: nn.Module, start: int = 0, stop: int | None = None):
-    """The checkpoint slot for rows [start, stop) of a block Linear's weight (a QuantSlot when quantised)."""
+    """The checkpoint slot for rows [start, stop) of a block Linear's weight (a QuantSlot when quantised, a GGUFSlot
+    for one segment of a GGUF layer)."""
+    if isinstance(layer, GGUFLinear):
+        return GGUFSlot(layer, start, stop)
     if isinstance(layer, QuantLinear):
         return QuantSlot(layer, start, stop)
     return layer.weight[start:stop]
@@ -342,15 +347,19 @@ class QwenImage21Transformer(nn.Module):
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one block's weights."""
-        return sum(p.numel() * p.element_size() for p in self.transformer_blocks[0].parameters())
+        """Bytes of one block's weights: the largest block's (a GGUF file may store some blocks in other types)."""
+        return max(self._block_bytes(index) for index in range(len(self.transformer_blocks)))
+
+    def _block_bytes(self, index: int) -> int:
+        return sum(p.numel() * p.element_size() for p in self.transformer_blocks[index].parameters())
 
     def device_weight_bytes(self) -> int:
         """Weights on the device now: everything but the streamed blocks, plus the staging slots."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         if self.streamer is None:
             return total
-        return total - len(self.streamer.host) * self.layer_bytes + self.streamer.slot_bytes
+        streamed = sum(self._block_bytes(index) for index in self.streamer.host)
+        return total - streamed + self.streamer.slot_bytes
 
     def streaming_signature(self) -> tuple:
         """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""
@@ -405,6 +414,33 @@ class QwenImage21Transformer(nn.Module):
                 layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
             setattr(parent, name, layer)
             del linear
+        return self
+
+    def gguf_plan(self, types: Mapping[str, str]) -> dict[tuple[int, str], tuple[tuple[int, str], ...]]:
+        """(block, path in QUANTIZABLE) -> GGUF row segments ((rows, type), ...) for the block Linears a GGUF file
+        stores in blocks; `types`: every diffusers weight name -> its GGUF type ("Q4_K", "BF16", ...). A Linear all
+        of whose tensors are float stays a plain Linear."""
+        inner, hidden = self.config.inner_dim, self.config.mlp_dim
+        sources = {"attn.to_qkv": (("attn.to_q", inner), ("attn.to_k", inner), ("attn.to_v", inner)),
+                   "attn.to_out": (("attn.to_out.0", inner),),
+                   "img_mlp.gate_up": (("img_mlp.gate_layer", hidden), ("img_mlp.proj", hidden)),
+                   "img_mlp.out": (("img_mlp.out", inner),)}  # fmt: skip
+        plan = {}
+        for index in range(len(self.transformer_blocks)):
+            for path, parts in sources.items():
+                segments = tuple((rows, types.get(f"transformer_blocks.{index}.{part}.weight", ""))
+                                 for part, rows in parts)  # fmt: skip
+                if any(qtype in GGUF_QUANTIZED for _, qtype in segments):
+                    plan[(index, path)] = segments
+        return plan
+
+    def use_gguf_linears(self, plan: Mapping[tuple[int, str], tuple[tuple[int, str], ...]]) -> QwenImage21Transformer:
+        """Replace block Linears (on the meta device, before loading) by GGUFLinears of the planned segments."""
+        for (index, path), segments in plan.items():
+            parent_name, _, name = path.rpartition(".")
+            parent = self.transformer_blocks[index].get_submodule(parent_name)
+            linear = getattr(parent, name)
+            setattr(parent, name, GGUFLinear(linear.in_features, segments, compute_dtype=linear.weight.dtype))
         return self
 
     def quantized_copy(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:

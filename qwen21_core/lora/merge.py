@@ -22,6 +22,7 @@ device:
     of the format without a LoRA (bench_lora measures it per layer and end to end).
   Either way the format's error stays the kind it is without a LoRA, and the work goes in row chunks (at most
   one layer in fp32 beside the weights).
+A LoRA on a GGUF layer (quant/gguf_linear.py) always runs beside it: its blocks are never requantised.
 A LoRA loaded with side_path=True (the LoRA node's mode "side_path") is not merged into a quantised weight:
 it runs beside it as a low-rank product (QuantLinear.set_side_paths), exact up to the activations' dtype, at the
 cost of extra GEMMs each step. On float weights a merge is already exact to one rounding, so both modes merge.
@@ -73,6 +74,7 @@ from ..checkpoints.files import Checkpoint, converted_shapes, identify, load_int
 from ..dit.transformer import QwenImage21Transformer
 from ..memory.host_copy import view as flat_view
 from ..memory.planner import copies_place
+from ..quant.gguf_linear import GGUFLinear
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot, StoredQuant
 from ..quant.weights import dequantize_weight, quantize_weight
@@ -343,10 +345,10 @@ def attach_side_paths(layer: QuantLinear, pieces: Pieces) -> None:
     paths = []
     for rows, strength, lora_layer in pieces:
         if lora_layer.diff is not None:
-            raise LoraError(
-                f"{lora_layer.layer}: a full-difference (.diff) patch cannot run as a side path beside a quantised "
-                "weight; use the LoRA node's mode merge for this file"
-            )
+            remedy = ("GGUF weights take LoRAs (low-rank factors) only" if isinstance(layer, GGUFLinear)
+                      else "use the LoRA node's mode merge for this file")  # fmt: skip
+            raise LoraError(f"{lora_layer.layer}: a full-difference (.diff) patch cannot run as a side path beside "
+                            f"a quantised weight; {remedy}")  # fmt: skip
         up = lora_layer.up.to(layer.qweight.device, torch.float32) * (lora_layer.scale * strength)
         paths.append((rows, lora_layer.down, up))
     layer.set_side_paths(paths)
@@ -584,9 +586,12 @@ class LoraMerger:
                vram_budget: int | None) -> None:  # fmt: skip
         """Bring the weights `names` (one group of _groups, in place) from what they hold to what `wanted` says."""
         targets = sorted(names & set(wanted))
+        # a GGUF layer's blocks are never requantised: every LoRA on it runs beside it
+        beside_only = {name for name in targets if _is_quantized(name) and isinstance(self._layer(name), GGUFLinear)}
         merges = {}  # weight -> the pieces merged into it (a quantised weight's side paths are not)
         for name in targets:
-            pieces = [(rows, s, layer) for rows, s, layer, side, _ in plan[name] if not (side and _is_quantized(name))]
+            pieces = [(rows, s, layer) for rows, s, layer, side, _ in plan[name]
+                      if not ((side or name in beside_only) and _is_quantized(name))]  # fmt: skip
             if pieces:
                 merges[name] = pieces
         # weights re-merged from the file's floats need no restore first (every row is rewritten)
@@ -595,7 +600,7 @@ class LoraMerger:
             self._restore(names & set(self.merged), keep=from_floats)
         for name in targets:
             if _is_quantized(name):
-                beside = [(rows, s, layer) for rows, s, layer, side, _ in plan[name] if side]
+                beside = [(rows, s, layer) for rows, s, layer, side, _ in plan[name] if side or name in beside_only]
                 attach_side_paths(self._layer(name), beside)
                 counts["side_paths"] += int(bool(beside))
             self.merged[name] = wanted[name]  # from here on a failure takes it off again

@@ -8,7 +8,8 @@ pointing the parameters at it (the weights did not change, nothing is copied) an
 per tensor at the bus's rate.
 
 Layers keep the flat layout layer streaming uses (memory/streaming.py `layout`): one buffer per layer, which is
-also the streamed layer's source, so streaming costs no second copy.
+also the streamed layer's source, so streaming costs no second copy. Layers may differ in their parameters (a GGUF
+file keeps some blocks in other block types): each has its own layout, `layer_bytes` is the largest.
 
 Staleness: each buffer remembers the weights' `version` (the DiT's `weights_id`, which a LoRA merge changes; ()
 for weights that never change) when it was copied. A buffer copied from an older version is refreshed from the
@@ -54,13 +55,18 @@ class HostCopy:
     """Pinned host buffers for a module's layer stack (one flat buffer per layer) and its other tensors."""
 
     def __init__(self, layers: Sequence[nn.Module], pin: bool):
-        self.entries, self.layer_bytes = layout(layers[0])
+        self.layouts = [layout(layer) for layer in layers]  # per layer: (entries, bytes)
+        self.layer_bytes = max(nbytes for _, nbytes in self.layouts)
         self.pin = pin
         self.flats: dict[int, torch.Tensor] = {}  # layer index -> its flat buffer
         self._flat_versions: dict[int, object] = {}
         self.rest: dict[str, torch.Tensor] = {}  # other parameters and buffers, by name in the module
         self._rest_versions: dict[str, object] = {}
         self._warned = False
+
+    def entries(self, index: int) -> list:
+        """Layer `index`'s parameters in its flat buffer: (name, byte offset, shape, dtype)."""
+        return self.layouts[index][0]
 
     @property
     def nbytes(self) -> int:
@@ -85,10 +91,11 @@ class HostCopy:
         flat = self.flats.get(index)
         if flat is not None and self._flat_versions.get(index) == version:
             return flat
+        entries, nbytes = self.layouts[index]
         if flat is None:
-            flat = self.flats[index] = self._empty((self.layer_bytes,), torch.uint8, self.layer_bytes)
+            flat = self.flats[index] = self._empty((nbytes,), torch.uint8, nbytes)
         with torch.no_grad():
-            for name, offset, shape, dtype in self.entries:
+            for name, offset, shape, dtype in entries:
                 source = layer.get_parameter(name).data
                 target = view(flat, offset, shape, dtype)
                 if source.data_ptr() != target.data_ptr():  # a streamed layer's weights already are these bytes

@@ -80,9 +80,9 @@ def layers_to_host(layers: list[nn.Module], home: HostCopy, version, streamed: d
         for index, layer in enumerate(layers):
             if index in streamed:
                 home.mark_current(index, version)
-                point_layer(layer, home.entries, streamed[index])
+                point_layer(layer, home.entries(index), streamed[index])
             else:
-                point_layer(layer, home.entries, home.layer_flat(index, layer, version))
+                point_layer(layer, home.entries(index), home.layer_flat(index, layer, version))
     _finish_host_copies()
 
 
@@ -93,10 +93,8 @@ class LayerStreamer:
             raise ValueError("a streamer needs at least one layer")
         self.layers = list(layers)
         self.device = torch.device(device)
-        self.entries, self.layer_bytes = layout(self.layers[0])
-        for index, layer in enumerate(self.layers[1:], start=1):
-            if layout(layer) != (self.entries, self.layer_bytes):
-                raise ValueError(f"layer {index} differs in its parameters from layer 0: layers must share one shape")
+        self.layouts = [layout(layer) for layer in self.layers]  # layers may differ (GGUF block types per block)
+        self.layer_bytes = max(nbytes for _, nbytes in self.layouts)  # a staging slot holds the largest
         self.slots = slots
         self.resident = len(self.layers)  # everything where it is until set_resident says otherwise
         self.home = home or HostCopy(self.layers, pin=self.device.type == "cuda")
@@ -153,7 +151,7 @@ class LayerStreamer:
         self.resident = len(self.layers) if device == self.device else 0
 
     def _point_at(self, index: int, flat: torch.Tensor, device: torch.device | None = None) -> None:
-        point_layer(self.layers[index], self.entries, flat, device)
+        point_layer(self.layers[index], self.layouts[index][0], flat, device)
 
     @contextmanager
     def editing(self, index: int):
@@ -163,15 +161,15 @@ class LayerStreamer:
         if index not in self.host:
             yield
             return
-        layer, flat = self.layers[index], self.host[index]
+        layer, flat, entries = self.layers[index], self.host[index], self.layouts[index][0]
         with torch.no_grad(), torch.inference_mode(False):
-            for name, offset, shape, dtype in self.entries:
+            for name, offset, shape, dtype in entries:
                 point_parameter(layer, name, view(flat, offset, shape, dtype).to(self.device, copy=True))
         try:
             yield
         finally:
             with torch.no_grad(), torch.inference_mode(False):
-                for name, offset, shape, dtype in self.entries:
+                for name, offset, shape, dtype in entries:
                     view(flat, offset, shape, dtype).copy_(layer.get_parameter(name))
                 self.home.mark_current(index, self.version)
                 self._refresh_slots()
@@ -181,7 +179,7 @@ class LayerStreamer:
 
     def _make_streamed(self, index: int) -> None:
         flat = self.home.layer_flat(index, self.layers[index], self.version)  # copies only when missing or stale
-        for name, _offset, _shape, dtype in self.entries:
+        for name, _offset, _shape, dtype in self.layouts[index][0]:
             # released here (the host buffer holds the values); pointed at its slot by _refresh_slots
             point_parameter(self.layers[index], name, torch.empty(0, dtype=dtype))
         self.host[index] = flat
@@ -196,7 +194,7 @@ class LayerStreamer:
         self.prefetcher.set_items(self.host)
         for index in self.host:
             slot = self.prefetcher.buffers[self.prefetcher.slot_of(index)]
-            for name, offset, shape, dtype in self.entries:
+            for name, offset, shape, dtype in self.layouts[index][0]:
                 point_parameter(self.layers[index], name, view(slot, offset, shape, dtype))
 
     # ---- the layer loop -----------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ import torch
 from torch import nn
 
 from ...kernels import dequantize_weight
+from ...kernels.dequantize_gguf import BLOCKS, dequantize_gguf, row_bytes
+from ...kernels.dequantize_gguf import QUANTIZED as GGUF_QUANTIZED
 from ..memory.planner import indexed_device
+from .gguf_linear import GGUFLinear
 from .linear import QuantLinear
 
 
@@ -28,7 +31,7 @@ def dequantize_keys(models: Iterable[tuple[nn.Module | None, torch.device]]) -> 
         if model is None or device.type != "cuda":
             continue
         for module in model.modules():
-            if isinstance(module, QuantLinear):
+            if isinstance(module, QuantLinear) and not isinstance(module, GGUFLinear):  # GGUF: its own kernel
                 keys[(device, module.qweight.dtype, module.compute_dtype)] = None
     return list(keys)
 
@@ -40,3 +43,21 @@ def dequantize_warmup_jobs(models: Iterable[tuple[nn.Module | None, torch.device
         dequantize_weight.expect_warm_up(*key)
         jobs.append(lambda key=key: dequantize_weight.warm_up(*key))
     return jobs
+
+
+def gguf_warmup_jobs(model: nn.Module | None, device: torch.device) -> list[Callable[[], None]]:
+    """One job per (GGUF block type, compute dtype) of the model's GGUF layers: compile the block dequantisation
+    (kernels/dequantize_gguf.py) on a few blocks, so that no step compiles it (a decode-graph capture could not)."""
+    device = indexed_device(device)
+    if model is None or device.type != "cuda":
+        return []
+    keys = {(qtype, module.compute_dtype) for module in model.modules() if isinstance(module, GGUFLinear)
+            for qtype in module.fmt.types if qtype in GGUF_QUANTIZED}  # fmt: skip
+    return [lambda qtype=qtype, dtype=dtype: _compile_gguf(qtype, dtype, device) for qtype, dtype in sorted(
+        keys, key=str)]  # fmt: skip
+
+
+def _compile_gguf(qtype: str, dtype: torch.dtype, device: torch.device) -> None:
+    size = BLOCKS[qtype][0]
+    blocks = torch.zeros(2, row_bytes(qtype, 4 * size), dtype=torch.uint8, device=device)  # zero scales: finite
+    dequantize_gguf(blocks, qtype, 4 * size, dtype)

@@ -7,7 +7,8 @@ former before it samples; the latter run during its sampling):
 - "text": the weight-only dequantisation of quantised Linears (quant/kernel_warmup.py), first because the encode comes
   first. The DiT's weight-only layers share its keys (it is the same kernel), so the DiT's QuantLinears are scanned
   too. Nobody waits for it: the layers use torch's expression (the same bits) until the kernel is ready;
-- "dit": what a first image needs; the sampler waits for it (`before_sampling`);
+- "dit": what a first image needs, a GGUF model's block dequantisation included; the sampler waits for it
+  (`before_sampling`);
 - each later M bucket, a part of its own (dit/kernel_warmup.py), waited for only by the launches of that bucket
   (`PendingBuckets`): a prompt of under 64 tokens prefills in one of them;
 - "image_encode": an image prompt's encode on a tiny model, whose kernels a fresh machine's first edit waited for
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 def start(pipe) -> KernelWarmup | None:
     """Start the kernel warm-up of a loaded pipeline's models (see the module docstring); None where nothing runs. Its
     waits call `pipe.check_interrupted` (the host's Cancel) while they last."""
-    from ..quant.kernel_warmup import dequantize_warmup_jobs
+    from ..quant.kernel_warmup import dequantize_warmup_jobs, gguf_warmup_jobs
     from ..text.kernel_warmup import image_encode_warmup_jobs
     from ..vae.kernel_warmup import vae_warmup_jobs
 
@@ -52,6 +53,7 @@ def start(pipe) -> KernelWarmup | None:
     image = image_encode_warmup_jobs(encoder, indexed_device(encoder.device)) if encoder is not None else []
     # Two stages (warmup.py): what the first encode and sampling may use (the prompt's length picks the prefill's M
     # bucket), then the image encode and the VAE's, which run during the first sampling
+    dit[PART] = [*dit[PART], *gguf_warmup_jobs(pipe.transformer, device)]
     first = {"text": dequantize_warmup_jobs(quantised), PART: dit.pop(PART), **dit}
     parts = {**first, "image_encode": image, "vae": vae_warmup_jobs(pipe.vae, device)}
     warmup = KernelWarmup(parts, device, first=tuple(first), on_part_done=PENDING_BUCKETS.forget_done,
