@@ -155,7 +155,7 @@ for part in "$@"; do
       # the velocity and node GPU tests
       unpack_comfyui
       comfyui_run tests_door "${TESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_comfyui_gpu.py \
-        tests/test_velocity.py tests/test_comfy_door_contract.py ;;
+        tests/test_velocity.py tests/test_comfy_door_contract.py tests/test_gguf.py ;;
     velocity)  # KSampler's way into the DiT (VelocityRun) against our sampler, full size fp8, per size; profiles
       run bench_velocity "${VELOCITY_LIMIT:-200}" python3 benchmarks/bench_velocity.py --profile ${VELOCITY_ARGS:-} ;;
     session-door)  # a ComfyUI server session on the full-size fp8 files: DOOR_SAMPLER (ksampler or qwen21), card sizes
