@@ -3,6 +3,7 @@
 `dir` becomes a ComfyUI models folder:
 
     dir/diffusion_models/qwen_image_2.1_tiny.safetensors   transformer, ComfyUI layout (prefix, fused gate_up)
+    dir/diffusion_models/qwen_image_2.1_tiny_Q8_0.gguf     the same transformer as a GGUF (block Linears in Q8_0)
     dir/vae/qwen_image_2.1_vae_tiny.safetensors            VAE, ComfyUI (Wan 2.2) layout, 5-D conv weights
     dir/text_encoders/qwen3vl_tiny.safetensors             Qwen3-VL, the transformers names Comfy-Org ships
     dir/text_encoders/qwen3vl_tiny.json                    its config (not the 8B, so it must be given)
@@ -61,6 +62,7 @@ NAMES = {
     "diffusers": "diffusers/qwen_image_2.1_tiny",
     "diffusers_turbo": "diffusers/qwen_image_2.1_tiny_turbo",
     "lora": "loras/tiny_turbo_lora.safetensors",
+    "gguf": "diffusion_models/qwen_image_2.1_tiny_Q8_0.gguf",
 }
 TINY_LORA_RANK = 4
 
@@ -86,6 +88,7 @@ def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
     _write_json(turbo / "model_index.json", {**MODEL_INDEX, "sample_sigmas": list(TURBO_SIGMAS)})
 
     _save(key_maps.dit_to_comfyui(transformer), paths["transformer"])
+    _write_gguf_transformer(key_maps.dit_to_comfyui(transformer, prefix=""), paths["gguf"])
     _save(key_maps.vae_to_comfyui(vae, TINY_VAE.num_res_blocks), paths["vae"])
     _write_comfy_text_encoder(folder, paths["text_encoder"], paths["tokenizer"])
     _save(lora, paths["lora"])
@@ -160,6 +163,26 @@ def _write_comfy_text_encoder(folder: Path, file: Path, tokenizer_dir: Path) -> 
     if tokenizer_dir.exists():
         shutil.rmtree(tokenizer_dir)
     shutil.copytree(folder / "processor", tokenizer_dir)
+
+
+def _write_gguf_transformer(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """The tiny DiT as a GGUF file the way ComfyUI-GGUF's converter writes one from ComfyUI's file: bare module names
+    (fused gate_up), the block Linears in Q8_0, the other tensors in F32."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "qwen_image21")
+    for name, tensor in weights.items():
+        values = tensor.float().numpy()
+        if "transformer_blocks." in name and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _diffusers_config(class_name: str, config) -> dict:
