@@ -136,7 +136,7 @@ def test_pickle_and_gguf_files_are_refused_without_opening(tmp_path):
         Checkpoint.open(pickle_file)
     gguf = tmp_path / "model.safetensors"  # a GGUF under another name is read as a GGUF (its magic): this one is cut
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 200)
-    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+    with pytest.raises(CheckpointError, match="not a readable GGUF file|GGUF file without tensors"):
         Checkpoint.open(gguf)
 
 

@@ -67,6 +67,8 @@ def read_gguf_header(path: Path, error: type[Exception]) -> tuple[dict, dict[str
         if name in tensors:
             raise error(f"{path}: tensor {name!r} is listed twice")
         tensors[name] = TensorInfo(path, FLOAT_TYPES.get(qtype, qtype), shape, start, nbytes)
+    if not tensors:
+        raise error(f"{path}: a GGUF file without tensors (a cut or empty file?)")
     metadata = {"format": "gguf", ARCHITECTURE_KEY: arch or ""}
     return tensors, metadata
 
