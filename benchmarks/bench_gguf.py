@@ -1,0 +1,167 @@
+"""GGUF DiT layers (quant/gguf_linear.py) against our bf16 and fp8 DiT, in one process, full size, random weights.
+
+    python benchmarks/bench_gguf.py                         # H200: 1024^2, Q8_0 and Q4_K against bf16 and fp8
+    python benchmarks/bench_gguf.py --types Q8_0,Q4_K,Q6_K --steps 20
+    python benchmarks/bench_gguf.py --tiny --device cpu     # smoke test
+
+Each variant shares the bf16 model's non-block weights; its block Linears are GGUF layers of random blocks (finite
+scales: the speed is what is measured, not the picture), fp8 ones quantised from the bf16 weights. A run samples
+--steps steps of a 1024x1024 text-to-image request through our sampler (prefix cache and decode graphs on); the
+line gives each variant's mean step (the prefix step left out), its ratio to bf16's and to fp8's, its block weights'
+bytes and the run's peak VRAM. --kernel-only times one layer's dequantisation against its GEMM per type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import emit, random_dit, sync  # noqa: E402
+
+GIB = 2**30
+
+
+def gguf_twin(source, qtype: str):
+    """A DiT sharing `source`'s tensors whose block Linears are GGUFLinears of random `qtype` blocks."""
+    from qwen21_nodes.kernels.dequantize_gguf import BLOCKS
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
+
+    with torch.device("meta"):
+        twin = QwenImage21Transformer(source.config)
+    for module, original in zip(twin.modules(), source.modules(), strict=True):
+        module._parameters = dict(original._parameters)
+        module._buffers = dict(original._buffers)
+        if hasattr(original, "_freqs"):
+            module._freqs = original._freqs
+    device = source.device
+    scale_fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,))
+    for block, original in zip(twin.transformer_blocks, source.transformer_blocks, strict=True):
+        for path, linear in original.linears().items():
+            layer = GGUFLinear(linear.in_features, ((linear.out_features, qtype),), compute_dtype=source.dtype)
+            blocks = torch.randint(0, 256, layer.qweight.shape, dtype=torch.uint8, device=device)
+            rows = blocks.view(-1, BLOCKS[qtype][1])
+            for offset in scale_fields:  # small fp16 scales: every value finite
+                scales = (torch.rand(rows.shape[0], device=device) * 1e-3).to(torch.float16)
+                rows[:, offset : offset + 2] = scales.view(torch.uint8).view(-1, 2)
+            layer.qweight = torch.nn.Parameter(blocks, requires_grad=False)
+            parent, _, child = path.rpartition(".")
+            setattr(block.get_submodule(parent), child, layer)
+    return twin.eval()
+
+
+def block_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for b in model.transformer_blocks for p in b.parameters())
+
+
+def step_ms(model, args, device) -> tuple[float, float, str]:
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+    from qwen21_nodes.qwen21_core.config import SchedulerConfig
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+    from qwen21_nodes.qwen21_core.request import SampleRequest
+
+    vae = torch.nn.Module()
+    vae.anchor = torch.nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+    vae.config = SimpleNamespace(latents_mean=[0.0] * 64, latents_std=[1.0] * 64)
+    pipe = Qwen21Pipeline(model, vae, None, SchedulerConfig())
+    embeds = torch.randn(40, model.config.context_in_dim, generator=torch.Generator().manual_seed(0))
+    cond = Conditioning(PromptEmbedding(embeds, torch.zeros(40, dtype=torch.bool)), content_hash="bench-gguf")
+    times, last = [], [0.0]
+
+    def callback(step, total, x0):
+        sync(device)
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    for repeat in range(args.repeats + 1):  # the first run compiles and captures
+        times.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        last[0] = time.perf_counter()
+        pipe.sample_request(cond, SampleRequest(height=args.size, width=args.size, steps=args.steps, seed=repeat,
+                                                callback=callback))  # fmt: skip
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    steps = sorted(times[1:])
+    return 1000 * steps[len(steps) // 2], peak, str(pipe.last_sample_stats.get("decode_graph"))[:60]
+
+
+def kernel_only(args, device) -> None:
+    """One gate_up-sized layer: the dequantisation alone and its GEMM on 4096 rows, per type."""
+    from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
+
+    out_features, in_features = (24576, 4096) if not args.tiny else (768, 256)
+    x = torch.randn(4096, in_features, device=device, dtype=torch.bfloat16)
+    for qtype in args.types.split(","):
+        layer = GGUFLinear(in_features, ((out_features, qtype),)).to(device)
+        layer.qweight.data = torch.randint(0, 256, layer.qweight.shape, dtype=torch.uint8, device=device)
+        for _ in range(3):
+            weight = layer.dequantized_weight(torch.bfloat16)
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(20):
+            weight = layer.dequantized_weight(torch.bfloat16)
+        sync(device)
+        dequant = (time.perf_counter() - started) / 20
+        started = time.perf_counter()
+        for _ in range(20):
+            torch.nn.functional.linear(x, weight)
+        sync(device)
+        gemm = (time.perf_counter() - started) / 20
+        read = layer.qweight.numel() + weight.numel() * 2
+        emit(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features],
+             dequant_ms=round(dequant * 1e3, 3), gemm_4096_ms=round(gemm * 1e3, 3),
+             gb_per_s=round(read / dequant / 1e9, 1))  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--types", default="Q8_0,Q4_K")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kernel-only", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    if args.tiny:
+        config = TransformerConfig(num_layers=2, num_attention_heads=2, context_in_dim=256)
+        args.size = min(args.size, 128)
+    else:
+        config = TransformerConfig()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.inference_mode():
+        if args.kernel_only:
+            kernel_only(args, device)
+            return
+        bf16 = random_dit(config, device, dtype)
+        variants = {"bf16": bf16}
+        if device.type == "cuda":
+            variants["fp8"] = bf16.quantized_copy(uniform_plan(FORMATS["fp8"], config.num_layers))
+        for qtype in args.types.split(","):
+            variants[qtype] = gguf_twin(bf16, qtype)
+        rows = {}
+        for name, model in variants.items():
+            ms, peak, graphs = step_ms(model, args, device)
+            rows[name] = dict(step_ms=round(ms, 2), peak_gib=round(peak, 2),
+                              block_gib=round(block_bytes(model) / GIB, 2), decode_graph=graphs)  # fmt: skip
+        base, fp8 = rows["bf16"]["step_ms"], rows.get("fp8", {}).get("step_ms")
+        for name, row in rows.items():
+            emit(what="gguf_step", variant=name, size=args.size, steps=args.steps, **row,
+                 vs_bf16=round(row["step_ms"] / base, 3), vs_fp8=round(row["step_ms"] / fp8, 3) if fp8 else None,
+                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
