@@ -430,6 +430,29 @@ def check_conditioning_combine():
     emit(check="conditioning_combine", **out)
 
 
+def check_gguf_model():
+    """The loader with the tiny GGUF DiT (Q8_0 blocks): KSampler on its MODEL gives Qwen21 Sampler's latent, and
+    ComfyUI's LoRA loader on it runs the LoRA beside the blocks (its effect, the blocks untouched)."""
+    from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
+
+    loader = OURS["Qwen21ModelLoader"]()
+    handle, model, _vae = loader.load(Path(NAMES["gguf"]).name, Path(NAMES["text_encoder"]).name,
+                                      Path(NAMES["vae"]).name, "auto", DEVICE if DEVICE == "cpu" else "cuda:0",
+                                      "auto")  # fmt: skip
+    layers = [m for m in handle.pipe.transformer.modules() if isinstance(m, GGUFLinear)]
+    cond, _w, _h, positive, negative, latent = encode(handle)
+    ours_latent = ours(handle, cond)
+    theirs = custom_advanced(model, positive, negative, latent)
+    blocks = [layer.qweight.clone() for layer in layers]
+    (with_lora,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, Path(NAMES["lora"]).name, 0.7)
+    lora_latent = custom_advanced(with_lora, positive, negative, latent)
+    plain_again = custom_advanced(model, positive, negative, latent)
+    emit(check="gguf_model", layers=len(layers), types=sorted({t for m in layers for t in m.fmt.types}),
+         relative=relative(theirs, ours_latent), lora_effect=(lora_latent - theirs).abs().max().item(),
+         blocks_untouched=all(torch.equal(a, b.qweight) for a, b in zip(blocks, layers, strict=True)),
+         plain_again=(plain_again - theirs).abs().max().item())  # fmt: skip
+
+
 def check_small_card():
     """KSampler at cfg 1 and cfg 4 on a card where ComfyUI sees no room for the DiT and the text encoder together
     (--reserve-vram taken to all but what is allocated now, and a hard cap on this process): its manager evicts one

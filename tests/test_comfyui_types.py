@@ -18,7 +18,7 @@ CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
           "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora",
           "object_patch_leak", "negative_left_alone", "empty_latents", "unet_patches", "alpha_not_rank",
-          "conditioning_combine")  # fmt: skip
+          "conditioning_combine", "gguf_model")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -162,3 +162,10 @@ def test_two_combined_prompts_through_ksampler_match_our_math_per_prompt(results
     for cfg in ("cfg1", "cfg4"):
         assert line[cfg]["relative"] <= 1e-5, line
         assert line[cfg]["effect"] > 1e-4  # the second prompt matters: sharing one branch would show
+
+
+def test_a_gguf_dit_behind_comfyuis_model_samples_and_takes_comfyuis_lora_beside_its_blocks(results):
+    line = result(results, "gguf_model")
+    assert line["layers"] == 8 and line["types"] == ["Q8_0"]
+    assert line["relative"] <= 1e-4  # KSampler's loop on the GGUF MODEL = Qwen21 Sampler's (fp32 compute)
+    assert line["lora_effect"] > 1e-3 and line["blocks_untouched"] and line["plain_again"] == 0
