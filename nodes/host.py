@@ -149,7 +149,10 @@ def file_identity(path: str) -> str:
     """What a file, or every file under a folder, is now: path, size and modification time. A loader node's
     IS_CHANGED returns it, so that ComfyUI's output cache (and the runner's) reads an edited file again."""
     if not os.path.isdir(path):
-        stat = os.stat(path)
+        try:
+            stat = os.stat(path)
+        except OSError as error:  # a link loop or a file gone: the load names it; this must not fail first
+            return f"{os.path.abspath(path)}:unreadable:{error.errno}"
         return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
     files = sorted(os.path.join(root, name) for root, _dirs, names in _walk(path) for name in names)
     return "\n".join(file_identity(file) for file in files)

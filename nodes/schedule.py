@@ -7,6 +7,7 @@ from ..qwen21_core.config import QWEN21_SCHEDULER
 from ..qwen21_core.request import LATENT_SCALE
 from ..qwen21_core.scheduler import partial_schedule
 
+MAX_SIDE = 8192  # pixels: a value through a link is held to the widget's range (a width of 10**6 overflowed)
 SCHEDULES = ("released", "turbo")
 MAX_STEPS = 200  # as Qwen21 Sampler's steps widget
 
@@ -41,9 +42,9 @@ class Qwen21Scheduler:
                      "`sample_sigmas`; `steps` is ignored); an error if it has none."},  # fmt: skip
                 ),
                 "steps": ("INT", {"default": 40, "min": 1, "max": MAX_STEPS, "tooltip": "Denoising steps."}),
-                "width": ("INT", {"default": 1024, "min": 64, "max": 8192, "step": 32,
+                "width": ("INT", {"default": 1024, "min": 64, "max": MAX_SIDE, "step": 32,
                                   "tooltip": "The image's width: the shift grows with its pixels."}),  # fmt: skip
-                "height": ("INT", {"default": 1024, "min": 64, "max": 8192, "step": 32,
+                "height": ("INT", {"default": 1024, "min": 64, "max": MAX_SIDE, "step": 32,
                                    "tooltip": "The image's height."}),  # fmt: skip
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                                       "tooltip": "Below 1: the last part of a longer schedule, as KSampler's denoise "
@@ -58,8 +59,8 @@ class Qwen21Scheduler:
         if latent is not None:
             samples = latent["samples"]
             height, width = samples.shape[-2] * LATENT_SCALE, samples.shape[-1] * LATENT_SCALE
-        if width % 32 or height % 32 or min(width, height) < 64:
-            raise ValueError(f"width and height must be multiples of 32 of at least 64, got {width}x{height}")
+        if width % 32 or height % 32 or min(width, height) < 64 or max(width, height) > MAX_SIDE:
+            raise ValueError(f"width and height must be multiples of 32 from 64 to {MAX_SIDE}, got {width}x{height}")
         pipe = _pipeline_of(model)
         config = pipe.scheduler_config if pipe is not None else QWEN21_SCHEDULER
         base = None

@@ -170,6 +170,11 @@ class SchedulerConfig(_JsonConfig):
             raise ValueError(
                 f"scheduler config: time_shift_type must be 'exponential' or 'linear', got {self.time_shift_type!r}"
             )
+        base = 256 if self.base_image_seq_len is None else self.base_image_seq_len
+        longest = 4096 if self.max_image_seq_len is None else self.max_image_seq_len
+        if self.use_dynamic_shifting and base == longest:  # the shift is a line through two lengths
+            raise ValueError(f"scheduler config: base_image_seq_len and max_image_seq_len must differ for dynamic "
+                             f"shifting, both are {base}")  # fmt: skip
 
 
 # The released checkpoint's scheduler_config.json, written down so the Scheduler node has it without a model.

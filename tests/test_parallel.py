@@ -469,9 +469,9 @@ def test_the_rendezvous_store_listens_on_loopback_only():
 
 @pytest.mark.slow
 def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
-    """Before the workers connect, a local process connects to the channel and says nothing, another sends garbage:
-    each is dropped after the handshake timeout, and the workers are taken as they come (the start used to wait for
-    the whole load timeout)."""
+    """Before the workers connect, local processes connect to the channel and say nothing (three of them), another
+    sends garbage: each is dropped after the handshake timeout, on a thread of its own, and the workers are taken as
+    they come (one at a time, two silent ones outlasted a worker's own handshake and the start failed)."""
     import socket
     import time
 
@@ -479,7 +479,7 @@ def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
 
     def spawn_after_rogues(self, workers):
         address = self._listener.getsockname()
-        rogues.append(socket.create_connection(address))  # connects and stays silent
+        rogues.extend(socket.create_connection(address) for _ in range(3))  # connect and stay silent
         noisy = socket.create_connection(address)
         noisy.sendall(b"\xff" * 64)
         rogues.append(noisy)
@@ -496,3 +496,37 @@ def test_a_silent_local_connection_does_not_stall_the_start(monkeypatch):
         workers.shutdown()
         for rogue in rogues:
             rogue.close()
+
+
+def test_a_crafted_tensor_in_a_message_is_a_message_error():
+    """A quantised dtype (no plain bytes) and a dimension beyond torch's sizes are refused by name: they once ended
+    the worker's listener thread with a raw RuntimeError."""
+    from qwen21_nodes.qwen21_core.parallel import wire
+
+    allowed = wire.Allowed({}, {})
+
+    def tensor_message(dtype: str, shape: tuple) -> bytes:
+        out = bytearray(b"X")
+        wire._write_text(out, b"s", dtype)
+        wire._write(out, shape, allowed, 1)
+        return bytes(out + b"b" + wire._COUNT.pack(0))
+
+    assert wire.decode(tensor_message("int8", (0, 3)), allowed).shape == (0, 3)
+    with pytest.raises(wire.MessageError, match="unknown dtype 'qint8'"):
+        wire.decode(tensor_message("qint8", (0,)), allowed)
+    with pytest.raises(wire.MessageError, match="sizes >= 0"):
+        wire.decode(tensor_message("int8", (0, 2**200)), allowed)
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/class/net/lo"), reason="names Linux's loopback interface, lo")
+def test_gloo_and_nccl_sockets_are_kept_on_the_loopback_interface(monkeypatch):
+    """Every rank is on this host: the groups' own sockets listen on the loopback interface only, in the workers'
+    environment and in rank 0's while its group forms; rank 0's environment is as it was afterwards."""
+    from qwen21_nodes.qwen21_core.parallel import group
+
+    assert group.loopback_sockets() == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")
+    with group._group_environment():
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and os.environ["NCCL_SOCKET_IFNAME"] == "eth7"

@@ -4,9 +4,11 @@ torch.distributed's default group, NCCL between GPUs and gloo on CPU. Rank 0 hos
 TCPStore on a free port); each (re)formed group uses a fresh prefix in it, so a group rebuilt after a failure never
 meets the old one's keys. Every collective has the group's timeout.
 
-The store has no authentication, so it listens on the loopback address only. A TCPStore told to host on
-"127.0.0.1" still binds every interface (the host name only tells clients where to connect), so rank 0 binds the
-listening socket itself and hands it to the store (`master_listen_fd`); the store owns and closes it.
+The store has no authentication, so it listens on the loopback address only, and so do gloo's and NCCL's own
+sockets (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME set to the loopback interface: every rank is on this host). A
+TCPStore told to host on "127.0.0.1" still binds every interface (the host name only tells clients where to
+connect), so rank 0 binds the listening socket itself and hands it to the store (`master_listen_fd`); the store owns
+and closes it.
 
 Failures: a blocked gloo collective ends with an error as soon as a peer leaves the group or exits (its connection
 closes) and otherwise at the timeout. A blocked NCCL collective ends only when the local communicator is aborted:
@@ -14,7 +16,7 @@ torch's own NCCL watchdog would do that by tearing the whole process down (which
 its error handling is switched off (TORCH_NCCL_ASYNC_ERROR_HANDLING=0) and our watchdog aborts instead (pool.py,
 worker.py). Torch has no option for it, only that variable, which ProcessGroupNCCL reads once, in its constructor: a
 worker gets it in the environment it starts with (pool.py), and rank 0, which is ComfyUI's process, holds it only
-while its group is constructed (`_nccl_error_handling_off`), so ComfyUI's environment is left as it was.
+while its group is constructed (`_group_environment`), so ComfyUI's environment is left as it was.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's; "0": its watchdog never tears the process down
+SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _construction = threading.Lock()
 
 
@@ -68,7 +71,7 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
          timeout_s: float) -> None:  # fmt: skip
     """Form group number `generation` (leaving any earlier one first). Blocks until every rank has joined."""
     leave()
-    with _nccl_error_handling_off() if backend == "nccl" else contextlib.nullcontext():
+    with _group_environment():  # gloo's sockets too stay on the loopback interface
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"qwen21-group-{generation}", store),
@@ -80,19 +83,33 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
 
 
 @contextlib.contextmanager
-def _nccl_error_handling_off():
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING=0 while the group is constructed, the value before restored after it (see the
-    module docstring): a worker already has it; ComfyUI's process keeps no trace of it."""
+def _group_environment():
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and the loopback sockets (`loopback_sockets`) while the group is constructed,
+    the values before restored after it (see the module docstring): a worker already has them; ComfyUI's process
+    keeps no trace of them."""
+    wanted = {NCCL_ERROR_HANDLING: "0", **loopback_sockets()}
     with _construction:
-        before = os.environ.get(NCCL_ERROR_HANDLING)
-        os.environ[NCCL_ERROR_HANDLING] = "0"
+        before = {name: os.environ.get(name) for name in wanted}
+        os.environ.update(wanted)
         try:
             yield
         finally:
-            if before is None:
-                os.environ.pop(NCCL_ERROR_HANDLING, None)
-            else:
-                os.environ[NCCL_ERROR_HANDLING] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def loopback_sockets() -> dict[str, str]:
+    """The environment that keeps gloo's and NCCL's sockets on the loopback interface ({} where it has no name we
+    know: then they choose as they do by default)."""
+    try:
+        names = {name for _index, name in socket.if_nameindex()}
+    except (OSError, AttributeError):
+        return {}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    return dict.fromkeys(SOCKET_INTERFACE_VARIABLES, loopback) if loopback else {}
 
 
 def leave() -> None:

@@ -160,6 +160,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._authkey = secrets.token_bytes(32)
         self._listener = listen()
+        self._proven: queue.Queue = queue.Queue()  # connections whose handshake succeeded (_accept_one)
         self._store = group.host_store(self.timeout_s)
         self._reader: threading.Thread | None = None
 
@@ -210,6 +211,7 @@ class WorkerPool:
                 TRUSTED_FUNCTIONS_ENV: trusted_functions(self.recipe),  # a FunctionRecipe's builder, for its messages
                 "PYTHONPATH": worker_python_path(),
                 group.NCCL_ERROR_HANDLING: "0",  # our watchdog, not torch's, ends a failed run (group.py)
+                **group.loopback_sockets(),  # gloo and NCCL listen on the loopback interface only (one host)
             })  # fmt: skip
             worker.process = subprocess.Popen(python_command(PACKAGE_NAME, PACKAGE_FOLDER), env=env,
                                               start_new_session=True)  # fmt: skip
@@ -230,19 +232,20 @@ class WorkerPool:
             by_rank[rank].connection = connection
 
     def _accept_one(self, workers: list[_Worker], deadline: float):
-        """The next connection that proves the key (each has HANDSHAKE_TIMEOUT_S: one that connects and stays
-        silent, or cannot prove it, is dropped and the wait goes on); fails if a worker that has not connected
-        exits first, or at the deadline."""
+        """The next connection that proves the key; fails if a worker that has not connected exits first, or at the
+        deadline. Each connection proves itself on a thread of its own (HANDSHAKE_TIMEOUT_S each), so connections
+        that stay silent (any local process can connect) hold up neither the others nor the accepting."""
         waiting = [worker for worker in workers if worker.connection is None]
         while all(worker.alive for worker in waiting) and time.monotonic() < deadline:
+            try:
+                return self._proven.get_nowait()
+            except queue.Empty:
+                pass
             try:
                 sock, peer = self._listener.accept()
             except TimeoutError:
                 continue
-            try:
-                return accept(sock, self._authkey)
-            except HandshakeError as error:
-                log.warning("dropped a connection to the worker channel from %s: %s", peer, error)
+            threading.Thread(target=self._prove, args=(sock, peer), name="qwen21-handshake", daemon=True).start()
         dead = [worker for worker in waiting if not worker.alive]
         if dead:
             worker = dead[0]
@@ -250,6 +253,12 @@ class WorkerPool:
                                f"code {worker.process.poll()}; see its log lines above")  # fmt: skip
         raise RuntimeError(f"worker ranks {[w.rank for w in waiting]} did not connect within "
                            f"{self.load_timeout_s:.0f} s ({settings.PARALLEL_LOAD_TIMEOUT})")  # fmt: skip
+
+    def _prove(self, sock, peer) -> None:
+        try:
+            self._proven.put(accept(sock, self._authkey))
+        except HandshakeError as error:
+            log.warning("dropped a connection to the worker channel from %s: %s", peer, error)
 
     def _load(self, workers: list[_Worker]) -> None:
         """Every worker builds its DiT (at once), then says so."""

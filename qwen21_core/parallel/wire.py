@@ -30,7 +30,14 @@ from ..errors import stable_name
 MAX_DEPTH = 64
 MAX_INT_BYTES = 64
 MAX_DIMS = 32
-_DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+def _plain(dtype: torch.dtype) -> bool:
+    """A dtype whose tensors are plain bytes (not a quantised tensor's, which needs a quantiser to exist)."""
+    return not str(dtype).removeprefix("torch.").startswith(("qint", "quint"))
+
+
+_DTYPES = {str(value).removeprefix("torch."): value for value in vars(torch).values()
+           if isinstance(value, torch.dtype) and _plain(value)}  # fmt: skip
+MAX_DIM = 2**62  # a size torch can take
 _COUNT = struct.Struct("<Q")
 _FLOAT = struct.Struct("<d")
 
@@ -240,7 +247,7 @@ class _Reader:
         if (
             not isinstance(shape, tuple)
             or len(shape) > MAX_DIMS
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_DIM for n in shape)
         ):
             raise MessageError(f"a tensor shape must be a tuple of at most {MAX_DIMS} sizes >= 0, got {shape!r:.80}")
         if bytes(self.take(1)) != b"b":

@@ -18,6 +18,8 @@ def vae_device(vae) -> torch.device:
 
 def decode(vae, latents: torch.Tensor, warmup=None, **options) -> tuple[torch.Tensor, dict]:
     """Raw latents [B, 64, h, w] -> (RGBA [B, 16h, 16w, 4] in 0..1, the decode's stats). Options: the VAE's decode."""
+    if latents.dim() != 4 or 0 in latents.shape:
+        raise ValueError(f"the VAE decodes latents [B, 64, h, w] with at least one of each, got {list(latents.shape)}")
     device = vae_device(vae)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -35,8 +37,8 @@ def decode(vae, latents: torch.Tensor, warmup=None, **options) -> tuple[torch.Te
 
 def encode(vae, images: torch.Tensor, masks: torch.Tensor | None = None, warmup=None, **options) -> torch.Tensor:
     """ComfyUI IMAGE [B, H, W, 3|4] (+ MASK [B, H, W] = 1 - alpha) -> raw latents [B, 64, H/16, W/16]."""
-    if images.dim() != 4 or images.shape[-1] not in (3, 4):
-        raise ValueError(f"images must be [B, H, W, 3 or 4], got {list(images.shape)}")
+    if images.dim() != 4 or images.shape[-1] not in (3, 4) or 0 in images.shape:
+        raise ValueError(f"images must be [B, H, W, 3 or 4] with at least one of each, got {list(images.shape)}")
     if masks is not None:
         if masks.dim() == 2:
             masks = masks[None]
