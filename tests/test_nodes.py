@@ -469,3 +469,10 @@ def test_empty_latent_has_the_size_asked_for_and_names_a_bad_one():
         node.make(1024, 8192)
     with pytest.raises(ValueError, match="batch_size must be from 1 to 16, got 17"):
         node.make(1024, 1024, 17)
+
+
+def test_the_scheduler_names_a_size_beyond_its_widget():
+    from qwen21_nodes.nodes.schedule import Qwen21Scheduler
+
+    with pytest.raises(ValueError, match="multiples of 32 from 64 to 8192, got 1000000x1024"):
+        Qwen21Scheduler().get_sigmas(None, "released", 8, 10**6, 1024, 1.0)

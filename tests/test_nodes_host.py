@@ -248,3 +248,13 @@ def test_bad_custom_sigmas_name_the_input(text, message):
     with pytest.raises(ValueError, match=message) as caught:
         parse_sigmas(text)
     assert "sigmas" in str(caught.value)
+
+
+def test_a_link_loop_is_an_identity_not_an_error(tmp_path):
+    """IS_CHANGED of a loader runs on every queued prompt: a model folder holding a symlink loop must not raise there
+    (the load itself names what it cannot read)."""
+    folder = tmp_path / "diffusers" / "model"
+    folder.mkdir(parents=True)
+    (folder / "loop").symlink_to(folder / "loop")
+    assert "unreadable" in host.file_identity(str(folder / "loop"))
+    assert "unreadable" in host.file_identity(str(folder))

@@ -108,3 +108,10 @@ def test_a_single_step_gives_finite_sigmas():
     """The reference returns NaN here (0/0 in the terminal stretch); we keep the unstretched grid."""
     sigmas, timesteps = flow_schedule(QWEN21_SCHEDULER, 4096, steps=1)
     assert torch.equal(sigmas, torch.tensor([1.0, 0.0])) and torch.equal(timesteps, torch.tensor([1000.0]))
+
+
+def test_a_config_that_cannot_shift_by_length_is_named():
+    from qwen21_nodes.qwen21_core.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="base_image_seq_len and max_image_seq_len must differ"):
+        SchedulerConfig(use_dynamic_shifting=True, base_image_seq_len=512, max_image_seq_len=512)

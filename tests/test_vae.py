@@ -354,3 +354,12 @@ def test_fast_session_touches_only_the_cudnn_benchmark_flag():
         assert (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == (False, True, False)
     finally:
         cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = saved
+
+
+def test_an_empty_batch_is_named_before_the_vae_runs():
+    from qwen21_nodes.qwen21_core.vae import calls
+
+    with pytest.raises(ValueError, match="at least one of each"):
+        calls.decode(object(), torch.zeros(0, 64, 4, 4))
+    with pytest.raises(ValueError, match="at least one of each"):
+        calls.encode(object(), torch.zeros(0, 64, 64, 3))
