@@ -149,9 +149,62 @@ def test_tile_size_is_validated(vae):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_auto_never_tiles_on_cpu(vae):
+def test_auto_tiles_on_the_cpu_past_what_a_host_pass_may_take(vae, monkeypatch):
+    """A 4096 px decode on the CPU grew the process by 11 GB untiled; "auto" now plans with the RAM a pass may
+    take (the available RAM, at most HOST_PASS_BYTES) and tiles past it."""
+    gib = 2**30
+    monkeypatch.setattr(vae_tiling, "host_free_bytes", lambda: 64 * gib)
+    assert vae_tiling.available_bytes(torch.device("cpu")) == int(vae_tiling.HOST_PASS_BYTES * vae_tiling.SAFETY)
+    monkeypatch.setattr(vae_tiling, "host_free_bytes", lambda: gib)
+    assert vae_tiling.available_bytes(torch.device("cpu")) == int(gib * vae_tiling.SAFETY)
+    monkeypatch.setattr(vae_tiling, "host_free_bytes", lambda: None)  # unreadable: the cap alone
+    assert vae_tiling.available_bytes(torch.device("cpu")) == int(vae_tiling.HOST_PASS_BYTES * vae_tiling.SAFETY)
+
     vae.decode(_latents(1, 4, 12, 12), tiling="auto")
-    assert vae.last_decode_info["tiled"] is False
+    assert vae.last_decode_info["tiled"] is False  # small: untiled
+    per_image = vae_tiling.bytes_per_pixel("decode", "exact", torch.float32) * vae.activation_scale("decode")
+    monkeypatch.setattr(vae_tiling, "HOST_PASS_BYTES", int(per_image * 192 * 192 / 4 * 1.01 / vae_tiling.SAFETY))
+    vae.tiling_config = TilingConfig(min_tile_size=32)
+    vae.decode(_latents(1, 4, 12, 12), tiling="auto")
+    info = vae.last_decode_info
+    assert info["tiled"] is True and info["tile_size"] == 96  # a quarter of the pixels: half the side
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_the_plan_covers_what_a_pass_holds_at_every_model_width(size, dtype):
+    """The per-pixel estimate, scaled by the model's width, is at least the peak of live tensors of a real pass
+    (on the meta device, so the full-size model costs nothing) and at most twice it: without the width scale the
+    tiny VAE's estimate was 17x too large, so the CPU would have tiled decodes that fit."""
+    from qwen21_nodes.qwen21_core.config import VAEConfig
+    from qwen21_nodes.qwen21_core.tiny import TINY_VAE as PACK_TINY_VAE
+    from qwen21_nodes.qwen21_core.vae.model import QwenImage21VAE
+
+    config = PACK_TINY_VAE if size == "tiny" else VAEConfig()
+    with torch.device("meta"):
+        model = QwenImage21VAE(config).eval().to(dtype)
+    z = torch.empty(1, config.z_dim, 16, 16, device="meta", dtype=dtype)
+    x = torch.empty(1, 4, 256, 256, device="meta", dtype=dtype)
+    for kind, run in (("decode", lambda: model.decode_pixels(z)), ("encode", lambda: model.encode_pixels(x))):
+        held = vae_tiling.live_tensor_peak(run) / 256**2
+        estimate = vae_tiling.bytes_per_pixel(kind, "exact", dtype) * model.activation_scale(kind)
+        assert held <= estimate <= 2 * held, (kind, held, estimate)
+
+
+def test_one_call_is_capped_in_size_before_anything_is_allocated(vae):
+    from qwen21_nodes.qwen21_core.vae.model import MAX_CALL_PIXELS, MAX_IMAGE_SIDE
+
+    side = MAX_IMAGE_SIDE // 16 + 1
+    huge = torch.zeros(1, 4, 1, 1).expand(1, 4, side, side)  # no memory behind it
+    with pytest.raises(ValueError, match=rf"VAE decode: latents of {side * 16}x{side * 16} px.*at most {MAX_IMAGE_SIDE}"):
+        vae.decode(huge)
+    batch = MAX_CALL_PIXELS // (512 * 512) + 1
+    many = torch.zeros(1, 4, 1, 1).expand(batch, 4, 32, 32)
+    with pytest.raises(ValueError, match=rf"{batch} images at 512x512 px.*{batch - 1} images of this size"):
+        vae.decode(many)
+    pixels = torch.zeros(1, 1, 1, 3).expand(1, MAX_IMAGE_SIDE + 16, 16, 3)
+    with pytest.raises(ValueError, match=r"VAE encode: images of 16x8208 px"):
+        vae.encode(pixels)
 
 
 def test_available_memory_honours_a_per_process_cap(fake_cuda_memory):
@@ -169,7 +222,7 @@ def _pretend_free_bytes(monkeypatch, free):
 def test_auto_splits_the_batch_then_tiles_as_memory_shrinks(vae, monkeypatch):
     vae.tiling_config = TilingConfig(min_tile_size=32)
     z = _latents(3, 4, 6, 6, seed=4)
-    per_image = vae_tiling.bytes_per_pixel("decode", "exact", torch.float32) * 96 * 96
+    per_image = vae_tiling.bytes_per_pixel("decode", "exact", torch.float32) * vae.activation_scale("decode") * 96 * 96
 
     _pretend_free_bytes(monkeypatch, 3 * per_image)
     whole = vae.decode(z, tiling="auto")

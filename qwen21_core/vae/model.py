@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TILING_MODES = ("auto", "on", "off")
+# What one decode or encode call may hold: a side of 8192 px per image, and 2^28 pixels in all (4 GiB of float32
+# RGBA output, e.g. 256 images of 1024^2). Past that a latent was made larger than any model output by mistake
+# (an upscale by a link) and would take the process's memory with it.
+MAX_IMAGE_SIDE = 8192
+MAX_CALL_PIXELS = 2**28
+_FULL_SIZE = VAEConfig()
 QUALITIES = ("exact", "fast")
 # quality -> ops factory for the non-exact paths; vae/fast.py registers "fast" (it builds on this module, so
 # this module cannot import it)
@@ -634,6 +640,14 @@ class QwenImage21VAE(nn.Module):
 
     # -- decode -------------------------------------------------------------------------------------------
 
+    def activation_scale(self, kind: str) -> float:
+        """This model's activations against the full-size VAE's, for the tiling plan: the ratio of the channel
+        width at full resolution (decoder for "decode", encoder for "encode")."""
+        if kind == "decode":
+            ours = self.config.decoder_base_dim or self.config.base_dim
+            return ours / (_FULL_SIZE.decoder_base_dim or _FULL_SIZE.base_dim)
+        return self.config.base_dim / _FULL_SIZE.base_dim
+
     def ops_for(self, quality: str) -> ExactOps:
         """The arithmetic for quality "exact" or "fast" (the fast paths install on first use)."""
         if quality == "exact":
@@ -672,7 +686,8 @@ class QwenImage21VAE(nn.Module):
     ) -> torch.Tensor:
         """Raw latents [B, z_dim, h, w] -> RGBA images [B, 16h, 16w, 4] float32 in 0..1 on the latents' device.
 
-        tiling:    "auto" (tile only when an untiled pass would not fit in free GPU memory; never on CPU),
+        tiling:    "auto" (tile only when an untiled pass would not fit in free GPU memory, or on the CPU in
+                   the RAM a pass may take: vae_tiling.available_bytes),
                    "on" or "off". Out-of-memory while tiling retries with halved tiles (see vae_tiling).
         tile_size: tile side in output pixels (multiple of 16); None = tiling_config.tile_size, or under
                    "auto" the largest tile that fits.
@@ -688,6 +703,8 @@ class QwenImage21VAE(nn.Module):
             raise ValueError(f"latents must be a tensor [B, {self.config.z_dim}, h, w] of raw VAE latents, got {got}")
         if not latents.is_floating_point():
             raise TypeError(f"latents must be a float tensor, got {latents.dtype}")
+        factor = self.config.spatial_compression
+        check_call_pixels("decode", "latents", latents.shape[0], latents.shape[2] * factor, latents.shape[3] * factor)
         dtype = resolve_precision(precision, self.dtype)
         mode = resolve_tiling(tiling)
         ops = self.ops_for(quality)
@@ -702,6 +719,7 @@ class QwenImage21VAE(nn.Module):
                 config=self.tiling_config,
                 quality=ops.quality,
                 callback=callback,
+                activation_scale=self.activation_scale("decode"),
             )
         self.last_decode_info = {**info, "quality": ops.quality, "precision": _dtype_name(dtype)}
         images = pixels.float().mul_(0.5).add_(0.5).clamp_(0.0, 1.0)
@@ -742,6 +760,7 @@ class QwenImage21VAE(nn.Module):
                 f"image height and width must be multiples of {factor}, got {height}x{width}; crop or resize "
                 f"to e.g. {height // factor * factor}x{width // factor * factor}"
             )
+        check_call_pixels("encode", "images", images.shape[0], height, width)
         dtype = resolve_precision(precision, self.dtype)
         mode = resolve_tiling(tiling)
         x = images.to(self.device, torch.float32).permute(0, 3, 1, 2)
@@ -758,9 +777,26 @@ class QwenImage21VAE(nn.Module):
             config=self.tiling_config,
             quality="exact",
             callback=callback,
+            activation_scale=self.activation_scale("encode"),
         )
         self.last_encode_info = {**info, "precision": _dtype_name(dtype)}
         return latents.to(images.device, dtype)  # tiles blend in fp32; return the compute dtype either way
+
+
+def check_call_pixels(kind: str, what: str, batch: int, height: int, width: int) -> None:
+    """Refuse a decode or encode larger than MAX_IMAGE_SIDE per side or MAX_CALL_PIXELS in all, before anything is
+    allocated."""
+    if max(height, width) > MAX_IMAGE_SIDE:
+        raise ValueError(
+            f"VAE {kind}: {what} of {width}x{height} px; one image may be at most {MAX_IMAGE_SIDE} px per side. "
+            "Make the latent or image smaller (an upscale node may have been set too high)."
+        )
+    if batch * height * width > MAX_CALL_PIXELS:
+        per_call = max(1, MAX_CALL_PIXELS // (height * width))
+        raise ValueError(
+            f"VAE {kind}: {what} of {batch} images at {width}x{height} px is {batch * height * width:,} px; one call "
+            f"may hold at most {MAX_CALL_PIXELS:,} px ({per_call} images of this size). Split the batch."
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

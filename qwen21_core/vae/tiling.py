@@ -1,13 +1,14 @@
 """Memory-aware tiling for VAE decode and encode: plan, overlapping tiles with blending, OOM retry.
 
-Plan ("auto"): on CUDA, an untiled pass runs when its estimated memory fits in what is free (driver-free
-memory plus what torch's allocator holds unused, times a safety margin); a batch that does not fit whole is
-split into the largest sub-batches that do. Only when one image does not fit is it tiled, with the largest
-tile that fits. Off CUDA, "auto" never tiles. "on" always tiles (tile_size or TilingConfig.tile_size);
-"off" never does. Tiles are processed one image at a time.
+Plan ("auto"): an untiled pass runs when its estimated memory fits in what the device may use (on CUDA the
+driver-free memory plus what torch's allocator holds unused; on the CPU the available RAM, at most
+HOST_PASS_BYTES; times a safety margin); a batch that does not fit whole is split into the largest
+sub-batches that do. Only when one image does not fit is it tiled, with the largest tile that fits. "on"
+always tiles (tile_size or TilingConfig.tile_size); "off" never does. Tiles are processed one image at a time.
 
 The estimate is bytes per pixel (output pixels for decode, input pixels for encode) times pixels, from the
-constants below. Only activations count: the weights are already resident.
+constants below, scaled by the model's width against the full-size VAE (activations grow with channels).
+Only activations count: the weights are already resident.
 
 Tiles: square tiles of `tile` latent pixels, spread evenly so that neighbours overlap by at least
 `overlap * tile` (all tiles have the same size; the overlap grows to fill the image). Each output tile is
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import stable_name
-from ..memory.planner import device_free_bytes
+from ..memory.planner import device_free_bytes, host_free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ BYTES_PER_PIXEL = {
     ("encode", "exact", 4): 2554,
 }
 SAFETY = 0.85  # plan to use at most this fraction of the free memory
+# On the CPU a pass may plan at most this much RAM: enough for an untiled full-size 1024^2 decode in bf16, while a
+# large decode tiles instead of growing the process (and a ComfyUI server) by many GB that the allocator keeps.
+HOST_PASS_BYTES = 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -132,13 +136,14 @@ def live_tensor_peak(fn: Callable[[], object]) -> int:
     return live.peak
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Memory a pass may plan to use on `device`, or None where it is not tracked (CPU): the planner's free memory,
-    which also honours a per-process cap (without it, a decode at a 16 GB cap tried untiled, ran out of memory and
-    only then tiled)."""
-    if device.type != "cuda":
-        return None
-    return int(device_free_bytes(device) * SAFETY)
+def available_bytes(device: torch.device) -> int:
+    """Memory a pass may plan to use on `device`. CUDA: the planner's free memory, which also honours a
+    per-process cap (without it, a decode at a 16 GB cap tried untiled, ran out of memory and only then tiled).
+    Elsewhere: the RAM the OS calls available, at most HOST_PASS_BYTES."""
+    if device.type == "cuda":
+        return int(device_free_bytes(device) * SAFETY)
+    host = host_free_bytes()
+    return int(min(HOST_PASS_BYTES, HOST_PASS_BYTES if host is None else host) * SAFETY)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ class _Plan:
     tile: int = 0  # latent pixels per tile side when tiled
 
 
-def _plan(kind, mode, x, tile_size, config, quality, in_scale) -> _Plan:
+def _plan(kind, mode, x, tile_size, config, quality, in_scale, activation_scale) -> _Plan:
     batch = x.shape[0]
     height, width = x.shape[2] // in_scale, x.shape[3] // in_scale
     default_tile = (tile_size or config.tile_size) // LATENT_SCALE
@@ -252,16 +257,13 @@ def _plan(kind, mode, x, tile_size, config, quality, in_scale) -> _Plan:
     if mode == "on":
         return _Plan(tiled=True, tile=default_tile)
     free = available_bytes(x.device)
-    if free is None:
-        return _Plan(tiled=False, batch_chunk=batch)
-    per_image = bytes_per_pixel(kind, quality, x.dtype) * height * width * LATENT_SCALE**2
-    fit = free // max(per_image, 1)
+    per_pixel = bytes_per_pixel(kind, quality, x.dtype) * activation_scale * LATENT_SCALE**2  # per latent pixel
+    fit = int(free // max(per_pixel * height * width, 1))
     if fit >= 1:
         return _Plan(tiled=False, batch_chunk=min(batch, fit))
     if tile_size:
         return _Plan(tiled=True, tile=default_tile)
-    per_tile_pixel = bytes_per_pixel(kind, quality, x.dtype) * LATENT_SCALE**2
-    fitting = int(math.sqrt(free / per_tile_pixel))
+    fitting = int(math.sqrt(free / per_pixel))
     return _Plan(tiled=True, tile=max(fitting, config.min_tile_size // LATENT_SCALE))
 
 
@@ -275,17 +277,19 @@ def run(
     config: TilingConfig,
     quality: str,
     callback: Callable[[int, int], None] | None = None,
+    activation_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """Apply fn (one untiled decode or encode pass) to x, tiled or not, and return (result, info).
 
     kind: "decode" (x: latents; fn scales up 16x) or "encode" (x: pixels; fn scales down 16x).
     mode: "auto", "on" or "off"; tile_size: pixels (multiple of 16) or None for the default.
+    activation_scale: the model's activation size against the full-size VAE's (its channel width ratio).
     info: {"tiled", "tiles", "tile_size" (px or None), "batch_chunk", "oom_retries"}.
     """
     if tile_size is not None:
         check_tile_size(tile_size)
     in_scale, out_scale = (1, LATENT_SCALE) if kind == "decode" else (LATENT_SCALE, 1)
-    plan = _plan(kind, mode, x, tile_size, config, quality, in_scale)
+    plan = _plan(kind, mode, x, tile_size, config, quality, in_scale, activation_scale)
     oom_retries = 0
     if not plan.tiled:
         failure = None
