@@ -59,8 +59,9 @@ class Qwen21VAEDecode:
                     ["auto", "on", "off"],
                     {
                         "default": "auto",
-                        "tooltip": "auto: untiled when its activations fit in free VRAM (on a CPU, in a capped share of free RAM), else tiled; an exact bf16 "
-                        "decode is planned at 3010 B per output pixel, 2.94 GiB at 1024x1024, a fast one at 1901 B "
+                        "tooltip": "auto: untiled when its activations fit in free VRAM (on a CPU, in a capped "
+                        "share of free RAM), else tiled; an exact bf16 decode is planned at 3010 B per output "
+                        "pixel, 2.94 GiB at 1024x1024, a fast one at 1901 B "
                         "(BENCHMARKS: VAE). on: always tiled, seams blended: at 1024x1024 with 512 px tiles 176.8 "
                         "ms and 1.30 GiB peak instead of 68.7 ms and 3.29 GiB (BENCHMARKS: VAE). off: never tiled "
                         "(fails if it does not fit).",

@@ -196,7 +196,9 @@ def test_one_call_is_capped_in_size_before_anything_is_allocated(vae):
 
     side = MAX_IMAGE_SIDE // 16 + 1
     huge = torch.zeros(1, 4, 1, 1).expand(1, 4, side, side)  # no memory behind it
-    with pytest.raises(ValueError, match=rf"VAE decode: latents of {side * 16}x{side * 16} px.*at most {MAX_IMAGE_SIDE}"):
+    with pytest.raises(
+        ValueError, match=rf"VAE decode: latents of {side * 16}x{side * 16} px.*at most {MAX_IMAGE_SIDE}"
+    ):
         vae.decode(huge)
     batch = MAX_CALL_PIXELS // (512 * 512) + 1
     many = torch.zeros(1, 4, 1, 1).expand(batch, 4, 32, 32)
