@@ -527,6 +527,6 @@ def test_gloo_and_nccl_sockets_are_kept_on_the_loopback_interface(monkeypatch):
     assert group.loopback_sockets() == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")
-    with group._group_environment():
+    with group._group_environment("gloo"):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "lo"
     assert "GLOO_SOCKET_IFNAME" not in os.environ and os.environ["NCCL_SOCKET_IFNAME"] == "eth7"

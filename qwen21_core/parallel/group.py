@@ -71,7 +71,7 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
          timeout_s: float) -> None:  # fmt: skip
     """Form group number `generation` (leaving any earlier one first). Blocks until every rank has joined."""
     leave()
-    with _group_environment():  # gloo's sockets too stay on the loopback interface
+    with _group_environment(backend):  # gloo's sockets too stay on the loopback interface
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"qwen21-group-{generation}", store),
@@ -83,11 +83,11 @@ def join(store: dist.Store, generation: int, rank: int, world: int, backend: str
 
 
 @contextlib.contextmanager
-def _group_environment():
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING=0 and the loopback sockets (`loopback_sockets`) while the group is constructed,
-    the values before restored after it (see the module docstring): a worker already has them; ComfyUI's process
-    keeps no trace of them."""
-    wanted = {NCCL_ERROR_HANDLING: "0", **loopback_sockets()}
+def _group_environment(backend: str):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (NCCL only) and the loopback sockets (`loopback_sockets`) while the group
+    is constructed, the values before restored after it (see the module docstring): a worker already has them;
+    ComfyUI's process keeps no trace of them."""
+    wanted = {**({NCCL_ERROR_HANDLING: "0"} if backend == "nccl" else {}), **loopback_sockets()}
     with _construction:
         before = {name: os.environ.get(name) for name in wanted}
         os.environ.update(wanted)
