@@ -1,7 +1,8 @@
 """`qwen21-nodes {run, demo, make-tiny}` (also `python -m qwen21_nodes ...`).
 
 run:        run an API-format (or UI-format) workflow in-process with the same node classes ComfyUI
-            loads, plus stand-ins for LoadImage / SaveImage / PreviewImage / Join- and SplitImageWithAlpha.
+            loads, plus stand-ins for LoadImage / SaveImage / PreviewImage / Join- and SplitImageWithAlpha;
+            --tiny-dir runs it on the tiny checkpoint instead of the workflow's files.
 demo:       the README's first command: the text-to-image workflow on the real checkpoint when the
             models folder has it, else on a tiny random-weight checkpoint made on the spot.
 make-tiny:  write the tiny random-weight checkpoint (both layouts) to a folder.
@@ -29,6 +30,7 @@ WORKFLOWS_DIR = PACKAGE_DIR / "workflows"
 EXAMPLE_INPUTS = WORKFLOWS_DIR / "input"
 MODELS_ENV = settings.MODELS
 DEMO_WORKFLOW = WORKFLOWS_DIR / "api" / "text_to_image.json"
+TINY_RESOLUTION, TINY_STEPS = 256, 4  # a run on the tiny checkpoint: seconds on a CPU
 # (model folder, Qwen21ModelLoader input) for the three files of a ComfyUI install.
 LOADER_FILES = (("diffusion_models", "diffusion_model"), ("text_encoders", "text_encoder"), ("vae", "vae"))
 
@@ -48,13 +50,18 @@ def run_workflow(
     input_dir: str | os.PathLike = EXAMPLE_INPUTS,
     output_dir: str | os.PathLike = "output",
     overrides: list[str] = (),
+    tiny: bool = False,
 ) -> RunResult:
-    """Load, validate and run one workflow file; raises WorkflowError / NodeError on failure."""
+    """Load, validate and run one workflow file; raises WorkflowError / NodeError on failure. tiny: `models_dir`
+    holds the tiny checkpoint; the loaders are pointed at its files and the run shrunk (tiny_overrides) before
+    `overrides` apply."""
     host.set_models_dir(models_dir)
     classes = node_classes(os.fspath(input_dir), os.fspath(output_dir))
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     prompt = load_prompt(ui_to_api(data, classes) if is_ui_workflow(data) else data)
+    if tiny:
+        overrides = tiny_overrides(prompt, models_dir, resolution=TINY_RESOLUTION, steps=TINY_STEPS) + list(overrides)
     apply_overrides(prompt, list(overrides), classes)
     return execute(prompt, classes)
 
@@ -68,10 +75,10 @@ def _saved_files(result: RunResult, output_dir: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _run_and_report(path, models_dir, input_dir, output_dir, overrides) -> int:
+def _run_and_report(path, models_dir, input_dir, output_dir, overrides, tiny=False) -> int:
     try:
         result = run_workflow(
-            path, models_dir=models_dir, input_dir=input_dir, output_dir=output_dir, overrides=overrides
+            path, models_dir=models_dir, input_dir=input_dir, output_dir=output_dir, overrides=overrides, tiny=tiny
         )
     except (WorkflowError, NodeError, FileNotFoundError, json.JSONDecodeError) as error:
         log.error("%s", error)
@@ -98,7 +105,6 @@ def ensure_tiny_models(tiny_dir: str | os.PathLike) -> Path:
 
 def _demo(args) -> int:
     models_dir = args.models or settings.current().models_dir
-    overrides = []
     if models_dir:
         host.set_models_dir(models_dir)
         prompt = load_prompt(DEMO_WORKFLOW.read_text())
@@ -109,9 +115,9 @@ def _demo(args) -> int:
             return 1
     else:
         log.info("no real checkpoint configured (--models or $%s): running on a tiny random-weight one", MODELS_ENV)
-        models_dir = ensure_tiny_models(args.tiny_dir)
-        overrides = tiny_overrides(load_prompt(DEMO_WORKFLOW.read_text()), models_dir, resolution=256, steps=4)
-    return _run_and_report(DEMO_WORKFLOW, models_dir, EXAMPLE_INPUTS, args.output_dir, overrides + args.set)
+        return _run_and_report(DEMO_WORKFLOW, ensure_tiny_models(args.tiny_dir), EXAMPLE_INPUTS, args.output_dir,
+                               args.set, tiny=True)  # fmt: skip
+    return _run_and_report(DEMO_WORKFLOW, models_dir, EXAMPLE_INPUTS, args.output_dir, args.set)
 
 
 def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int = 64, steps: int = 2) -> list[str]:
@@ -176,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--vram-budget", type=float, metavar="GB",
                      help="plan with at most this much GPU memory (GiB), as on a smaller card: components are moved "
                           "off the GPU, and DiT blocks / text-encoder layers streamed, to stay inside it")  # fmt: skip
+    run.add_argument("--tiny-dir", metavar="DIR",
+                     help="run on the tiny random-weight checkpoint in DIR (made there if missing) instead of the "
+                          f"workflow's files: its loaders point at the tiny files, {TINY_RESOLUTION} px, "
+                          f"{TINY_STEPS} steps; --set still applies after")  # fmt: skip
 
     demo = commands.add_parser("demo", help="run the text-to-image example (tiny checkpoint if none configured)")
     demo.add_argument("--models", help=f"models folder with the real checkpoint (default: ${MODELS_ENV})")
@@ -187,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random-weight checkpoint (both layouts)")
     tiny.add_argument("dir", help="target folder")
+    tiny.add_argument("--workflows", metavar="OUT",
+                      help="also write the example API workflows to OUT, pointed at the tiny files (for POST /prompt "
+                           "to a ComfyUI whose models folder is DIR)")  # fmt: skip
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -197,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.vram_budget <= 0:
                 parser.error(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
             memory_adapter.set_vram_budget(int(args.vram_budget * 2**30))
+        if args.tiny_dir:
+            if args.models:
+                parser.error("--tiny-dir and --models name two models folders: give one")
+            tiny_dir = ensure_tiny_models(args.tiny_dir)
+            return _run_and_report(args.workflow, tiny_dir, args.input_dir, args.output_dir, args.set, tiny=True)
         models = args.models or settings.current().models_dir or "models"
         return _run_and_report(args.workflow, models, args.input_dir, args.output_dir, args.set)
     if args.command == "demo":
@@ -205,4 +223,22 @@ def main(argv: list[str] | None = None) -> int:
 
     make_tiny(Path(args.dir))
     log.info("wrote a tiny checkpoint to %s", args.dir)
+    if args.workflows:
+        for path in write_tiny_workflows(args.dir, args.workflows):
+            log.info("wrote %s", path)
     return 0
+
+
+def write_tiny_workflows(models_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """The example API workflows, each pointed at the tiny checkpoint in `models_dir` and shrunk as `run
+    --tiny-dir` does, written to `out_dir` under their own names."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for source in sorted((WORKFLOWS_DIR / "api").glob("*.json")):
+        prompt = load_prompt(source.read_text(encoding="utf-8"))
+        apply_overrides(prompt, tiny_overrides(prompt, models_dir, TINY_RESOLUTION, TINY_STEPS), {})
+        target = out_dir / source.name
+        target.write_text(json.dumps(prompt, indent=1) + "\n", encoding="utf-8")
+        written.append(target)
+    return written

@@ -128,6 +128,38 @@ def test_cli_run_writes_images_and_fails_loudly(tiny_models, tmp_path):
     assert "unknown node type 'Qwen21Samplr'" in done.stderr
 
 
+def test_cli_run_tiny_dir_runs_an_example_as_it_ships(tiny_models, tmp_path):
+    """A newcomer without the weights: `run <example> --tiny-dir DIR` points the loaders at the tiny files (the turbo
+    LoRA's included) without a guessed name; a UI file runs the same way, and --set still wins."""
+    workflow = WORKFLOWS_DIR / "turbo_lora.json"
+    done = run_cli("run", str(workflow), "--tiny-dir", str(tiny_models), "--output-dir", "out",
+                   "--set", "Qwen21Encode.output_resolution=128", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with Image.open(tmp_path / "out" / "qwen21" / "turbo_lora_00001_.png") as picture:
+        assert picture.size == (128, 128)
+    done = run_cli("run", str(workflow), "--tiny-dir", str(tiny_models), "--models", "models", cwd=tmp_path)
+    assert done.returncode == 2 and "--tiny-dir and --models name two models folders" in done.stderr
+
+
+def test_make_tiny_writes_the_api_workflows_pointed_at_the_tiny_files(tmp_path):
+    """For POST /prompt to a ComfyUI whose models folder holds the tiny files: every example, each loader naming a
+    tiny file that is there, and one of them run as written."""
+    done = run_cli("make-tiny", "models", "--workflows", "tiny_workflows", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = sorted((tmp_path / "tiny_workflows").glob("*.json"))
+    assert [p.name for p in written] == [p.name for p in API_WORKFLOWS]
+    folders = {"diffusion_model": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae",
+               "lora_name": "loras", "folder": "diffusers"}  # fmt: skip
+    for path in written:
+        prompt = json.loads(path.read_text())
+        named = [(folders[key], value) for node in prompt.values() for key, value in node["inputs"].items()
+                 if key in folders and isinstance(value, str)]  # fmt: skip
+        assert named and all((tmp_path / "models" / folder / name).exists() for folder, name in named), path.name
+    result = run_workflow(tmp_path / "tiny_workflows" / "turbo_schedule.json", models_dir=tmp_path / "models",
+                          output_dir=tmp_path / "out")  # fmt: skip
+    assert any(ui.get("images") for ui in result.ui.values())
+
+
 def test_demo_runs_on_a_tiny_checkpoint(tiny_models, tmp_path):
     done = run_cli("demo", "--tiny-dir", str(tiny_models), "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
