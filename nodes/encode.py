@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..qwen21_core.encoding import check_prompt_length
-from ..qwen21_core.images import masks_at_image_size
+from ..qwen21_core.images import MAX_SIDE, SIZE_MULTIPLE, masks_at_image_size
 from ..qwen21_core.request import LATENT_SCALE
 from . import host
 from .comfy.conditioning import conditioning_entries
@@ -108,9 +108,9 @@ class Qwen21Encode:
                     "INT",
                     {
                         "default": 1024,
-                        "min": 64,
-                        "max": 4096,
-                        "step": 32,
+                        "min": SIZE_MULTIPLE,  # what the core takes, so the widget and its error say the same
+                        "max": MAX_SIDE,
+                        "step": SIZE_MULTIPLE,
                         "tooltip": "Side of the square with the output's pixel count. Cost grows with pixels: "
                         "2048 has 4x the tokens of 1024, and a step takes 634.1 ms instead of 114.4 ms on an "
                         "H200 (BENCHMARKS: DiT).",

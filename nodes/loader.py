@@ -151,6 +151,10 @@ def worker_devices(dit: torch.device, gpus: int, cuda_count: int) -> list[torch.
     if gpus < 0:
         raise ValueError(f"gpus must be >= 0 (0 = every GPU, 1 = one), got {gpus}")
     if dit.type == "cpu":
+        if gpus > 1:
+            log.warning("gpus is %d but the DiT runs on the CPU (%d CUDA GPU(s) here): starting %d CPU worker "
+                        "process(es) over gloo, which tests the several-GPU path and is slower than one process; "
+                        "set gpus to 1", gpus, cuda_count, gpus - 1)  # fmt: skip
         return [torch.device("cpu")] * (max(gpus, 1) - 1)
     wanted = cuda_count if gpus == 0 else gpus
     if wanted > cuda_count:

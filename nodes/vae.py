@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..qwen21_core.images import masks_at_image_size
+from ..qwen21_core.request import LATENT_SCALE
 from . import host
 from .model import MODEL_TYPE, decode_status
 
@@ -73,7 +74,7 @@ class Qwen21VAEDecode:
                         "default": 0,
                         "min": 0,
                         "max": 4096,
-                        "step": 64,
+                        "step": LATENT_SCALE,  # the multiple the VAE takes (its error names it)
                         "tooltip": "Tile side in pixels when tiling; 0 picks the largest that fits. Smaller tiles "
                         "use less memory and take longer.",
                     },

@@ -31,11 +31,13 @@ from qwen21_nodes.qwen21_core.tiny import NAMES, make_tiny  # noqa: E402
 import nodes as comfy_nodes  # noqa: E402
 
 LORA_KEYS_NOT_LOADED: list[str] = []
+LOG_LINES: list[str] = []
 
 
 class _Lines(logging.Handler):
     def emit(self, record):
         message = record.getMessage()
+        LOG_LINES.append(message)
         if message.startswith("lora key not loaded:"):
             LORA_KEYS_NOT_LOADED.append(message.split(":", 1)[1].strip())
 
@@ -489,6 +491,14 @@ def check_small_card():
     emit(check="small_card", devices=sorted(set(devices)), calls=len(devices), errors=errors,
          difference={f"cfg{cfg:g}": (capped[cfg] - uncapped[cfg]).abs().max().item() for cfg in capped},
          effect=(uncapped[4.0] - uncapped[1.0]).abs().max().item())  # fmt: skip
+
+
+def check_model_type_line():
+    """ComfyUI logs 'model_type FLUX' for every flow model it builds, ours too: the next line says what is loaded."""
+    del LOG_LINES[:]
+    load()
+    flux = next(i for i, line in enumerate(LOG_LINES) if line == "model_type FLUX")
+    emit(check="model_type_line", after=LOG_LINES[flux + 1 : flux + 4])
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
           "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora",
           "object_patch_leak", "negative_left_alone", "empty_latents", "unet_patches", "alpha_not_rank",
-          "conditioning_combine", "gguf_model")  # fmt: skip
+          "conditioning_combine", "gguf_model", "model_type_line")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -169,3 +169,8 @@ def test_a_gguf_dit_behind_comfyuis_model_samples_and_takes_comfyuis_lora_beside
     assert line["layers"] == 8 and line["types"] == ["Q8_0"]
     assert line["relative"] <= 1e-4  # KSampler's loop on the GGUF MODEL = Qwen21 Sampler's (fp32 compute)
     assert line["lora_effect"] > 1e-3 and line["blocks_untouched"] and line["plain_again"] == 0
+
+
+def test_the_log_says_which_model_is_loaded_after_comfyuis_model_type_line(results):
+    after = result(results, "model_type_line")["after"]
+    assert any(line.startswith("Qwen21 MODEL: Qwen-Image-2.1") and "no FLUX model" in line for line in after), after

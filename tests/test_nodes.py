@@ -2,6 +2,8 @@
 ComfyUI tensor conventions, errors that name the input, interrupts that leave the next run working,
 and agreement with the core pipeline they wrap."""
 
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -476,3 +478,38 @@ def test_the_scheduler_names_a_size_beyond_its_widget():
 
     with pytest.raises(ValueError, match="multiples of 32 from 64 to 8192, got 1000000x1024"):
         Qwen21Scheduler().get_sigmas(None, "released", 8, 10**6, 1024, 1.0)
+
+
+def test_error_texts_quote_the_limits_the_widgets_show(model):
+    """An error must not name other limits than its widget (output_resolution said 32 under a widget minimum of 64;
+    tile_size asked for multiples of 16 under a step of 64)."""
+    from qwen21_nodes.nodes.encode import Qwen21Encode
+    from qwen21_nodes.nodes.vae import Qwen21VAEDecode
+
+    side = input_specs(Qwen21Encode)["output_resolution"][2]
+    with pytest.raises(ValueError, match=rf"multiple of {side['step']} from {side['min']} to {side['max']}"):
+        Qwen21Encode().encode(model, "a red apple", "", side["min"] - side["step"] // 2)
+    tile = input_specs(Qwen21VAEDecode)["tile_size"][2]
+    decode = Qwen21VAEDecode()
+    latent = {"samples": torch.zeros(1, 64, 6, 6)}
+    defaults = {name: spec[2]["default"] for name, spec in input_specs(Qwen21VAEDecode).items() if "default" in spec[2]}
+    output = getattr(decode, decode.FUNCTION)(**{**defaults, "model": model, "latent": latent, "tiling": "on",
+                                                 "tile_size": 3 * tile["step"]})  # fmt: skip
+    assert output["result"][0].shape == (1, 96, 96, 3)
+    with pytest.raises(ValueError, match=rf"multiple of {tile['step']} pixels"):
+        getattr(decode, decode.FUNCTION)(**{**defaults, "model": model, "latent": latent, "tiling": "on",
+                                            "tile_size": 3 * tile["step"] + tile["step"] // 2})  # fmt: skip
+
+
+def test_every_node_has_a_help_page_that_fits_comfyuis_help_panel():
+    """ComfyUI shows web/docs/<node>.md in a narrow side panel that cuts a wide table off at its default width: the
+    pages list their inputs instead (a bullet each, or named in the text), every input of the node."""
+    docs = Path(__file__).resolve().parents[1] / "web" / "docs"
+    for name, node_class in NODE_CLASS_MAPPINGS.items():
+        page = (docs / f"{name}.md").read_text()
+        assert not re.search(r"^\s*\|", page, re.M), f"web/docs/{name}.md has a table"
+        listed = set(re.findall(r"`(\w+)`", page))
+        inputs = {
+            n.split("_")[0] + "_1" if re.fullmatch(r"(image|mask)_\d+", n) else n for n in input_specs(node_class)
+        }
+        assert inputs <= listed | {"image_1", "mask_1"}, f"web/docs/{name}.md misses {sorted(inputs - listed)}"

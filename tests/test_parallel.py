@@ -152,7 +152,7 @@ def test_parallel_mode_resolution_and_its_errors():
     assert even_split(21, 2) == [11, 10] and even_split(1, 2) == [1, 0]
 
 
-def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus():
+def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus(caplog):
     cuda = [torch.device("cuda", i) for i in range(4)]
     gib = 2**30
     assert component_devices(cuda[0], "auto", "auto", [24 * gib] * 2, 16 * gib) == (cuda[1], cuda[0])  # the 2nd GPU
@@ -164,7 +164,9 @@ def test_loader_places_the_text_encoder_on_another_gpu_and_picks_the_worker_gpus
     assert component_devices(cuda[0], "cuda:0", "auto", [24 * gib] * 4) == (cuda[0], cuda[0])
     assert worker_devices(cuda[1], 1, 4) == [] and worker_devices(cuda[1], 3, 4) == [cuda[0], cuda[2]]
     assert worker_devices(cuda[0], 0, 4) == cuda[1:]
-    assert worker_devices(torch.device("cpu"), 2, 0) == [torch.device("cpu")]  # CPU ranks (tests)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert worker_devices(torch.device("cpu"), 2, 0) == [torch.device("cpu")]  # CPU ranks (tests), not silently:
+    assert "gpus is 2 but the DiT runs on the CPU (0 CUDA GPU(s) here): starting 1 CPU worker" in caplog.text
     with pytest.raises(ValueError, match="gpus is 3 but this machine has 2 CUDA GPU"):
         worker_devices(cuda[0], 3, 2)
 

@@ -105,6 +105,8 @@ class TransformerConfig(dict):
 class Qwen21ComfyModel(comfy.model_base.BaseModel):
     def __init__(self, pipe, fit_rgb, device=None):
         super().__init__(_model_config(pipe), model_type=comfy.model_base.ModelType.FLUX, device=device)
+        log.info("Qwen21 MODEL: Qwen-Image-2.1 on the qwen21-nodes engine (ComfyUI's 'model_type FLUX' above names "
+                 "its flow-matching sampling, as for native Qwen-Image; no FLUX model is loaded)")  # fmt: skip
         vae = pipe.vae.config
         self.latent_format = self.model_config.latent_format = Qwen21LatentFormat(vae.latents_mean, vae.latents_std,
                                                                                  fit_rgb)  # fmt: skip
