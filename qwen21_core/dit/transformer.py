@@ -29,7 +29,7 @@ from ...kernels.dequantize_gguf import QUANTIZED as GGUF_QUANTIZED
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
-from ..memory.streaming import LayerStreamer, place_with_streaming
+from ..memory.streaming import LayerStreamer
 from ..quant.gguf_linear import GGUFLinear, GGUFSlot
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
@@ -42,6 +42,7 @@ from .attention import (
     prefix_masks,
     shared_prefix_decode_attention,
 )
+from .block_stack import BlockStack
 from .kv_cache import KVCacheSpec, PrefixKVCache
 from .sequence import SequenceLayout, rotary_cos_sin
 
@@ -304,7 +305,7 @@ def uniform_plan(fmt: QuantFormat, num_layers: int, keep: Iterable[str] = ()) ->
     return {(i, path): fmt for i in range(num_layers) for path in QUANTIZABLE if path not in keep}
 
 
-class QwenImage21Transformer(nn.Module):
+class QwenImage21Transformer(BlockStack, nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config
@@ -318,64 +319,12 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out.linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, config.output_channels, bias=False)
         self.block_functions = EAGER
-        self.streamer: LayerStreamer | None = None  # set by stream_blocks: some blocks stream from host RAM
+        self.streamer: LayerStreamer | None = None  # set by place(): some blocks stream from host RAM
         self.host_copy: HostCopy | None = None  # the weights' pinned home off the GPU (memory/host_copy.py)
         self.weights_id: tuple = ()  # what is merged into the weights (a LoRA stack, lora/merge.py); () = as loaded
 
-    # ---- block streaming ----------------------------------------------------------------------------
-
-    def stream_blocks(self, resident: int | None) -> None:
-        """Keep `resident` blocks on the model's device and stream the others from pinned host RAM (None: all
-        resident). The non-block weights stay where they are."""
-        self.place(self.device, resident)
-
-    def place(self, device, resident_layers: int | None = None) -> None:
-        """All weights on `device`, or with only `resident_layers` blocks there and the rest streaming
-        (memory/streaming.py): how a budget, or ComfyUI's partial load, maps onto this model."""
-        if self.host_copy is None:
-            self.host_copy = HostCopy(self.transformer_blocks, pin=torch.cuda.is_available())
-        self.streamer = place_with_streaming(self, self.transformer_blocks, self.streamer, device, resident_layers,
-                                             home=self.host_copy, version=self.weights_id)  # fmt: skip
-
-    @property
-    def resident_blocks(self) -> int:
-        return len(self.transformer_blocks) if self.streamer is None else self.streamer.resident
-
-    @property
-    def num_layers(self) -> int:  # the streamable-stack interface (memory/streaming.py StreamableStack)
-        return len(self.transformer_blocks)
-
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes of one block's weights: the largest block's (a GGUF file may store some blocks in other types)."""
-        return max(self._block_bytes(index) for index in range(len(self.transformer_blocks)))
-
-    def _block_bytes(self, index: int) -> int:
-        return sum(p.numel() * p.element_size() for p in self.transformer_blocks[index].parameters())
-
-    def device_weight_bytes(self) -> int:
-        """Weights on the device now: everything but the streamed blocks, plus the staging slots."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        if self.streamer is None:
-            return total
-        streamed = sum(self._block_bytes(index) for index in self.streamer.host)
-        return total - streamed + self.streamer.slot_bytes
-
-    def streaming_signature(self) -> tuple:
-        """Which blocks stream (part of a decode graph's key: the graph holds their copies)."""
-        return () if self.streamer is None else tuple(self.streamer.streamed)
-
-    def _blocks(self):
-        """(index, block) in order, with the streamer's hooks around each block when streaming."""
-        streamer = self.streamer
-        if streamer is None:
-            yield from enumerate(self.transformer_blocks)
-            return
-        streamer.begin()
-        for i, block in enumerate(self.transformer_blocks):
-            streamer.before(i)
-            yield i, block
-            streamer.after(i)
+    def block_stack(self) -> nn.ModuleList:
+        return self.transformer_blocks
 
     def compile_blocks(self, enabled: bool = True, mode: str | None = None):
         """Regional torch.compile of the block math around attention, for decode steps (opt-in).
@@ -394,27 +343,6 @@ class QwenImage21Transformer(nn.Module):
         )
 
     # ---- quantisation ------------------------------------------------------------------------------
-
-    def quantize_linears(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
-        """Replace block Linears by QuantLinears: plan maps (block index, path in QUANTIZABLE) -> format.
-
-        On a model built on the meta device (before loading) this only changes the layers' types; on real
-        weights each layer is quantised in place of its bf16 weight, one at a time (bounded extra memory).
-        """
-        for (index, path), fmt in plan.items():
-            block = self.transformer_blocks[index]
-            parent_name, _, name = path.rpartition(".")
-            parent = block.get_submodule(parent_name)
-            linear = getattr(parent, name)
-            if isinstance(linear, QuantLinear):
-                continue
-            if linear.weight.device.type == "meta":
-                layer = QuantLinear(linear.in_features, linear.out_features, fmt, compute_dtype=linear.weight.dtype)
-            else:
-                layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
-            setattr(parent, name, layer)
-            del linear
-        return self
 
     def gguf_plan(self, types: Mapping[str, str]) -> dict[tuple[int, str], tuple[tuple[int, str], ...]]:
         """(block, path in QUANTIZABLE) -> GGUF row segments ((rows, type), ...) for the block Linears a GGUF file
@@ -462,16 +390,6 @@ class QwenImage21Transformer(nn.Module):
                     layer = QuantLinear.from_weight(linear.weight.detach(), fmt)
                 setattr(block.get_submodule(parent_name), child, layer)
         return twin.eval()
-
-    @property
-    def quantization(self) -> str:
-        """A few words for logs and the UI: "bf16", or e.g. "fp8 (128/128 block linears)"."""
-        layers = [layer for block in self.transformer_blocks for layer in block.linears().values()]
-        formats = sorted({layer.fmt.name for layer in layers if isinstance(layer, QuantLinear)})
-        if not formats:
-            return str(self.dtype).removeprefix("torch.")
-        count = sum(isinstance(layer, QuantLinear) for layer in layers)
-        return f"{'/'.join(formats)} ({count}/{len(layers)} block linears)"
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -618,7 +536,7 @@ class QwenImage21Transformer(nn.Module):
         _, mod0 = self._modulation(torch.zeros(1, device=x.device))
         last = len(self.transformer_blocks) - 1
         with backend_context(branch.attention_backend, prefill=True):
-            for i, block in self._blocks():
+            for i, block in self.stack_blocks():
                 x = block.prefill(x, mod0, branch, i, last=i == last)
 
     @torch.no_grad()
@@ -637,7 +555,7 @@ class QwenImage21Transformer(nn.Module):
         branch.cache.begin_step()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
-            for i, block in self._blocks():
+            for i, block in self.stack_blocks():
                 h = block.decode(h, mod, branch, i, fns, in_graph)
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
