@@ -21,6 +21,8 @@ import torch
 
 from .conditioning import Conditioning
 from .config import PipelineConfig, SchedulerConfig
+from .control import Control, ControlContexts, control_context
+from .dit.control import FunControlNet
 from .dit.decode_graphs import DecodeGraphs
 from .dit.prefill_graphs import PrefillGraphs
 from .dit.transformer import QwenImage21Transformer
@@ -78,6 +80,7 @@ class Qwen21Pipeline:
         self.last_sample_stats: dict = {}
         self.last_decode_stats: dict = {}
         self.kernel_warmup: KernelWarmup | None = None
+        self.control_contexts = ControlContexts()  # control images encoded for a size (control.py)
 
     @classmethod
     def from_pretrained(cls, source, device=None, dtype: torch.dtype = torch.bfloat16, **options) -> Qwen21Pipeline:
@@ -159,7 +162,7 @@ class Qwen21Pipeline:
                steps: int = 40, true_cfg_scale: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
                batch_size: int = 1, sigmas: Sequence[float] | None = None, callback: Callable | None = None, *,
                schedule: str = "default", start_latents: torch.Tensor | None = None, denoise: float = 1.0,
-               options: SampleOptions | None = None) -> torch.Tensor:  # fmt: skip
+               options: SampleOptions | None = None, control: Control | None = None) -> torch.Tensor:  # fmt: skip
         """Denoise; returns raw VAE-space latents [B, 64, H/16, W/16] (float32, on the pipeline's device).
         cond:    one Conditioning or several (batched request-major: rows [c0 x batch, c1 x batch, ...]).
         options: how it runs (prefix cache, decode graphs, compile, attention backend): see SampleOptions.
@@ -167,7 +170,8 @@ class Qwen21Pipeline:
         """
         request = SampleRequest(height=height, width=width, steps=steps, true_cfg_scale=true_cfg_scale, seed=seed,
                                 noise=noise, batch_size=batch_size, sigmas=sigmas, schedule=schedule,
-                                start_latents=start_latents, denoise=denoise, callback=callback)  # fmt: skip
+                                start_latents=start_latents, denoise=denoise, callback=callback,
+                                control=control)  # fmt: skip
         return self.sample_request(cond, request, options)
 
     def sample_request(self, cond: Conditioning | Sequence[Conditioning], request: SampleRequest,
@@ -183,13 +187,15 @@ class Qwen21Pipeline:
                 self.encode_negative(c)  # encoded only now that guidance needs it (a no-op once encoded)
         request = request.replace(sigmas=request.base_sigmas(self.pipeline_config.sample_sigmas))
         every_row = request.replace(batch_size=request.batch_size * len(conds))  # the plan holds them all
-        sampler, plan = self._sampler(conds[0], every_row, options, self.workers)
+        context = self.control_context(request.control, request.latent_size) if request.controlled else None
+        sampler, plan = self._sampler(conds[0], every_row, options, self.workers, context)
         try:
             return sampler.sample_request(conds, request)
         finally:
             self._finish(sampler, plan)
 
-    def _sampler(self, cond, request: SampleRequest, options, workers) -> tuple[Sampler, SamplingPlan]:
+    def _sampler(self, cond, request: SampleRequest, options, workers,
+                 control_context: torch.Tensor | None = None) -> tuple[Sampler, SamplingPlan]:  # fmt: skip
         """A Sampler for one run, after what it needs is ready: the kernels the first step uses, the blocks
         compiled or not, and the memory plan (where the prefix K/V go, how many blocks stay resident)."""
         model_warmup.before_sampling(self.kernel_warmup)
@@ -197,14 +203,35 @@ class Qwen21Pipeline:
         plan = self.plan_sampling(cond, request, options)
         if self.manage_weights:
             self.transformer.stream_blocks(plan.resident_blocks)
+            if request.controlled and request.control.net.device != self.device:
+                request.control.net.place(self.device)
         log.info("sampling plan: %s", plan.reason)
         runner = self.decode_graphs if options.decode_graphs and self.device.type == "cuda" else None
         self.prefill_graphs.budget = self.vram_budget  # a capture takes room under the same budget
         sampler = Sampler(self.transformer, self.scheduler_config, torch.tensor(self.vae.config.latents_mean),
                           torch.tensor(self.vae.config.latents_std), options=options, kv_placement=plan.kv_placement,
                           decode_runner=runner, prefill_runner=self.prefill_graphs if runner is not None else None,
-                          workers=workers, lora_stack=self.lora_stack)  # fmt: skip
+                          workers=workers, lora_stack=self.lora_stack,
+                          control_context=control_context)  # fmt: skip
         return sampler, plan
+
+    # ---- control ----------------------------------------------------------------------------------
+    def load_control(self, path, weight_format: str = "auto", device=None) -> FunControlNet:
+        """A Fun-Controlnet-Union file -> the control branch for this DiT (checkpoints/loading.py load_fun_control),
+        on `device` (default: the DiT's), in the DiT's compute dtype; weight_format as the DiT's."""
+        from .checkpoints.loading import load_fun_control
+
+        net, info = load_fun_control(path, self.transformer.config, device or self.device, self.dtype, weight_format)
+        log.info("Fun-Control loaded from %s: %s blocks, %s", info["path"], info["blocks"], info["weights"])
+        return net
+
+    def control_context(self, control: Control, latent_size) -> torch.Tensor:
+        """The [h * w, 129] context of `control` for an output of `latent_size`, encoded once per control and size
+        (control.py)."""
+        vae = self.vae.config
+        return self.control_contexts.get(control, latent_size, lambda: control_context(
+            control, lambda images: self.encode_image(images), torch.tensor(vae.latents_mean),
+            torch.tensor(vae.latents_std), latent_size))  # fmt: skip
 
     def _finish(self, sampler: Sampler, plan: SamplingPlan) -> None:
         """After a run: its stats (with what the graphs did) kept for the node's status, the graph entries idle."""
@@ -213,16 +240,16 @@ class Qwen21Pipeline:
         self.prefill_graphs.end_generation()
 
     def velocity_run(self, cond: Conditioning, height: int, width: int, rows: int, guided: bool = False,
-                     options: SampleOptions | None = None) -> VelocityRun:  # fmt: skip
+                     options: SampleOptions | None = None, control: Control | None = None) -> VelocityRun:  # fmt: skip
         """Velocities for another sampler's loop (ComfyUI's KSampler): see velocity.py. `cond`, the size, the rows
         of one call and whether a negative branch runs beside (`guided`) say how much memory to plan for; several
-        GPUs are not used (parallel off). Close the run when the loop ends (`run.close()`): its stats become
-        `last_sample_stats`."""
+        GPUs are not used (parallel off); `control`, if its calls may run controlled (sized for, and its weights
+        placed). Close the run when the loop ends (`run.close()`): its stats become `last_sample_stats`."""
         options = (options or SampleOptions()).replace(parallel="off")
         # that loop's latents may be any multiple of 16 pixels: rounded up to the request's 32, they plan a bit more;
         # its guidance scale is its own (any value): the request only needs to know whether two branches run
         request = SampleRequest(height=-(-height // 32) * 32, width=-(-width // 32) * 32, batch_size=rows,
-                                true_cfg_scale=2.0 if guided else 1.0)  # fmt: skip
+                                true_cfg_scale=2.0 if guided else 1.0, control=control)  # fmt: skip
         sampler, plan = self._sampler(cond, request, options, None)
         sampler.stats.prefix_cache = "on" if sampler.prefix_cache else "off"
         if self.device.type == "cuda":

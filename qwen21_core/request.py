@@ -34,6 +34,7 @@ class SampleRequest:
     schedule:       "default" (the released schedule over `steps`) or "turbo" (the checkpoint's own sigmas).
     start_latents:  raw latents to start from at denoise < 1 (img2img); denoise: the fraction of the schedule run.
     callback:       callback(step, total, x0_raw_latents) after each step; raise in it to interrupt.
+    control:        a control.Control (Fun-Control: control image, inpainting) or None.
     """
 
     height: int | None = None
@@ -48,6 +49,7 @@ class SampleRequest:
     start_latents: torch.Tensor | None = None
     denoise: float = 1.0
     callback: Callable | None = None
+    control: object | None = None
 
     def __post_init__(self):
         for name in ("height", "width"):
@@ -81,6 +83,13 @@ class SampleRequest:
             raise ValueError(f"denoise must be in (0, 1], got {self.denoise}")
         if self.callback is not None and not callable(self.callback):
             raise ValueError(f"callback must be callable, got {type(self.callback).__name__}")
+        if self.control is not None and not hasattr(self.control, "net"):
+            raise ValueError(f"control must be a qwen21_core.control.Control, got {type(self.control).__name__}")
+
+    @property
+    def controlled(self) -> bool:
+        """Whether a control branch changes this run (a control at strength 0 is the plain model)."""
+        return self.control is not None and self.control.on
 
     def replace(self, **changes) -> SampleRequest:
         return dataclasses.replace(self, **changes)

@@ -16,12 +16,13 @@ import torch
 
 from .conditioning import Conditioning, PromptEmbedding
 from .config import SchedulerConfig
+from .control import active_steps
 from .dit.sequence import build_layout
 from .dit.transformer import Branch, QwenImage21Transformer
 from .options import SampleOptions
 from .parallel.modes import parallel_mode
 from .request import SampleRequest
-from .scheduler import euler_step, partial_schedule
+from .scheduler import euler_step, partial_schedule, step_percents
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class SampleStats:
     branch_setup_s: float = 0.0  # the host's time making the branches: K/V caches (pinned host RAM too), tables
     replayed_steps: int = 0  # decode steps replayed from a CUDA graph
     parallel: str = "off"  # e.g. "sequence over 2 ranks" (parallel/)
+    control: str = "off"  # e.g. "12/20 steps at strength 1.0" (a Fun-Control's steps)
     ranks: list = field(default_factory=list)  # each worker's part: cache, peak VRAM, decode graphs
 
     @property
@@ -96,6 +98,7 @@ class SampleStats:
             "prefill_graph": self.prefill_graph,
             "peak_vram_mib": round(self.peak_vram_bytes / 2**20, 1),
             "parallel": self.parallel,
+            "control": self.control,
             "ranks": self.ranks,
         }
 
@@ -116,6 +119,7 @@ class Sampler:
         prefill_runner=None,
         workers=None,
         lora_stack: tuple = (),
+        control_context: torch.Tensor | None = None,
     ):
         self.transformer = transformer
         self.scheduler_config = scheduler_config
@@ -129,6 +133,7 @@ class Sampler:
         self.prefill_runner = prefill_runner  # e.g. the prefill graphs (dit/prefill_graphs.py); None = eager prefill
         self.workers = workers  # a parallel.pool.WorkerPool: other devices holding the same DiT; None = this one only
         self.lora_stack = lora_stack  # ((path, identity, strength), ...) merged into the weights (for the workers)
+        self.control_context = control_context  # [N, 129] for the request's control (the pipeline prepares it)
         self.stats = SampleStats()
 
     # ---- public ---------------------------------------------------------------------------------
@@ -212,25 +217,29 @@ class Sampler:
     def denormalize(self, z: torch.Tensor) -> torch.Tensor:
         return z.float() * self.std.to(z.device) + self.mean.to(z.device)
 
-    def _branches(self, cond: Conditioning, target_shape, batch, use_cfg):
-        prompts = [cond.positive] + ([cond.negative] if use_cfg else [])
-        branches = [(self.new_branch(cond, prompt, role, target_shape, batch), prompt)
-                    for role, prompt in zip(("positive", "negative"), prompts, strict=False)]  # fmt: skip
-        return branches, condition_tokens(cond)
-
-    def new_branch(self, cond: Conditioning, prompt: PromptEmbedding, role: str, target_shape, batch: int) -> Branch:
+    def new_branch(self, cond: Conditioning, prompt: PromptEmbedding, role: str, target_shape, batch: int,
+                   control=None, context: torch.Tensor | None = None) -> Branch:  # fmt: skip
         """One CFG branch of `cond` with `prompt`: its layout and K/V cache (a kept decode-graph entry's, if one is
-        idle for the same key, which may still hold this prefix)."""
+        idle for the same key, which may still hold this prefix). control, context: a Fun-Control and its [N, 129]
+        context: the branch runs the control blocks beside its own."""
         layout = build_layout(prompt.image_pad_mask, cond.image_shapes, target_shape)
         if self.decode_runner is not None:
-            return self.decode_runner.new_branch(layout, batch, self.attention_backend, role, self.kv)
-        return self.transformer.new_branch(layout, batch, self.attention_backend, self.kv)
+            branch = self.decode_runner.new_branch(layout, batch, self.attention_backend, role, self.kv, control)
+        else:
+            branch = self.transformer.new_branch(layout, batch, self.attention_backend, self.kv, control=control)
+        if control is not None:
+            branch.control.set_context(context, control.identity)
+        return branch
 
-    def prefix_id(self, cond: Conditioning, role: str):
+    def prefix_id(self, cond: Conditioning, role: str, control=None):
         """What a branch's prefix K/V depend on: the conditioning's content, the branch, the weights' dtype and the
-        merged LoRAs (None: not reusable, a conditioning without a content hash)."""
+        merged LoRAs, and a control's weights and strength (None: not reusable, a conditioning without a content
+        hash)."""
         tr = self.transformer
-        return (cond.content_hash, role, str(tr.dtype), tr.weights_id) if cond.content_hash else None
+        if not cond.content_hash:
+            return None
+        base = (cond.content_hash, role, str(tr.dtype), tr.weights_id)
+        return base if control is None else (*base, control.prefix_key)
 
     def release_branch(self, branch: Branch) -> None:
         if self.decode_runner is not None:
@@ -245,7 +254,9 @@ class Sampler:
             self.stats.prefix_cache = "reused"  # a kept cache already holds this prefix (same conditioning)
             return
         cache.prefix_id = None
-        (self.prefill_runner or self.transformer.prefill)(branch, prompt.embeds, cond_tokens)
+        # the prefill graphs hold the base's blocks only: a controlled prefix runs eagerly (once per conditioning)
+        runner = self.prefill_runner if branch.control is None else None
+        (runner or self.transformer.prefill)(branch, prompt.embeds, cond_tokens)
         cache.prefix_id = prefix_id
         self.stats.prefills += 1
 
@@ -268,6 +279,10 @@ class Sampler:
         if cfg > 1.0 and cond.negative is None:
             log.warning("true_cfg_scale=%s but the conditioning has no negative prompt: guidance is off", cfg)
         mode = parallel_mode(self.options.parallel, self.workers, use_cfg)
+        control = request.control if request.controlled else None
+        if control is not None and mode is not None:
+            log.info("control runs on one GPU: parallel %s is off for this run", mode)
+            mode = None
         target_shape = h, w = request.latent_size
         sigmas = sigmas.to(device)
         timesteps = timesteps.to(device)
@@ -281,15 +296,23 @@ class Sampler:
             x = sigmas[0] * x + (1 - sigmas[0]) * z0
         x = pack(x).to(dtype)
 
-        prefix_ids = [self.prefix_id(cond, role) for role in ("positive", "negative")[: 2 if use_cfg else 1]]
-        run = (_LocalRun if mode is None else _ParallelRun)(self, cond, target_shape, batch, use_cfg, prefix_ids, mode)
-        self.stats.kv_cache = self.kv.describe(dtype, device)
         total = len(timesteps)
+        controlled = [False] * total
+        if control is not None:
+            percents = step_percents(request.steps, request.denoise if start is not None else 1.0, request.sigmas)
+            controlled = active_steps(percents, control.start, control.end)
+            self.stats.control = f"{sum(controlled)}/{total} steps at strength {control.strength:g}"
+        if mode is None:
+            run = _LocalRun(self, cond, target_shape, batch, use_cfg, control, controlled)
+        else:
+            prefix_ids = [self.prefix_id(cond, role) for role in ("positive", "negative")[: 2 if use_cfg else 1]]
+            run = _ParallelRun(self, cond, target_shape, batch, use_cfg, prefix_ids, mode)
+        self.stats.kv_cache = self.kv.describe(dtype, device)
         try:
             for i in range(total):
                 t = (timesteps[i].expand(batch).to(dtype)) / 1000
                 with torch.profiler.record_function("qwen21 step"):  # profiler ranges: benchmarks/_trace.py
-                    velocities = run.step(x, t, first=i == 0 or not self.prefix_cache)
+                    velocities = run.step(x, t, first=i == 0 or not self.prefix_cache, index=i)
                 v = velocities[0]
                 if use_cfg:
                     v_neg = velocities[1]
@@ -305,30 +328,63 @@ class Sampler:
 
 
 class _LocalRun:
-    """One conditioning's CFG branches in this process, one after another."""
+    """One conditioning's CFG branches in this process, one after another. With control, each CFG side has a
+    controlled branch for the steps inside the control range and a plain one for the others (their prefixes differ:
+    dit/control.py), each made at its first step and released after its last."""
 
-    def __init__(self, sampler: Sampler, cond, target_shape, batch, use_cfg, prefix_ids, _mode=None):
-        self.sampler = sampler
-        started = time.perf_counter()
-        self.branches, self.cond_tokens = sampler._branches(cond, target_shape, batch, use_cfg)
-        sampler.stats.branch_setup_s += time.perf_counter() - started
-        self.prefix_ids = prefix_ids
-        sampler.stats.cache_bytes += sum(b.cache.nbytes for b, _ in self.branches)
-        sampler.stats.cache_host_bytes += sum(b.cache.host_nbytes for b, _ in self.branches)
+    def __init__(self, sampler: Sampler, cond, target_shape, batch, use_cfg, control=None, controlled=()):
+        self.sampler, self.cond, self.target_shape, self.batch = sampler, cond, target_shape, batch
+        self.control = control
+        prompts = [cond.positive] + ([cond.negative] if use_cfg else [])
+        self.sides = list(zip(("positive", "negative"), prompts, strict=False))
+        self.controlled = list(controlled)
+        self.last_step = {on: max((i for i, c in enumerate(self.controlled) if c == on), default=-1)
+                          for on in (False, True)}  # fmt: skip
+        self.branches: dict = {}  # (side, controlled) -> Branch
+        self.prefilled: set = set()
+        self.cond_tokens = condition_tokens(cond)
 
-    def step(self, x, t, first: bool) -> list[torch.Tensor]:
+    def _branch(self, side: int, controlled: bool) -> Branch:
+        key = (side, controlled)
+        branch = self.branches.get(key)
+        if branch is None:
+            sampler = self.sampler
+            started = time.perf_counter()
+            role, prompt = self.sides[side]
+            control = self.control if controlled else None
+            context = sampler.control_context if controlled else None
+            branch = sampler.new_branch(self.cond, prompt, role, self.target_shape, self.batch, control, context)
+            sampler.stats.branch_setup_s += time.perf_counter() - started
+            sampler.stats.cache_bytes += branch.cache_bytes
+            sampler.stats.cache_host_bytes += branch.cache_host_bytes
+            self.branches[key] = branch
+        return branch
+
+    def step(self, x, t, first: bool, index: int = 0) -> list[torch.Tensor]:
         sampler = self.sampler
+        controlled = bool(self.controlled[index]) if self.controlled else False
         velocities = []
-        for (branch, prompt), prefix_id in zip(self.branches, self.prefix_ids, strict=True):
-            if first:
+        for side, (role, prompt) in enumerate(self.sides):
+            branch = self._branch(side, controlled)
+            key = (side, controlled)
+            if first or key not in self.prefilled:
+                prefix_id = sampler.prefix_id(self.cond, role, self.control if controlled else None)
                 with torch.profiler.record_function("qwen21 prefill"):
                     sampler._prefill(branch, prompt, self.cond_tokens, prefix_id if sampler.prefix_cache else None)
+                self.prefilled.add(key)
             velocities.append(sampler._velocity(branch, x, t))
+            if self.control is not None and index >= self.last_step[controlled]:
+                self._release(key)  # its last step: the other kind's cache may take its room
         return velocities
 
-    def close(self) -> None:
-        for branch, _ in self.branches:
+    def _release(self, key) -> None:
+        branch = self.branches.pop(key, None)
+        if branch is not None:
             self.sampler.release_branch(branch)
+
+    def close(self) -> None:
+        for key in list(self.branches):
+            self._release(key)
 
 
 class _ParallelRun:
@@ -360,7 +416,7 @@ class _ParallelRun:
         if mode == "sequence":
             stats.decode_graph = "off: sequence-parallel steps run eagerly (collectives are not captured)"
 
-    def step(self, x, t, first: bool) -> list[torch.Tensor]:
+    def step(self, x, t, first: bool, index: int = 0) -> list[torch.Tensor]:
         return self.run.step(x, t, first)
 
     def close(self) -> None:

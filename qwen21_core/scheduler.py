@@ -61,6 +61,17 @@ def flow_schedule(
     steps:   number of steps of the default grid linspace(1, 1/steps, steps), or
     sigmas:  a custom base grid (turbo `sample_sigmas`, or the user's), excluding the terminal sigma.
     """
+    grid = _base_grid(steps, sigmas)
+    grid = _shift(grid, config, resolution_shift(image_seq_len, config))
+    if config.shift_terminal:
+        grid = _stretch_to_terminal(grid, config.shift_terminal)
+    shifted = torch.from_numpy(np.asarray(grid)).to(torch.float32)
+    timesteps = shifted * config.num_train_timesteps
+    return torch.cat([shifted, torch.zeros(1)]), timesteps
+
+
+def _base_grid(steps: int | None, sigmas) -> np.ndarray:
+    """The unshifted grid, float32: linspace(1, 1/steps, steps), or the custom sigmas (checked)."""
     if sigmas is None:
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_GRID_STEPS:
             raise ValueError(f"steps must be a positive integer, at most {MAX_GRID_STEPS}, got {steps!r:.40}")
@@ -73,13 +84,20 @@ def flow_schedule(
             raise ValueError(f"{len(base)} sigmas; a schedule holds at most {MAX_GRID_STEPS}")
         if any(not (0.0 < float(s) <= 1.0) for s in base):
             raise ValueError(f"sigmas must lie in (0, 1], got {base}")
-    grid = np.array(base).astype(np.float32)
-    grid = _shift(grid, config, resolution_shift(image_seq_len, config))
-    if config.shift_terminal:
-        grid = _stretch_to_terminal(grid, config.shift_terminal)
-    shifted = torch.from_numpy(np.asarray(grid)).to(torch.float32)
-    timesteps = shifted * config.num_train_timesteps
-    return torch.cat([shifted, torch.zeros(1)]), timesteps
+    return np.array(base).astype(np.float32)
+
+
+def step_percents(steps, denoise: float = 1.0, sigmas=None) -> list[float]:
+    """How far through its schedule each step of `partial_schedule(..., steps, denoise, sigmas)` starts, 0 to 1:
+    1 - its unshifted grid value (so for the released grid, the fraction of the steps before it; a percent means the
+    same at every size and shift)."""
+    if denoise >= 1.0 or sigmas is not None:
+        if sigmas is not None and denoise < 1.0:
+            sigmas = list(sigmas)[-max(1, round(len(sigmas) * denoise)) :]
+        grid = _base_grid(steps, sigmas)
+    else:
+        grid = _base_grid(int(steps / denoise), None)[-steps:]
+    return [1.0 - float(value) for value in grid]
 
 
 def partial_schedule(config, image_seq_len, steps, denoise, sigmas=None):

@@ -11,6 +11,9 @@
     dir/diffusers/qwen_image_2.1_tiny/                     the same weights as a diffusers pipeline folder,
     dir/diffusers/qwen_image_2.1_tiny_turbo/               and as a turbo one (model_index sample_sigmas)
     dir/loras/tiny_turbo_lora.safetensors                  a random LoRA on every block linear, ComfyUI key names
+    dir/model_patches/qwen_image_2.1_tiny_fun_control.safetensors
+                                                           a Fun-Controlnet-Union branch for it (one control block),
+                                                           named and tagged as ComfyUI's repack of the released one
 
 The diffusers folders are laid out like the released repository (model_index.json with the same classes,
 a sharded transformer, scheduler_config.json with the released values), so diffusers' own
@@ -30,6 +33,7 @@ from safetensors.torch import save_file
 
 from .checkpoints import key_maps
 from .config import QWEN21_SCHEDULER, TransformerConfig, VAEConfig
+from .dit.control import FunControlNet
 from .dit.transformer import QwenImage21Transformer
 from .text.tiny import TINY_HIDDEN_SIZE, save_tiny_text_encoder
 from .vae.model import QwenImage21VAE
@@ -63,13 +67,18 @@ NAMES = {
     "diffusers_turbo": "diffusers/qwen_image_2.1_tiny_turbo",
     "lora": "loras/tiny_turbo_lora.safetensors",
     "gguf": "diffusion_models/qwen_image_2.1_tiny_Q8_0.gguf",
+    "control": "model_patches/qwen_image_2.1_tiny_fun_control.safetensors",
 }
+TINY_CONTROL_BLOCKS = 1
+# the header metadata of ComfyUI's repack of the released Fun-Controlnet-Union file (its tensors are the original's)
+CONTROL_METADATA = {"comfyui.model_type": "MODEL_PATCH", "comfyui.base_model": "Qwen-Image-2.1",
+                    "comfyui.control_modes": "Canny,Depth,Grayscale,HED,Lineart,MLSD,Pose,Scribble,Inpaint"}
 TINY_LORA_RANK = 4
 
 
 def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny checkpoint set into `dir` (see the module docstring); returns the paths by role:
-    models, transformer, vae, text_encoder, tokenizer, diffusers, diffusers_turbo, lora."""
+    models, transformer, vae, text_encoder, tokenizer, diffusers, diffusers_turbo, lora, gguf, control."""
     root = Path(dir)
     paths = {"models": root, **{role: root / name for role, name in NAMES.items()}}
     paths["tokenizer"] = paths["text_encoder"].with_suffix("")
@@ -78,6 +87,7 @@ def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
         transformer = tiny_transformer_state_dict()
         vae = tiny_vae_state_dict()
         lora = tiny_lora_state_dict()
+        control = tiny_control_state_dict()
 
     folder = paths["diffusers"]
     _write_diffusers_folder(folder, transformer, vae, seed)
@@ -92,6 +102,7 @@ def make_tiny(dir: str | Path, seed: int = 0) -> dict[str, Path]:
     _save(key_maps.vae_to_comfyui(vae, TINY_VAE.num_res_blocks), paths["vae"])
     _write_comfy_text_encoder(folder, paths["text_encoder"], paths["tokenizer"])
     _save(lora, paths["lora"])
+    _save(control, paths["control"], CONTROL_METADATA)
     return paths
 
 
@@ -104,6 +115,16 @@ def tiny_transformer_state_dict() -> dict[str, torch.Tensor]:
             tensor.add_(0.1 * torch.randn_like(tensor))  # standard RMSNorm: scale around 1
         elif name == "txt_in.text_norm.weight":
             tensor.copy_(0.1 * torch.randn_like(tensor))  # zero-centred RMSNorm: effective scale w + 1
+    return weights
+
+
+def tiny_control_state_dict() -> dict[str, torch.Tensor]:
+    """The released file's names for a Fun-Control branch of TINY_TRANSFORMER (draws from the global RNG)."""
+    model = FunControlNet(TINY_TRANSFORMER, TINY_CONTROL_BLOCKS)
+    weights = {name: tensor.detach().clone() for name, tensor in model.checkpoint_slots().items()}
+    for name, tensor in weights.items():
+        if name.endswith(("norm_q.weight", "norm_k.weight")):
+            tensor.add_(0.1 * torch.randn_like(tensor))
     return weights
 
 
@@ -189,9 +210,9 @@ def _diffusers_config(class_name: str, config) -> dict:
     return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION, **config.to_dict()}
 
 
-def _save(weights: dict[str, torch.Tensor], path: Path) -> None:
+def _save(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, path)
+    save_file({k: v.contiguous() for k, v in weights.items()}, path, metadata=metadata)
 
 
 def _save_sharded(weights: dict[str, torch.Tensor], folder: Path, stem: str, shards: int) -> None:

@@ -60,9 +60,12 @@ class VelocityRun:
     closed: bool = False
     _started: float = field(default_factory=time.perf_counter)
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, parts: list[Part]) -> torch.Tensor:
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, parts: list[Part], control=None,
+                 context: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x: [B, C, h, w] latents normalised as the DiT sees them; sigma: [B] (or one value); parts: the rows' owners
-        in order, their rows adding up to B. Returns the velocity [B, C, h, w] in float32."""
+        in order, their rows adding up to B. control, context: a Fun-Control (control.py Control) on for this call,
+        with its [h * w, 129] context: every part runs a controlled branch. Returns the velocity [B, C, h, w] in
+        float32."""
         if self.closed:
             raise RuntimeError("this velocity run is closed; open a new one for the next sampling run")
         tr = self.sampler.transformer
@@ -77,7 +80,7 @@ class VelocityRun:
         for part in parts:
             rows = slice(start, start + part.rows)
             start += part.rows
-            kept = self._kept(part, (h, w))
+            kept = self._kept(part, (h, w), control, context)
             if not kept.prefilled:
                 with torch.profiler.record_function("qwen21 prefill"):
                     self.sampler._prefill(kept.branch, part.cond.positive, kept.tokens,
@@ -91,18 +94,19 @@ class VelocityRun:
         self.calls += 1
         return torch.cat(out)
 
-    def _kept(self, part: Part, target_shape) -> _Kept:
-        key = (id(part.cond), part.role, tuple(target_shape), part.rows)
+    def _kept(self, part: Part, target_shape, control=None, context=None) -> _Kept:
+        controlled = None if control is None else (control.prefix_key, control.identity)
+        key = (id(part.cond), part.role, tuple(target_shape), part.rows, controlled)
         kept = self.kept.get(key)
         if kept is None:
             started = time.perf_counter()
             cond = part.cond
-            branch = self.sampler.new_branch(cond, cond.positive, part.role, target_shape, part.rows)
-            kept = _Kept(branch, condition_tokens(cond), self.sampler.prefix_id(cond, part.role))
+            branch = self.sampler.new_branch(cond, cond.positive, part.role, target_shape, part.rows, control, context)
+            kept = _Kept(branch, condition_tokens(cond), self.sampler.prefix_id(cond, part.role, control))
             stats = self.sampler.stats
             stats.branch_setup_s += time.perf_counter() - started
-            stats.cache_bytes += branch.cache.nbytes
-            stats.cache_host_bytes += branch.cache.host_nbytes
+            stats.cache_bytes += branch.cache_bytes
+            stats.cache_host_bytes += branch.cache_host_bytes
             self.kept[key] = kept
         return kept
 

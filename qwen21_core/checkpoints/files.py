@@ -389,6 +389,7 @@ COMPONENT_NAMES = {
     "transformer": "transformer (diffusion model)",
     "vae": "VAE",
     "text_encoder": "text encoder (Qwen3-VL-8B)",
+    "control": "Fun-Controlnet-Union (control and inpainting)",
 }
 
 
@@ -396,7 +397,7 @@ COMPONENT_NAMES = {
 class Layout:
     """How a checkpoint of one component names its tensors.
 
-    component:  "transformer", "vae" or "text_encoder".
+    component:  "transformer", "vae", "text_encoder" or "control" (the Fun-Control branch).
     name:       "diffusers" (our module's names), "comfyui" (ComfyUI single file), "transformers" (Hugging Face
                 Qwen3-VL names, which Comfy-Org's text-encoder files use too) or "comfyui-internal" (the names of
                 ComfyUI's own Qwen3-VL module, e.g. a file written by ComfyUI's CLIPSave).
@@ -442,6 +443,16 @@ def _probe(ckpt: Checkpoint, component: str) -> Layout | None:
         if wan22 and head is not None and len(head.shape) == 5 and head.shape[2] == 1:
             return Layout("vae", "comfyui")
         return None
+    if component == "control":
+        # the 2.1 branch's blocks are single-stream: no img_mod/txt_mod (Qwen-Image 1.x's Fun ControlNets have them)
+        img_in = _find(ckpt, "control_img_in.weight")
+        if img_in is None or not _find(ckpt, "control_blocks.0.attn.norm_q.weight") or _find(ckpt, "img_mod.1.weight"):
+            return None
+        prefix = img_in[: -len("control_img_in.weight")]
+        fused = _find(ckpt, "img_mlp.gate_up.weight") is not None
+        return Layout("control", "comfyui" if fused else "diffusers", prefix)
+    if component != "text_encoder":
+        return None
     if "model.visual.deepstack_merger_list.0.norm.weight" in ckpt and _find(ckpt, "language_model.norm.weight"):
         return Layout("text_encoder", "transformers")
     if "visual.deepstack_merger_list.0.norm.weight" in ckpt and "model.norm.weight" in ckpt:
@@ -468,6 +479,12 @@ def _describe_ours(ckpt: Checkpoint) -> str | None:
 def _describe_foreign_dit(ckpt: Checkpoint) -> str | None:
     if any("lora_A" in k or "lora_down" in k or "lora_B" in k for k in ckpt.tensors):
         return "a LoRA (low-rank adapter), not a full model"
+    if _find(ckpt, "control_img_in.weight") and _find(ckpt, "img_mod.1.weight"):
+        return "a Fun ControlNet for Qwen-Image 1.x (double-stream blocks); Qwen-Image-2.1 needs its own"
+    if _find(ckpt, "controlnet_x_embedder.weight") or _find(ckpt, "controlnet_blocks.0.weight"):
+        return "a ControlNet for Qwen-Image 1.x or Flux (InstantX / diffusers layout), not Qwen-Image-2.1's Fun-Control"
+    if _find(ckpt, "control_layers.0.after_proj.weight") or _find(ckpt, "control_noise_refiner.0.attention.qkv.weight"):
+        return "a Fun ControlNet for Z-Image, not Qwen-Image-2.1's"
     img_in = _find(ckpt, "img_in.weight")
     if _find(ckpt, "txt_norm.weight") and img_in:
         return (

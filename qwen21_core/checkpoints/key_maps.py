@@ -29,7 +29,7 @@ COMFY_DIT_PREFIX = "model.diffusion_model."
 
 def converter(layout: Layout, keys: Iterable[str]) -> Converter:
     """The converter that turns `layout`'s keys (all of `keys`, the checkpoint's) into diffusers names."""
-    if layout.component == "transformer":
+    if layout.component in ("transformer", "control"):  # the control branch's blocks are named as the DiT's
         return _dit_converter(layout.prefix)
     if layout.component == "vae":
         if layout.name == "diffusers":

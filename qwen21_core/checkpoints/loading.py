@@ -15,6 +15,7 @@ then streamed one tensor at a time into a module that was built without allocati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -30,9 +31,10 @@ from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLProcessor
 
 from ..config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
+from ..dit.control import FunControlNet
 from ..dit.transformer import QUANTIZABLE, QwenImage21Transformer
 from ..quant.linear import QuantLinear
-from ..quant.plan import WeightFormats, choose, dit_stored_formats
+from ..quant.plan import CHOICES, WeightFormats, choose, dit_stored_formats
 from ..quant.slots import quant_slots
 from ..quant.weights import QuantFormat
 from ..text.encoder import QWEN3_VL_8B_CONFIG, QWEN3_VL_IMAGE_PROCESSOR, Qwen21TextEncoder, decoder_linear_names
@@ -435,6 +437,62 @@ def load_transformer(
     )  # fmt: skip
     info["weights"] = model.quantization
     return model, info
+
+
+MAX_CONTROL_BLOCKS = 64  # the released branch has 16; a header claiming more is not a Fun-Control file
+
+
+def load_fun_control(path: str | os.PathLike, base: TransformerConfig, device, dtype: torch.dtype,
+                     weight_format: str = "auto") -> tuple[FunControlNet, dict[str, str]]:  # fmt: skip
+    """A Qwen-Image-2.1 Fun-Controlnet-Union file (alibaba-pai's original, ComfyUI's repack with the same tensors, or a
+    fused-MLP or quantised ComfyUI file) -> our control branch for a DiT of config `base`. Its blocks must match the
+    DiT's width and heads (a file for another model is refused by name); weight_format as the DiT's (quant/plan.py):
+    "auto" keeps a quantised file's format, "fp8" / "int8" / "int8_convrot" quantise the control blocks' Linears."""
+    device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
+    if weight_format not in CHOICES:
+        raise ValueError(f"weight format must be one of {CHOICES}, got {weight_format!r}")
+    ckpt = Checkpoint.open(Path(path))
+    with ckpt:
+        if ckpt.is_gguf:
+            raise WrongModelError(f"{ckpt.path}: a GGUF file; Fun-Control files are read from .safetensors only")
+        layout = identify(ckpt, "control")
+        quant = formats.inspect(str(ckpt.path), ckpt.keys(), ckpt.dtype, ckpt.metadata, ckpt.read)
+        convert = key_maps.converter(layout, ckpt.keys())
+        shapes = _shapes(ckpt, convert, quant)
+        config, blocks, channels = _control_config(ckpt.path, shapes, base)
+        stored = dit_stored_formats(_stored_formats(quant, convert), stack="control_blocks")
+        candidates = [(i, name) for i in range(blocks) for name in QUANTIZABLE]
+        plan = choose(weight_format, candidates, stored)
+        model = build_empty(lambda: FunControlNet(config, blocks, channels).to(dtype).quantize_linears(plan),
+                            device, dtype)  # fmt: skip
+        load_into(module_slots(model), ckpt, convert, what="Qwen-Image-2.1 Fun-Control", quant=quant)
+        info = _info(ckpt, layout, quant, dtype, device, "derived from tensor shapes")
+    info["weights"] = model.quantization
+    info["blocks"] = str(blocks)
+    log.debug("control: %s", info)
+    return model, info
+
+
+def _control_config(path, shapes: Mapping[str, tuple[int, ...]], base: TransformerConfig):
+    """(config, number of blocks, context channels) of a Fun-Control file, checked against the DiT's config."""
+    blocks = {int(m.group(1)) for k in shapes if (m := re.fullmatch(r"control_blocks\.(\d+)\.after_proj\.weight", k))}
+    if not blocks or blocks != set(range(len(blocks))) or len(blocks) > MAX_CONTROL_BLOCKS:
+        raise CheckpointMismatchError(f"{path}: its control blocks are numbered {sorted(blocks)[:8]}...; a "
+                                      f"Fun-Control file numbers 1 to {MAX_CONTROL_BLOCKS} blocks from 0")  # fmt: skip
+    inner, channels = _need(shapes, "control_img_in.weight", "Fun-Control")
+    head_dim = _need(shapes, "control_blocks.0.attn.norm_q.weight", "Fun-Control")[0]
+    hidden = _need(shapes, "control_blocks.0.img_mlp.proj.weight", "Fun-Control")[0]
+    if inner != base.inner_dim or head_dim != base.attention_head_dim or hidden % inner:
+        raise WrongModelError(f"{path}: a Fun-Control branch {inner} wide with {head_dim}-wide heads, for another "
+                              f"model than this DiT ({base.inner_dim} wide, {base.attention_head_dim}-wide "
+                              "heads)")  # fmt: skip
+    if len(blocks) > base.num_layers:
+        raise WrongModelError(f"{path}: {len(blocks)} control blocks for a DiT of {base.num_layers} blocks")
+    expected = 2 * base.in_channels + 1  # control latents, keep mask, masked-image latents
+    if channels != expected:
+        raise WrongModelError(f"{path}: its control input takes {channels} channels; Qwen-Image-2.1's Fun-Control "
+                              f"takes {expected} (control latents, mask, inpaint latents)")  # fmt: skip
+    return dataclasses.replace(base, mlp_ratio=hidden // inner), len(blocks), channels
 
 
 def load_vae(

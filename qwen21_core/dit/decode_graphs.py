@@ -59,6 +59,7 @@ from ...kernels.launch import direct_launches
 from ..memory.planner import graph_pool_idle_bytes
 from ..quant.linear import LowRankSidePath
 from ..startup.streams import CAPTURE, side_stream
+from .control import control_key
 from .kv_cache import KVCacheSpec
 from .transformer import Branch, QwenImage21Transformer
 
@@ -216,30 +217,34 @@ class DecodeGraphs:
             self.clear()
         self._weights = signature
 
-    def key_for(self, layout, batch: int, backend: str, role: str, kv: KVCacheSpec | None = None) -> tuple:
+    def key_for(self, layout, batch: int, backend: str, role: str, kv: KVCacheSpec | None = None,
+                control=None) -> tuple:  # fmt: skip
         tr = self.transformer
         image_layout = tuple((s.start, s.end, s.is_text) for s in layout.segments)
         return (
             role, batch, layout.prefix_len, image_layout, layout.target_shape, tr.dtype, str(tr.device), backend,
             tr.compiled,  # compiled and eager block code are different graphs
             kv or KVCacheSpec(), tr.streaming_signature(),  # the cache and the streamed blocks are in the graph
+            control_key(control),  # a controlled step runs the control blocks too
         )  # fmt: skip
 
     def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive",
-                   kv: KVCacheSpec | None = None) -> Branch:  # fmt: skip
-        """A branch for this generation: an idle captured entry's (adopted) or a fresh one."""
+                   kv: KVCacheSpec | None = None, control=None) -> Branch:  # fmt: skip
+        """A branch for this generation: an idle captured entry's (adopted) or a fresh one. control: a Fun-Control
+        (control.py Control) the branch runs beside its blocks; an entry keeps its control state (cache, context
+        buffer) as it keeps the base's."""
         self._check_weights()
-        key = self.key_for(layout, batch, backend, role, kv)
+        key = self.key_for(layout, batch, backend, role, kv, control)
         entry = self.entries.get(key)
         if isinstance(entry, _Entry) and not entry.in_use:
             self._adopt(entry, layout)
             self.entries.move_to_end(key)
             return entry.branch
         try:
-            branch = self.transformer.new_branch(layout, batch, backend, kv)
+            branch = self.transformer.new_branch(layout, batch, backend, kv, control=control)
         except torch.OutOfMemoryError:
             self._evict_idle(keep=0)
-            branch = self.transformer.new_branch(layout, batch, backend, kv)
+            branch = self.transformer.new_branch(layout, batch, backend, kv, control=control)
         branch.graph_key = key
         return branch
 
@@ -296,7 +301,7 @@ class DecodeGraphs:
         estimate leaves those out): memory a new generation gets back, by adopting the entry (same key) or by
         evicting it (an allocation that runs out evicts idle entries and retries)."""
         idle = [e for e in self.entries.values() if isinstance(e, _Entry) and not e.in_use]
-        caches = sum(e.branch.cache.nbytes for e in idle if e.branch.cache is not None and e.branch.cache.allocated)
+        caches = sum(e.branch.cache_bytes for e in idle)
         pools = graph_pool_idle_bytes(self.transformer.device) if idle else {}
         return caches + sum(pools.get(tuple(e.graph.pool()), 0) for e in idle if hasattr(e.graph, "pool"))
 
@@ -332,7 +337,10 @@ class DecodeGraphs:
         if self.capture is cuda_graph_capture and self.transformer.device.type != "cuda":
             return "the model is not on CUDA"
         if cuda_allocator_backend() == "cudaMallocAsync":  # checked before any capture: a failed one kills
-            return async_allocator_blocker(self.transformer.compiled, bool(self.transformer.streaming_signature()))
+            control = getattr(branch, "control", None)
+            streaming = bool(self.transformer.streaming_signature()) or (
+                control is not None and bool(control.net.streaming_signature()))  # fmt: skip
+            return async_allocator_blocker(self.transformer.compiled, streaming)
         return None
 
     def _entry_for(self, branch: Branch):

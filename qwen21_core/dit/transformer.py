@@ -188,21 +188,23 @@ class Block(nn.Module):
             self.img_mlp.gate_up.weight, self.img_mlp.out.weight, self.eps,
         )  # fmt: skip
 
-    def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool):
+    def prefill(self, x, mod0: Modulation, branch: Branch, layer: int, last: bool, cache=None):
         """Prefix rows [1, P, D]: store this layer's K/V; return the next hidden state (None if last).
 
+        cache: where layer `layer`'s K/V go (the branch's, unless given: a control block's go to its own).
         Sequence parallel (branch.shard set): x holds this rank's rows; attention and the stored K/V, its heads."""
+        cache = branch.cache if cache is None else cache
         split = None if branch.shard is None else branch.shard.prefix
         qkv = self._qkv(x, mod0.scale1, EAGER)
         if split is not None:
             qkv = split.to_heads(qkv)
-        k_out, v_out = branch.cache.prefill_targets(layer)
+        k_out, v_out = cache.prefill_targets(layer)
         q, k, v = qk_norm_rope(
             qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.prefix_cos, branch.prefix_sin, self.eps,
             k_out=k_out, v_out=v_out,
         )  # fmt: skip
         del qkv
-        branch.cache.store_prefix(layer)
+        cache.store_prefix(layer)
         if last:  # later layers read only this layer's K/V
             return None
         attn = prefix_attention(q, k, v, branch.layout.segments, branch.prefix_masks, out=torch.empty_like(q))
@@ -218,21 +220,22 @@ class Block(nn.Module):
             out[:, rows] = self._finish(x[:, rows], attn[:, rows], mod0, EAGER)
         return out
 
-    def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns, in_graph: bool):
+    def decode(self, x, mod: Modulation, branch: Branch, layer: int, fns, in_graph: bool, cache=None):
         """Target rows [B, N, D] against the cached prefix; writes this step's target K/V in place.
 
+        cache: the K/V of layer `layer` (the branch's, unless given: a control block's are its own).
         Sequence parallel (branch.shard set): x holds this rank's rows; attention runs for its heads."""
+        cache = branch.cache if cache is None else cache
         split = None if branch.shard is None else branch.shard.target
         qkv = self._qkv(x, mod.scale1, fns)
         if split is not None:
             qkv = split.to_heads(qkv)
-        k_out, v_out = branch.cache.target(layer)
+        k_out, v_out = cache.target(layer)
         q, k, v = qk_norm_rope(
             qkv, self.attn.norm_q_weight, self.attn.norm_k_weight, branch.target_cos, branch.target_sin, self.eps,
             k_out=k_out, v_out=v_out, in_graph=in_graph,
         )  # fmt: skip
         del qkv
-        cache = branch.cache
         joint = cache.joint(layer)
         if joint is not None:
             attn = decode_attention(q, joint[0], joint[1], branch.decode_key_mask)
@@ -277,16 +280,33 @@ class Branch:
     # Sequence parallel (parallel/ulysses.py SequenceShard): this rank's rows, and heads for attention and the
     # cache; None: everything here. Duck-typed, so the model never imports torch.distributed.
     shard: object | None = None
+    # The Fun-Control branch's state (dit/control.py ControlState): its blocks run beside the base's; None: plain
+    control: object | None = None
 
     @property
     def batch(self) -> int:
         return self.cache.batch
 
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes of this branch's K/V caches (the control blocks' too, with the control stream's start)."""
+        total = self.cache.nbytes if self.cache is not None and self.cache.allocated else 0
+        if self.control is not None and self.control.cache.allocated:
+            total += self.control.cache.nbytes + self.control.start.numel() * self.control.start.element_size()
+        return total
+
+    @property
+    def cache_host_bytes(self) -> int:
+        total = self.cache.host_nbytes if self.cache is not None else 0
+        return total + (self.control.cache.host_nbytes if self.control is not None else 0)
+
     def release(self):
         self.cache.release()
+        if self.control is not None:
+            self.control.release()
 
 
-def _rows(layer: nn.Module, start: int = 0, stop: int | None = None):
+def checkpoint_rows(layer: nn.Module, start: int = 0, stop: int | None = None):
     """The checkpoint slot for rows [start, stop) of a block Linear's weight (a QuantSlot when quantised, a GGUFSlot
     for one segment of a GGUF layer)."""
     if isinstance(layer, GGUFLinear):
@@ -407,15 +427,15 @@ class QwenImage21Transformer(BlockStack, nn.Module):
         for i, block in enumerate(self.transformer_blocks):
             p = f"transformer_blocks.{i}."
             qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
-            slots[p + "attn.to_q.weight"] = _rows(qkv, 0, inner)
-            slots[p + "attn.to_k.weight"] = _rows(qkv, inner, 2 * inner)
-            slots[p + "attn.to_v.weight"] = _rows(qkv, 2 * inner, 3 * inner)
-            slots[p + "attn.to_out.0.weight"] = _rows(block.attn.to_out)
+            slots[p + "attn.to_q.weight"] = checkpoint_rows(qkv, 0, inner)
+            slots[p + "attn.to_k.weight"] = checkpoint_rows(qkv, inner, 2 * inner)
+            slots[p + "attn.to_v.weight"] = checkpoint_rows(qkv, 2 * inner, 3 * inner)
+            slots[p + "attn.to_out.0.weight"] = checkpoint_rows(block.attn.to_out)
             slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
             slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
-            slots[p + "img_mlp.gate_layer.weight"] = _rows(gate_up, 0, hidden)
-            slots[p + "img_mlp.proj.weight"] = _rows(gate_up, hidden, 2 * hidden)
-            slots[p + "img_mlp.out.weight"] = _rows(block.img_mlp.out)
+            slots[p + "img_mlp.gate_layer.weight"] = checkpoint_rows(gate_up, 0, hidden)
+            slots[p + "img_mlp.proj.weight"] = checkpoint_rows(gate_up, hidden, 2 * hidden)
+            slots[p + "img_mlp.out.weight"] = checkpoint_rows(block.img_mlp.out)
         return slots
 
     @torch.no_grad()
@@ -487,14 +507,20 @@ class QwenImage21Transformer(BlockStack, nn.Module):
 
     def new_branch(
         self, layout: SequenceLayout, batch: int = 1, attention_backend: str = "auto", kv: KVCacheSpec | None = None,
-        shard=None,
+        shard=None, control=None,
     ) -> Branch:  # fmt: skip
         """Allocate the K/V cache (format, placement and layout from `kv`) and the step-invariant tables for one
-        branch of a generation. shard: sequence parallel (the cache then holds the shard's heads only)."""
+        branch of a generation. shard: sequence parallel (the cache then holds the shard's heads only). control: a
+        Fun-Control to run beside (anything with `net` and `strength`, control.py Control): its state and cache are
+        allocated too; its context is set afterwards (`branch.control.set_context`)."""
+        if control is not None and shard is not None:
+            raise ValueError("a controlled branch runs on one device: sequence parallel is not supported with control")
         branch = self.new_branch_tables(layout, attention_backend)
         heads = None if shard is None else shard.heads
         branch.cache = PrefixKVCache(*self.cache_shape(layout, batch, heads), self.device, **vars(kv or KVCacheSpec()))
         branch.shard = shard
+        if control is not None:
+            branch.control = control.net.new_state(layout, batch, self.config.num_layers, control.strength, kv)
         return branch
 
     def cache_shape(self, layout: SequenceLayout, batch: int, heads: int | None = None) -> tuple:
@@ -532,12 +558,27 @@ class QwenImage21Transformer(BlockStack, nn.Module):
 
     def prefill_blocks(self, branch, x: torch.Tensor) -> None:
         """The blocks over the prefix rows x [1, P, D], each layer's K/V into `branch.cache` (see Block.prefill;
-        `branch` may be a padded stand-in with the same attributes, dit/prefill_graphs.py)."""
+        `branch` may be a padded stand-in with the same attributes, dit/prefill_graphs.py). With control, the control
+        stream's prefix rows run beside (their K/V into the control cache) and their skips reach x."""
         _, mod0 = self._modulation(torch.zeros(1, device=x.device))
         last = len(self.transformer_blocks) - 1
+        control = getattr(branch, "control", None)
+        # the stream's prefix rows start from x: before_proj of their zero context is its bias
+        c = None if control is None else x + control.net.before_proj.bias
+        blocks = control.net.stack_blocks() if control is not None else None
         with backend_context(branch.attention_backend, prefill=True):
             for i, block in self.stack_blocks():
                 x = block.prefill(x, mod0, branch, i, last=i == last)
+                if control is not None and i in control.inject:
+                    k, control_block = next(blocks)  # control.inject lists the control blocks in order
+                    # never "last": its skip feeds the base blocks after it
+                    c = control_block.prefill(c, mod0, branch, k, last=False, cache=control.cache)
+                    if x is not None:
+                        x = x.add(control.net.after_proj[k](c), alpha=control.strength)
+        if control is not None:
+            for _ in blocks:  # the streamer's hooks after the last control block
+                pass
+            control.cache.filled = True
 
     @torch.no_grad()
     def decode(self, branch: Branch, x: torch.Tensor, t: torch.Tensor, in_graph: bool = False) -> torch.Tensor:
@@ -553,10 +594,22 @@ class QwenImage21Transformer(BlockStack, nn.Module):
         split = None if branch.shard is None else branch.shard.target
         h = self.img_in((x if split is None else split.rows(x)).to(self.dtype))
         branch.cache.begin_step()
+        control = branch.control
+        if control is not None:  # the control stream's target rows, beside the base's (see dit/control.py)
+            control.cache.begin_step()
+            c = h + control.start
+            blocks = control.net.stack_blocks()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
             for i, block in self.stack_blocks():
                 h = block.decode(h, mod, branch, i, fns, in_graph)
+                if control is not None and i in control.inject:
+                    k, control_block = next(blocks)  # control.inject lists the control blocks in order
+                    c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
+                    h = h.add(control.net.after_proj[k](c), alpha=control.strength)
+        if control is not None:
+            for _ in blocks:  # the streamer's hooks after the last control block
+                pass
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
         h = F.layer_norm(h, h.shape[-1:], eps=self.config.eps) * (1 + scale)
         out = self.proj_out(h)

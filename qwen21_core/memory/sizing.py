@@ -22,26 +22,41 @@ from ..request import SampleRequest
 # Peak activations of a step beyond weights and K/V cache, in units of (tokens x inner_dim x element size); fitted to
 # a decode step's measured peak (bench_dit's `ours_decode_peak_extra_mib`, which tests/test_sampler.py checks it by).
 ACTIVATION_FACTOR = 16
+# A controlled step also holds the control stream's hidden state and its skip beside the base's (same units)
+CONTROL_ACTIVATION_FACTOR = 4
 PLACEMENTS = ("gpu", "cpu")
 
 
 def job_bytes(config, dtype: torch.dtype, prefix_lengths: Sequence[int], target_tokens: int, batch: int,
-              kv_cache: str = "bf16", kv_layout: str = "split", ranks: int = 1) -> tuple[dict[str, int], int]:
+              kv_cache: str = "bf16", kv_layout: str = "split", ranks: int = 1, control_layers: int = 0,
+              plain_beside: bool = False) -> tuple[dict[str, int], int]:  # fmt: skip
     """(K/V cache device bytes by placement, activation bytes) of one run.
 
     prefix_lengths: one per CFG branch on this device (text rows plus 4 latent rows per image slot); target_tokens:
     the output's latent tokens; batch: rows sharing each prefix; ranks: devices splitting heads and rows (sequence
     parallel), this device holding 1/ranks. Branches run one after another: their caches add up, activations do not.
+    control_layers: the Fun-Control blocks a controlled branch runs beside (their K/V, the stream's start);
+    plain_beside: a plain branch per side lives beside the controlled one (steps outside the control range on both
+    sides of it).
     """
     element = torch.empty(0, dtype=dtype).element_size()
     heads = -(-config.num_attention_heads // ranks)
     caches, activations = dict.fromkeys(PLACEMENTS, 0), 0
+    factor = ACTIVATION_FACTOR + (CONTROL_ACTIVATION_FACTOR if control_layers else 0)
     for prefix in prefix_lengths:
-        shape = CacheShape(config.num_layers, batch, prefix, target_tokens, heads, config.attention_head_dim, dtype)
+        shapes = [CacheShape(config.num_layers, batch, prefix, target_tokens, heads, config.attention_head_dim, dtype)]
+        if control_layers:
+            shapes.append(CacheShape(control_layers, batch, prefix, target_tokens, heads, config.attention_head_dim,
+                                     dtype))  # fmt: skip
+            if plain_beside:
+                shapes.append(shapes[0])
         for placement in caches:
-            caches[placement] += shape.device_bytes(kv_cache, placement, kv_layout if placement == "gpu" else "split")
+            layout = kv_layout if placement == "gpu" else "split"
+            caches[placement] += sum(shape.device_bytes(kv_cache, placement, layout) for shape in shapes)
+            if control_layers:
+                caches[placement] += target_tokens * config.inner_dim * element  # the control stream's start
         tokens = -(-max(prefix, batch * target_tokens) // ranks)
-        activations = max(activations, ACTIVATION_FACTOR * tokens * config.inner_dim * element)
+        activations = max(activations, factor * tokens * config.inner_dim * element)
     return caches, activations
 
 
@@ -53,13 +68,16 @@ def request_bytes(config, dtype: torch.dtype, cond, request: SampleRequest, opti
     options = options or SampleOptions()
     request = request.sized(cond)
     use_cfg = request.guided and cond.has_negative
-    mode = expected_mode(options.parallel, workers, use_cfg)
+    mode = None if request.controlled else expected_mode(options.parallel, workers, use_cfg)  # control: one device
     lengths = [cond.positive.length] + ([cond.negative_length] if use_cfg and mode != "cfg" else [])  # cfg: on rank 1
     slots = sum(h * w for h, w in cond.image_shapes) // TOKENS_PER_SLOT
     prefixes = [length + (TOKENS_PER_SLOT - 1) * slots for length in lengths]  # a slot's row becomes 4 latent rows
     ranks = workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
+    control = request.control if request.controlled else None
+    control_layers = len(control.net.control_blocks) if control is not None else 0
+    plain_beside = control is not None and control.start > 0 and control.end < 1
     return job_bytes(config, dtype, prefixes, request.target_tokens, request.batch_size, options.kv_cache,
-                     options.kv_layout, ranks)  # fmt: skip
+                     options.kv_layout, ranks, control_layers, plain_beside)  # fmt: skip
 
 
 def sampling_bytes(config, dtype: torch.dtype, cond, request: SampleRequest, options: SampleOptions | None = None,

@@ -72,14 +72,16 @@ _DIT_LAYER_OF = {
     "img_mlp.proj": "img_mlp.gate_up",
     "img_mlp.out": "img_mlp.out",
 }
-_DIT_WEIGHT = re.compile(r"transformer_blocks\.(\d+)\.(.+)\.weight")
 
 
-def dit_stored_formats(diffusers_names: Mapping[str, QuantFormat]) -> dict[tuple[int, str], QuantFormat]:
-    """(block, fused layer path) -> format, from the quantised weights' diffusers names."""
+def dit_stored_formats(diffusers_names: Mapping[str, QuantFormat],
+                       stack: str = "transformer_blocks") -> dict[tuple[int, str], QuantFormat]:  # fmt: skip
+    """(block, fused layer path) -> format, from the quantised weights' diffusers names; `stack`: the blocks' name
+    ("control_blocks" for the Fun-Control branch, whose blocks are the DiT's)."""
+    pattern = re.compile(rf"{re.escape(stack)}\.(\d+)\.(.+)\.weight")
     out = {}
     for name, fmt in diffusers_names.items():
-        match = _DIT_WEIGHT.fullmatch(name)
+        match = pattern.fullmatch(name)
         if match and match.group(2) in _DIT_LAYER_OF:
             out[(int(match.group(1)), _DIT_LAYER_OF[match.group(2)])] = fmt
     return out
