@@ -18,6 +18,11 @@ _NODES = {
         "Qwen21DiffusersLoader": "Qwen21 Load Diffusers Folder",
     },
     "lora": {"Qwen21LoraLoader": "Qwen21 Load LoRA"},
+    "control": {
+        "Qwen21ControlLoader": "Qwen21 Load Fun Control",
+        "Qwen21ApplyControl": "Qwen21 Apply Fun Control",
+        "Qwen21ApplyControlModel": "Qwen21 Apply Fun Control (MODEL)",
+    },
     "encode": {"Qwen21Encode": "Qwen21 Encode Prompt + Images"},
     "sample": {"Qwen21Sampler": "Qwen21 Sampler"},
     "schedule": {"Qwen21Scheduler": "Qwen21 Scheduler (released / turbo SIGMAS)"},
@@ -27,7 +32,7 @@ _NODES = {
 }
 
 # Modules that subclass ComfyUI's own classes (the MODEL, its patcher, the VAE): imported only inside ComfyUI.
-COMFYUI_ONLY_MODULES = ("comfy.model", "comfy.patcher", "comfy.vae", "comfy.latents")
+COMFYUI_ONLY_MODULES = ("comfy.model", "comfy.patcher", "comfy.vae", "comfy.latents", "comfy.control")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -38,7 +38,7 @@ if "comfy.model_management" in sys.modules:
 IN_COMFYUI = comfy_mm is not None
 
 # ComfyUI model-folder keys we read (they cover the legacy `unet` and `clip` folders too).
-MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers", "loras")
+MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "diffusers", "loras", "model_patches", "controlnet")
 WEIGHT_EXTENSIONS = (".safetensors", ".sft", ".gguf")  # GGUF: the diffusion model only (the loader says so)
 # Outside ComfyUI, the folders of each kind beside its own (ComfyUI's folder_paths has the same pairs)
 LEGACY_FOLDERS = {"diffusion_models": ("unet",), "text_encoders": ("clip",)}

@@ -151,14 +151,25 @@ class ManagedModules:
             clone.patcher = self.patcher.clone_with_loras(clone.loras)
         return clone
 
-    def load(self, memory_required: int = 0) -> None:
+    def load(self, memory_required: int = 0, companions: tuple = ()) -> None:
         """Put the modules on their device (partly, for a streamable stack that does not fit), evicting other
-        models if needed, and bring the DiT's weights to this handle's LoRA stack."""
+        models if needed, and bring the DiT's weights to this handle's LoRA stack. companions: other ManagedModules
+        that run with these (a control branch beside the DiT), placed in the same call, never evicted for these."""
         if self.patcher is not None:
-            host.comfy_mm.load_models_gpu([self.patcher], memory_required=int(memory_required),
+            patchers = [self.patcher, *(c.patcher for c in companions)]
+            host.comfy_mm.load_models_gpu(patchers, memory_required=int(memory_required),
                                           force_full_load=self.streamable is None)  # fmt: skip
             return
-        LOCAL.load(self, int(memory_required))
+        for companion in companions:  # first, leaving room for these whole where the device has it
+            LOCAL.load(companion, int(memory_required) + self.full_bytes)
+        kept = [(companion, companion.evictable) for companion in companions]
+        for companion, _ in kept:
+            companion.evictable = False
+        try:
+            LOCAL.load(self, int(memory_required))
+        finally:
+            for companion, evictable in kept:
+                companion.evictable = evictable
         if self.merge_loras is not None:
             self.merge_loras(self.loras)  # after placing: merging runs where the weights are
 

@@ -50,6 +50,7 @@ class Qwen21Model:
                                            streamable=pipe.text_encoder)  # fmt: skip
         self.vae = ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
         self.text_encoder.evictable = memory_adapter.evictable(self.offload_text_encoder)
+        self.control = None  # (qwen21_core.control.Control, its weights' ManagedModules): with_control
         # a memory manager places the weights (ComfyUI's, or the local one) and owns the one budget
         pipe.memory = memory_adapter.pipeline_memory()
         # Everything built on the model (pipeline, decode graphs, their prefix caches) holds the transformer,
@@ -76,18 +77,31 @@ class Qwen21Model:
         handle.transformer = self.transformer.with_loras((*self.loras, (lora, float(strength))))
         return handle
 
+    def with_control(self, control, weights: ManagedModules) -> Qwen21Model:
+        """A new handle on the same pipeline whose runs go through the Fun-Control `control` (qwen21_core/control.py);
+        `weights`: the branch's registration with the memory manager, loaded beside the DiT. This handle is left as it
+        is."""
+        handle = copy.copy(self)
+        handle.control = (control, weights)
+        return handle
+
     def _merge_loras(self, stack: tuple) -> None:
         self.pipe.set_loras(stack)
 
     def _comfy_model(self):
         from .comfy.model import Qwen21ComfyModel  # inside ComfyUI only
 
-        return Qwen21ComfyModel(self.pipe, self.preview_projection)
+        return Qwen21ComfyModel(self.pipe, self.preview_projection, load_vae=lambda: self.vae.load())
 
     @property
     def comfy_model(self):
-        """The ComfyUI MODEL (a ModelPatcher) that KSampler drives; None outside ComfyUI."""
-        return self.transformer.patcher
+        """The ComfyUI MODEL (a ModelPatcher) that KSampler drives, with this handle's control; None outside ComfyUI."""
+        patcher = self.transformer.patcher
+        if patcher is None or self.control is None:
+            return patcher
+        from .comfy.control import with_control  # inside ComfyUI only
+
+        return with_control(patcher, *self.control)
 
     def comfy_vae(self):
         """Our VAE as a ComfyUI VAE (VAE Decode, VAE Encode take it); None outside ComfyUI."""
@@ -138,14 +152,22 @@ class Qwen21Model:
         request = request.sized(cond)
         if request.guided:
             self.encode_negative(cond)  # only now that guidance needs it, once per conditioning
+        companions = ()
+        if self.control is not None and request.control is None:
+            control, weights = self.control
+            request = request.replace(control=control)
+            if request.controlled:
+                companions = (weights,)
+                self.vae.load()  # the control image is encoded before the DiT is placed, never displacing it
+                self.pipe.control_context(control, request.latent_size)
         placement = self._kv_estimate(cond, request, options)
         needed = self.pipe.sampling_bytes(cond, request, options, kv_placement=placement)
 
         def run():
             # the previous run's idle caches come back to this one (adopted or evicted): not counted as taken, or
             # a rerun with a new seed would see them as used memory and stream part of the DiT. Loading also brings
-            # the weights to this handle's LoRAs.
-            self.transformer.load(max(0, needed - self.pipe.idle_cache_bytes()))
+            # the weights to this handle's LoRAs, and places a control branch beside them.
+            self.transformer.load(max(0, needed - self.pipe.idle_cache_bytes()), companions)
             return self.pipe.sample_request(cond, request, options)
 
         what = (f"sampling {request.width}x{request.height} with {cond.num_images} condition images, batch "
@@ -192,6 +214,8 @@ def sample_status(stats: dict) -> str:
         f"{stats.get('steps_per_second', 0):.2f} steps/s · prefix cache {cache} · "
         f"graphs {stats.get('decode_graph', 'off')} · peak {stats.get('peak_vram_mib', 0) / 1024:.1f} GiB"
     )
+    if stats.get("control", "off") != "off":
+        line += f" · control {stats['control']}"
     parallel = stats.get("parallel", "off")
     return line if parallel == "off" else f"{line} · {parallel}"
 

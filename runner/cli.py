@@ -140,11 +140,14 @@ def tiny_overrides(prompt: dict, models_dir: str | os.PathLike, resolution: int 
             settings.append(f"{node_id}.steps={steps}")
         elif node["class_type"] == "LoraLoaderModelOnly":
             settings.append(f"{node_id}.lora_name={json.dumps(_tiny_file(models_dir, 'loras'))}")
+        elif node["class_type"] == "Qwen21ControlLoader":
+            settings.append(f"{node_id}.control_name={json.dumps(_tiny_file(models_dir, 'model_patches'))}")
     return settings
 
 
 # a models folder's kind -> the tiny checkpoint's file of it (make-tiny's names: other files may sit beside them)
-TINY_ROLES = {"diffusion_models": "transformer", "text_encoders": "text_encoder", "vae": "vae", "loras": "lora"}
+TINY_ROLES = {"diffusion_models": "transformer", "text_encoders": "text_encoder", "vae": "vae", "loras": "lora",
+              "model_patches": "control"}
 
 
 def _tiny_file(models_dir: Path, kind: str) -> str:

@@ -54,7 +54,7 @@ def setup():
     models = SCRATCH / "models"
     if not (models / NAMES["lora"]).exists():
         make_tiny(models)
-    for kind in ("diffusion_models", "text_encoders", "vae", "loras", "diffusers"):
+    for kind in ("diffusion_models", "text_encoders", "vae", "loras", "diffusers", "model_patches"):
         folder_paths.add_model_folder_path(kind, str(models / kind), is_default=True)
     assert host.IN_COMFYUI
 
@@ -491,6 +491,33 @@ def check_small_card():
     emit(check="small_card", devices=sorted(set(devices)), calls=len(devices), errors=errors,
          difference={f"cfg{cfg:g}": (capped[cfg] - uncapped[cfg]).abs().max().item() for cfg in capped},
          effect=(uncapped[4.0] - uncapped[1.0]).abs().max().item())  # fmt: skip
+
+
+def check_control():
+    """Fun-Control through ComfyUI's samplers: Qwen21 Apply Fun Control (MODEL) on our MODEL against Qwen21 Sampler with
+    Qwen21 Apply Fun Control on the same weights; the MODEL output of the latter too; a partial range, strength 0."""
+    handle, model, _vae = load()
+    (control,) = OURS["Qwen21ControlLoader"]().load(handle, Path(NAMES["control"]).name, "auto")
+    cond, _w, _h, positive, negative, latent = encode(handle)
+    hint = torch.rand(1, 80, 48, 3, generator=torch.Generator().manual_seed(4))
+    mask = torch.zeros(1, 64, 64)
+    mask[:, 16:48, 16:48] = 1.0
+    images = {"control_image": hint, "inpaint_image": torch.rand(1, 64, 64, 3), "mask": mask}
+    controlled, controlled_model = OURS["Qwen21ApplyControl"]().apply(handle, control, 1.0, 0.0, 1.0, **images)
+    (model_control,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 1.0, 0.0, 1.0, **images)
+    (half,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 1.0, 0.5, 1.0, **images)
+    (off,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 0.0, 0.0, 1.0, **images)
+    expected = ours(controlled, cond)
+    plain = ours(handle, cond)
+    got = custom_advanced(model_control, positive, negative, latent)
+    stats = dict(handle.pipe.last_sample_stats)
+    emit(check="control", parity=relative(got, expected), effect=relative(plain, expected),
+         apply_model_output=relative(custom_advanced(controlled_model, positive, negative, latent), expected),
+         half_to_full=relative(custom_advanced(half, positive, negative, latent), expected),
+         half_to_plain=relative(custom_advanced(half, positive, negative, latent), plain),
+         off_to_plain=(custom_advanced(off, positive, negative, latent)
+                       - custom_advanced(model, positive, negative, latent)).abs().max().item(),
+         prefills=stats.get("prefills"), status_control=handle.pipe.last_sample_stats.get("control"))  # fmt: skip
 
 
 def check_model_type_line():

@@ -173,7 +173,7 @@ def _running_server(tmp_path_factory, tiny_models, *extra_args: str, cpu: bool =
     for folder in ("custom_nodes", "input", "output", "temp", "user", "models"):
         (base / folder).mkdir()
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
-    for kind in ("text_encoders", "diffusers", "loras"):
+    for kind in ("text_encoders", "diffusers", "loras", "model_patches"):
         if (tiny_models / kind).exists():
             (base / "models" / kind).symlink_to(tiny_models / kind, target_is_directory=True)
     (base / "models" / "diffusion_models").mkdir()

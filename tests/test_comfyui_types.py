@@ -18,7 +18,7 @@ CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
           "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora",
           "object_patch_leak", "negative_left_alone", "empty_latents", "unet_patches", "alpha_not_rank",
-          "conditioning_combine", "gguf_model", "model_type_line")  # fmt: skip
+          "conditioning_combine", "gguf_model", "model_type_line", "control")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -174,3 +174,11 @@ def test_a_gguf_dit_behind_comfyuis_model_samples_and_takes_comfyuis_lora_beside
 def test_the_log_says_which_model_is_loaded_after_comfyuis_model_type_line(results):
     after = result(results, "model_type_line")["after"]
     assert any(line.startswith("Qwen21 MODEL: Qwen-Image-2.1") and "no FLUX model" in line for line in after), after
+
+
+def test_fun_control_through_comfyuis_samplers_matches_qwen21_sampler(results):
+    line = result(results, "control")
+    assert line["parity"] <= 1e-4 and line["apply_model_output"] <= 1e-4
+    assert line["effect"] > 1e-2  # the control and inpainting change the latent: the parity above can fail
+    assert line["half_to_full"] > 1e-4 and line["half_to_plain"] > 1e-4  # half the steps controlled: in between
+    assert line["off_to_plain"] == 0.0  # strength 0 is the plain model

@@ -408,7 +408,7 @@ def test_the_dit_is_loaded_for_what_the_run_needs_beyond_the_idle_caches_it_gets
     fit): the memory manager is asked only for the rest, so it does not stream DiT blocks for a cache it has."""
     cond, _, _, *_ = encode(model)
     asked = []
-    monkeypatch.setattr(model.transformer, "load", lambda required=0: asked.append(required))
+    monkeypatch.setattr(model.transformer, "load", lambda required=0, companions=(): asked.append(required))
     monkeypatch.setattr(model.pipe, "sampling_bytes", lambda *a, **k: 5000)
     for idle in (0, 1200, 9000):
         monkeypatch.setattr(model.pipe.decode_graphs, "idle_cache_bytes", lambda idle=idle: idle)
@@ -441,8 +441,13 @@ def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_n
     denoise offered 0, which the schedule refuses). Everything else small, so each call takes seconds on a CPU."""
     model = widget_model
     latent = {"samples": torch.zeros(1, 64, 4, 4)}
+    hint = torch.rand(1, 64, 64, 3)
+    control = {"control": lambda: NODE_CLASS_MAPPINGS["Qwen21ControlLoader"]().load(
+        model, host.list_weight_files("model_patches")[0], "auto")[0], "control_image": lambda: hint}  # fmt: skip
     cheap_links = {
         "Qwen21Encode": lambda: {"model": model, "prompt": "a red apple", "output_resolution": 64},
+        "Qwen21ApplyControl": lambda: {"model": model, **{k: make() for k, make in control.items()}},
+        "Qwen21ApplyControlModel": lambda: {"model": None, **{k: make() for k, make in control.items()}},
         "Qwen21Sampler": lambda: {"model": model, "conditioning": encode(model)[0], "steps": 2, "latent": latent},
         "Qwen21VAEDecode": lambda: {"model": model, "latent": latent},
         "Qwen21LoraLoader": lambda: {"model": model, "lora_name": host.list_weight_files("loras")[0]},
@@ -453,6 +458,10 @@ def test_every_numeric_widget_bound_is_accepted_by_its_node(widget_model, node_n
     node_class = NODE_CLASS_MAPPINGS[node_name]
     defaults = {name: spec[2]["default"] for name, spec in input_specs(node_class).items() if "default" in spec[2]}
     inputs = {**defaults, **cheap_links[node_name](), widget: value}
+    if node_name == "Qwen21ApplyControlModel":  # its MODEL exists inside ComfyUI only: the values pass, then it says so
+        with pytest.raises(RuntimeError, match="inside ComfyUI"):
+            getattr(node_class(), node_class.FUNCTION)(**inputs)
+        return
     output = getattr(node_class(), node_class.FUNCTION)(**inputs)
     if node_name == "Qwen21LoraLoader":  # the strength is used where the DiT runs
         (with_lora,) = output

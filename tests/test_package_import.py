@@ -10,6 +10,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED_NODES = {
+    "Qwen21ControlLoader",
+    "Qwen21ApplyControl",
+    "Qwen21ApplyControlModel",
     "Qwen21ModelLoader",
     "Qwen21DiffusersLoader",
     "Qwen21Encode",

@@ -23,7 +23,8 @@ API_WORKFLOWS = sorted((WORKFLOWS_DIR / "api").glob("*.json"))
 UI_WORKFLOWS = sorted(WORKFLOWS_DIR.glob("*.json"))
 EXPECTED = {
     "text_to_image", "edit_1_reference", "edit_4_references", "rgba_in_out", "turbo_schedule", "fast_vae_decode",
-    "turbo_lora", "ksampler_text_to_image", "ksampler_edit_1_reference", "ksampler_lora",
+    "turbo_lora", "ksampler_text_to_image", "ksampler_edit_1_reference", "ksampler_lora", "control_canny",
+    "inpaint", "ksampler_control",
 }  # fmt: skip
 KSAMPLER_WORKFLOWS = [p for p in API_WORKFLOWS if p.stem.startswith("ksampler_")]  # ComfyUI's KSampler: in ComfyUI
 OUR_SAMPLER_WORKFLOWS = [p for p in API_WORKFLOWS if p not in KSAMPLER_WORKFLOWS]

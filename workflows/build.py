@@ -127,6 +127,29 @@ Plus a Qwen-Image-2.1 **turbo** LoRA in `ComfyUI/models/loras/` (this workflow n
 without it. 8 steps: set the step count your LoRA was distilled for."""
 
 
+CONTROL_FILE = "Qwen-Image-2.1-Fun-Controlnet-Union.safetensors"
+
+CONTROL_NOTE = f"""{MODEL_NOTE}
+
+Plus the **Fun-Controlnet-Union** branch for Qwen-Image-2.1 (alibaba-pai's `{CONTROL_FILE}`, or ComfyUI's repack of
+it) in `ComfyUI/models/model_patches/` (or `models/controlnet/`). *Qwen21 Apply Fun Control* takes a control image
+(canny, depth, pose, lineart, HED, MLSD, scribble, grayscale: make one with any preprocessor node) and/or a mask with
+the image to inpaint (mask 1 = regenerate: *Load Image* gives the painted-out alpha as that mask). The branch's
+prompt rows are computed once per prompt and its steps replay from CUDA graphs like plain ones; `start_percent` /
+`end_percent` limit it to part of the schedule."""
+
+
+def _control_loader(model=("1", 0)) -> dict:
+    inputs = {"model": list(model), "control_name": CONTROL_FILE, "weight_dtype": "auto"}
+    return {"class_type": "Qwen21ControlLoader", "inputs": inputs, "_meta": {"title": "Load Fun Control"}}
+
+
+def _apply_control(kind: str = "Qwen21ApplyControl", model=("1", 0), **images) -> dict:
+    inputs = {"model": list(model), "control": ["7", 0], "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0,
+              **images}  # fmt: skip
+    return {"class_type": kind, "inputs": inputs}
+
+
 def _ksampler(model=("1", 1), steps: int = 40) -> dict:
     inputs = {"model": list(model), "seed": 42, "steps": steps, "cfg": 1.0, "sampler_name": "euler",
               "scheduler": "simple", "positive": ["2", 3], "negative": ["2", 4], "latent_image": ["2", 5],
@@ -254,6 +277,45 @@ def workflows() -> dict[str, tuple[dict, str]]:
                 **_ksampler_tail("ksampler_edit_1_reference"),
             },
             KSAMPLER_NOTE,
+        ),
+        "control_canny": (
+            {
+                "1": _loader(),
+                "11": _load_image("control_edges.png"),
+                "7": _control_loader(),
+                "8": _apply_control(control_image=["11", 0]),
+                "2": _encode("A glass teapot on a wooden table by a window, morning light, photograph"),
+                "3": _sampler(model=["8", 0]),
+                "4": _decode(),
+                "5": _save("control_canny"),
+            },
+            CONTROL_NOTE,
+        ),
+        "inpaint": (
+            {
+                "1": _loader(),
+                "11": _load_image("inpaint_room.png"),
+                "7": _control_loader(),
+                "8": _apply_control(inpaint_image=["11", 0], mask=["11", 1]),
+                "2": _encode("A tall green plant in a terracotta pot"),
+                "3": _sampler(model=["8", 0]),
+                "4": _decode(),
+                "5": _save("inpaint"),
+            },
+            CONTROL_NOTE,
+        ),
+        "ksampler_control": (
+            {
+                "1": _loader(),
+                "11": _load_image("control_edges.png"),
+                "7": _control_loader(),
+                "8": _apply_control("Qwen21ApplyControlModel", model=("1", 1), control_image=["11", 0]),
+                "2": _encode("A glass teapot on a wooden table by a window, morning light, photograph"),
+                "3": _ksampler(model=("8", 0)),
+                **_ksampler_tail("ksampler_control"),
+            },
+            CONTROL_NOTE + "\n\n**Through KSampler**: *Qwen21 Apply Fun Control (MODEL)* puts the same branch on the "
+            "loader's `MODEL` (after ComfyUI's LoRA loaders too).",
         ),
         "ksampler_lora": (
             {
@@ -420,7 +482,19 @@ def input_images() -> dict[str, Image.Image]:
     draw = ImageDraw.Draw(subject)
     draw.ellipse([36, 36, 156, 156], fill=(210, 70, 60, 255))
     draw.ellipse([66, 60, 96, 90], fill=(250, 220, 210, 255))
+    edges = Image.new("RGB", (256, 256), (0, 0, 0))  # a canny-like edge map: white lines on black
+    draw = ImageDraw.Draw(edges)
+    draw.line([(20, 190), (236, 190)], fill=(255, 255, 255), width=2)  # the table's edge
+    draw.ellipse([78, 92, 178, 184], outline=(255, 255, 255), width=2)  # the pot
+    draw.arc([160, 112, 212, 160], 270, 90, fill=(255, 255, 255), width=2)  # its handle
+    draw.line([(84, 120), (50, 100)], fill=(255, 255, 255), width=2)  # its spout
+    draw.rectangle([112, 80, 144, 92], outline=(255, 255, 255), width=2)  # its lid
+    draw.rectangle([180, 20, 246, 90], outline=(255, 255, 255), width=2)  # the window
+    hole = room.convert("RGBA")  # the room with a transparent hole: Load Image's mask is 1 (regenerate) there
+    ImageDraw.Draw(hole).rectangle([30, 60, 110, 150], fill=(0, 0, 0, 0))
     return {
+        "control_edges.png": edges,
+        "inpaint_room.png": hole,
         "reference_1.png": room,
         "reference_2.png": lamp,
         "reference_3.png": chair,
@@ -444,8 +518,9 @@ LINK_COLORS = {
     "LATENT": (255, 128, 176),
     "IMAGE": (100, 182, 245),
     "MASK": (120, 214, 136),
+    "QWEN21_CONTROL": (236, 120, 96),
 }
-TITLE_WORDS = {"rgba": "RGBA", "vae": "VAE", "lora": "LoRA", "ksampler": "KSampler"}
+TITLE_WORDS = {"rgba": "RGBA", "vae": "VAE", "lora": "LoRA", "ksampler": "KSampler", "canny": "(canny)"}
 
 
 def _title(name: str) -> str:
@@ -474,6 +549,9 @@ def _summary(prompt: dict) -> str:
         parts.append(f"KSampler, {inputs['KSampler']['steps']} steps")
     if "LoraLoaderModelOnly" in inputs:
         parts.append("ComfyUI LoRA loader")
+    for kind in ("Qwen21ApplyControl", "Qwen21ApplyControlModel"):
+        if kind in inputs:
+            parts.append("inpainting" if "mask" in inputs[kind] else "Fun-Control")
     if encoder:
         images = sum(name.startswith("image_") for name in encoder)
         parts.append(f"{images} reference{'s' * (images != 1)}" if images else "text only")
@@ -489,7 +567,8 @@ def _summary(prompt: dict) -> str:
 def _label(node: dict) -> str:
     short = {"Qwen21ModelLoader": "Load", "Qwen21DiffusersLoader": "Load", "Qwen21Sampler": "Sample"}
     short.update(Qwen21VAEDecode="Decode", Qwen21SaveImage="Save", JoinImageWithAlpha="Join", VAEDecode="Decode",
-                 SaveImage="Save", LoraLoaderModelOnly="LoRA")  # fmt: skip
+                 SaveImage="Save", LoraLoaderModelOnly="LoRA", Qwen21ControlLoader="Control",
+                 Qwen21ApplyControl="Apply", Qwen21ApplyControlModel="Apply")  # fmt: skip
     return short.get(node["type"], node["type"].removeprefix("Qwen21").removesuffix("Loader") or "Load")
 
 

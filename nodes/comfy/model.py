@@ -42,6 +42,7 @@ from ...qwen21_core.options import SampleOptions
 from ...qwen21_core.scheduler import resolution_shift
 from .. import memory_adapter
 from .conditioning import conditioning_from_entry, unencoded_negative
+from .control import control_option
 from .latents import Qwen21LatentFormat, size_empty_latents
 from .sampling import RUN_KEY, SamplingRun
 
@@ -103,8 +104,11 @@ class TransformerConfig(dict):
 
 
 class Qwen21ComfyModel(comfy.model_base.BaseModel):
-    def __init__(self, pipe, fit_rgb, device=None):
+    """load_vae: places the VAE (the handle's memory adapter) before a control image is encoded for a run."""
+
+    def __init__(self, pipe, fit_rgb, device=None, load_vae=None):
         super().__init__(_model_config(pipe), model_type=comfy.model_base.ModelType.FLUX, device=device)
+        self.load_vae = load_vae or (lambda: None)
         log.info("Qwen21 MODEL: Qwen-Image-2.1 on the qwen21-nodes engine (ComfyUI's 'model_type FLUX' above names "
                  "its flow-matching sampling, as for native Qwen-Image; no FLUX model is loaded)")  # fmt: skip
         vae = pipe.vae.config
@@ -238,13 +242,14 @@ class Qwen21Diffusion(torch.nn.Module):
         roles = [("negative" if side == 1 else "positive") for side in sides] if len(sides) == len(chunks) else (
             ["positive"] * len(chunks))  # fmt: skip
         options = self.options_for(transformer_options)
+        control = control_option(transformer_options)
         run = transformer_options.get(RUN_KEY)
         if isinstance(run, SamplingRun):
-            return run.velocity(self.pipe, x, timestep, chunks, roles, options)
+            return run.velocity(self.pipe, x, timestep, chunks, roles, options, control)
         # a call from outside ComfyUI's sampling (a node calling the model itself): a run of its own, one call long
         run = SamplingRun(guided=len(set(roles)) > 1, rows=x.shape[0] // len(chunks))
         try:
-            return run.velocity(self.pipe, x, timestep, chunks, roles, options)
+            return run.velocity(self.pipe, x, timestep, chunks, roles, options, control)
         finally:
             run.close()
 

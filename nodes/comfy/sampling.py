@@ -22,6 +22,7 @@ from ...qwen21_core.memory.planner import same_device
 from ...qwen21_core.request import LATENT_SCALE
 from ...qwen21_core.velocity import Part, VelocityRun
 from .conditioning import PendingNegative, resolve_pending
+from .control import ControlOption, control_option
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
                     resolve_pending(entry)
     run = SamplingRun(guided=guided, rows=int(noise.shape[0]))
     options = guider.model_options.setdefault("transformer_options", {})  # this run's own copy (CFGGuider.sample)
+    prepare_control(guider, options, noise.shape[-2:])
     options[RUN_KEY] = run
     try:
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
@@ -70,6 +72,17 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
                      stats.get("peak_vram_mib", 0) / 1024)  # fmt: skip
 
 
+def prepare_control(guider, transformer_options: dict, latent_size) -> None:
+    """Encode a control's images for this run's size before the DiT loads (the VAE placed first, so it never displaces
+    the DiT mid-run); the pipeline keeps the context for the model calls."""
+    option = control_option(transformer_options)
+    if option is None or not option.control.on:
+        return
+    model = guider.model_patcher.model
+    model.load_vae()
+    model.pipe.control_context(option.control, tuple(int(n) for n in latent_size))
+
+
 @dataclass
 class SamplingRun:
     """guided: the run plans for a second (negative) branch; rows: the latent rows of one conditioning's call."""
@@ -80,8 +93,9 @@ class SamplingRun:
     pipe: object = None
 
     def velocity(self, pipe, x: torch.Tensor, timestep: torch.Tensor, chunks: list, roles: list[str],
-                 options) -> torch.Tensor:  # fmt: skip
-        """The velocity of ComfyUI's batch `x` (one chunk of rows per conditioning, in order)."""
+                 options, control: ControlOption | None = None) -> torch.Tensor:  # fmt: skip
+        """The velocity of ComfyUI's batch `x` (one chunk of rows per conditioning, in order); with `control`, through
+        the control branch where the call's sigma lies in its range."""
         for cond in chunks:
             if isinstance(cond, PendingNegative):
                 raise ValueError("Qwen21 MODEL: the sampler asked for the negative prompt, which was not encoded "
@@ -89,12 +103,16 @@ class SamplingRun:
                                  "CONDITIONING without a pending negative (ConditioningZeroOut)")  # fmt: skip
         check_placed(pipe)
         rows = x.shape[0] // len(chunks)
+        spec = None if control is None or not control.control.on else control.control
         if self.velocity_run is None:
             self.pipe = pipe
             self.velocity_run = pipe.velocity_run(chunks[0], x.shape[-2] * LATENT_SCALE, x.shape[-1] * LATENT_SCALE,
-                                                  max(self.rows, rows), self.guided, options)  # fmt: skip
+                                                  max(self.rows, rows), self.guided, options, spec)  # fmt: skip
         parts = [Part(cond, role, rows) for cond, role in zip(chunks, roles, strict=True)]
-        return self.velocity_run.velocity(x, timestep, parts)
+        if spec is None or not control.active(float(timestep.reshape(-1)[0])):
+            return self.velocity_run.velocity(x, timestep, parts)
+        context = pipe.control_context(spec, tuple(x.shape[-2:]))
+        return self.velocity_run.velocity(x, timestep, parts, spec, context)
 
     def close(self) -> dict:
         """End the run (its branches released, its graph entries kept for the next run); its stats."""
