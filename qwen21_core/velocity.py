@@ -57,6 +57,8 @@ class VelocityRun:
     on_close: Callable[[Sampler], None] | None = None  # the pipeline's: stats kept, graph entries idle
     kept: dict = field(default_factory=dict)
     calls: int = 0
+    controlled_calls: int = 0
+    strength: float | None = None  # of the control the controlled calls ran
     closed: bool = False
     _started: float = field(default_factory=time.perf_counter)
 
@@ -92,6 +94,9 @@ class VelocityRun:
                 velocity = self.sampler._velocity(kept.branch, tokens, t)
             out.append(unpack(velocity.float(), h, w))
         self.calls += 1
+        if control is not None:
+            self.controlled_calls += 1
+            self.strength = float(control.strength)
         return torch.cat(out)
 
     def _kept(self, part: Part, target_shape, control=None, context=None) -> _Kept:
@@ -119,6 +124,8 @@ class VelocityRun:
         stats = self.sampler.stats
         stats.steps = self.calls
         stats.seconds = time.perf_counter() - self._started
+        if self.controlled_calls:
+            stats.control = f"{self.controlled_calls}/{self.calls} calls at strength {self.strength:g}"
         tr = self.sampler.transformer
         if tr.device.type == "cuda":
             stats.peak_vram_bytes = torch.cuda.max_memory_allocated(tr.device)

@@ -20,6 +20,7 @@ import comfy.cli_args  # noqa: E402
 
 comfy.cli_args.args.cpu = DEVICE == "cpu"
 import comfy.model_management  # noqa: E402,F401 - first, so the pack sees a ComfyUI process
+import comfy.patcher_extension  # noqa: E402
 import comfy.samplers  # noqa: E402
 import folder_paths  # noqa: E402
 import torch  # noqa: E402
@@ -510,14 +511,93 @@ def check_control():
     expected = ours(controlled, cond)
     plain = ours(handle, cond)
     got = custom_advanced(model_control, positive, negative, latent)
-    stats = dict(handle.pipe.last_sample_stats)
+    stats = dict(handle.pipe.last_sample_stats)  # this run's: the controlled MODEL's
     emit(check="control", parity=relative(got, expected), effect=relative(plain, expected),
          apply_model_output=relative(custom_advanced(controlled_model, positive, negative, latent), expected),
          half_to_full=relative(custom_advanced(half, positive, negative, latent), expected),
          half_to_plain=relative(custom_advanced(half, positive, negative, latent), plain),
          off_to_plain=(custom_advanced(off, positive, negative, latent)
                        - custom_advanced(model, positive, negative, latent)).abs().max().item(),
-         prefills=stats.get("prefills"), status_control=handle.pipe.last_sample_stats.get("control"))  # fmt: skip
+         prefills=stats.get("prefills"), status_control=stats.get("control"))  # fmt: skip
+
+
+class NativeFunControlStandIn:
+    """A stand-in for native ComfyUI's QwenImage21FunControlPatch (comfy_extras/nodes_qwen.py, Comfy-Org/ComfyUI
+    08f68f09), holding what the real one holds and registering the same way: a diffusion-model wrapper and a block
+    replacement ("dit", ("single_block", i)) per injection layer. Its hooks only count calls: on our MODEL they must
+    never run (the door takes the control over)."""
+
+    calls = 0
+
+    def __init__(self, model_patch, vae, control_image, inpaint_image, mask, strength, injection_layers,
+                 sigma_start, sigma_end):  # fmt: skip
+        self.model_patch, self.vae = model_patch, vae
+        self.control_image, self.inpaint_image, self.mask = control_image, inpaint_image, mask
+        self.strength, self.injection_layers = strength, injection_layers
+        self.sigma_start, self.sigma_end = sigma_start, sigma_end
+
+    def diffusion_model_wrapper(self, executor, *args, **kwargs):
+        NativeFunControlStandIn.calls += 1
+        return executor(*args, **kwargs)
+
+    def models(self):
+        return [self.model_patch]
+
+    def register(self, model):
+        model.add_wrapper(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, self.diffusion_model_wrapper)
+        replaced = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        for index in self.injection_layers:
+            block = NativeBlockStandIn(self, index, replaced.get(("single_block", index)))
+            model.set_model_patch_replace(block, "dit", "single_block", index)
+
+
+class NativeBlockStandIn:
+    def __init__(self, control_patch, block_index, previous):
+        self.control_patch, self.block_index, self.previous = control_patch, block_index, previous
+
+    def __call__(self, args, extra_args):
+        NativeFunControlStandIn.calls += 1
+        return extra_args["original_block"](args)
+
+
+class NativeModuleStandIn(torch.nn.Module):
+    """What native's ModelPatchLoader makes of the file: a module whose state dict is the file's tensors."""
+
+    def __init__(self, path):
+        super().__init__()
+        from safetensors.torch import load_file
+
+        self.tensors = load_file(str(path))
+        blocks = {key.split(".")[1] for key in self.tensors if key.startswith("control_blocks.")}
+        self.control_blocks = [None] * len(blocks)
+
+    def state_dict(self, *args, **kwargs):
+        return dict(self.tensors)
+
+
+def check_native_control():
+    """Native QwenImage21FunControlNetApply's patches (stand-ins with its layout) on our MODEL: the door runs our
+    branch with the same images, strength and sigmas, never native's hooks, and gives what our MODEL node gives."""
+    import types
+
+    handle, model, vae = load()
+    (control,) = OURS["Qwen21ControlLoader"]().load(handle, Path(NAMES["control"]).name, "auto")
+    _cond, _w, _h, positive, negative, latent = encode(handle)
+    hint = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(5))
+    (ours_model,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 0.8, 0.0, 1.0, control_image=hint)
+    model_patch = types.SimpleNamespace(model=NativeModuleStandIn(SCRATCH / "models" / NAMES["control"]))
+    num_base = len(model.get_model_object("diffusion_model").transformer_blocks)  # as native's node reads it
+    native_model = model.clone()
+    sampling = model.get_model_object("model_sampling")
+    NativeFunControlStandIn(model_patch, vae, hint, None, None, 0.8, list(range(0, num_base, num_base // 1)),
+                            float(sampling.percent_to_sigma(0.0)),
+                            float(sampling.percent_to_sigma(1.0))).register(native_model)  # fmt: skip
+    expected = custom_advanced(ours_model, positive, negative, latent)
+    got = custom_advanced(native_model, positive, negative, latent)
+    again = custom_advanced(native_model, positive, negative, latent)  # the converted weights are kept
+    plain = custom_advanced(model, positive, negative, latent)
+    emit(check="native_control", parity=relative(got, expected), again=relative(again, got),
+         effect=relative(plain, expected), native_hooks_called=NativeFunControlStandIn.calls)  # fmt: skip
 
 
 def check_model_type_line():

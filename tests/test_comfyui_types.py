@@ -18,7 +18,7 @@ CHILD = Path(__file__).with_name("comfyui_child.py")
 CHECKS = ("parity", "native_layout", "ksampler_matrix", "simple_schedule", "lora_fp32", "lora_fp8", "lora_int8",
           "lora_int8_convrot", "lora_stack", "conditioning_nodes", "vae", "bad_inputs", "sdxl_lora",
           "object_patch_leak", "negative_left_alone", "empty_latents", "unet_patches", "alpha_not_rank",
-          "conditioning_combine", "gguf_model", "model_type_line", "control")  # fmt: skip
+          "conditioning_combine", "gguf_model", "model_type_line", "control", "native_control")  # fmt: skip
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -182,3 +182,13 @@ def test_fun_control_through_comfyuis_samplers_matches_qwen21_sampler(results):
     assert line["effect"] > 1e-2  # the control and inpainting change the latent: the parity above can fail
     assert line["half_to_full"] > 1e-4 and line["half_to_plain"] > 1e-4  # half the steps controlled: in between
     assert line["off_to_plain"] == 0.0  # strength 0 is the plain model
+    assert line["status_control"] == "3/3 calls at strength 1"  # the run says how many calls ran controlled
+
+
+def test_native_fun_controlnet_nodes_patches_run_as_our_control(results):
+    """Native ComfyUI's QwenImage21FunControlNetApply (a stand-in with its layout: its hooks only count calls) on our
+    MODEL gives what Qwen21 Apply Fun Control (MODEL) gives with the same images, strength and range."""
+    line = result(results, "native_control")
+    assert line["parity"] <= 1e-6 and line["again"] == 0.0
+    assert line["effect"] > 1e-2
+    assert line["native_hooks_called"] == 0

@@ -9,12 +9,15 @@ the run loads the DiT (nodes/comfy/sampling.py), so the VAE never displaces the 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from ...qwen21_core.control import Control
 
 CONTROL_KEY = "qwen21_control"  # in transformer_options
 ADDITIONAL_MODELS_KEY = "qwen21_control"
+NATIVE_MODELS_KEY = "qwen21_native_fun_control"  # our copy of a native Fun ControlNet's weights
+_converted = weakref.WeakKeyDictionary()  # native module -> our ControlHandle of its weights
 SIGMA_TOLERANCE = 1e-6
 
 
@@ -55,3 +58,55 @@ def with_control(model, control: Control, weights):
 def control_option(transformer_options: dict) -> ControlOption | None:
     option = (transformer_options or {}).get(CONTROL_KEY)
     return option if isinstance(option, ControlOption) else None
+
+
+def _native_control_patch(patch):
+    """The native Fun-Control patch behind a block replacement, or None (duck-typed on what native's classes hold)."""
+    control_patch = getattr(patch, "control_patch", None)
+    wanted = ("model_patch", "strength", "sigma_start", "sigma_end", "control_image", "inpaint_image", "mask")
+    return control_patch if control_patch is not None and all(hasattr(control_patch, a) for a in wanted) else None
+
+
+def adopt_native_control(guider, transformer_options: dict) -> None:
+    """Native QwenImage21FunControlNetApply's patches in this run's options become our ControlOption (see the module
+    docstring); the run's options are its own copy, the MODEL's stay as they are."""
+    replaced = (transformer_options.get("patches_replace") or {}).get("dit") or {}
+    found = {}
+    for key, patch in list(replaced.items()):
+        control_patch = _native_control_patch(patch)
+        if control_patch is None:
+            continue
+        found[id(control_patch)] = control_patch
+        if patch.previous is None:
+            del replaced[key]
+        else:
+            replaced[key] = patch.previous
+    if not found:
+        return
+    if len(found) > 1 or control_option(transformer_options) is not None:
+        raise ValueError("Qwen21 MODEL: more than one Fun ControlNet on this MODEL; our DiT runs one at a time")
+    (native,) = found.values()
+    for wrappers in ((transformer_options.get("wrappers") or {}).get("diffusion_model") or {}).values():
+        wrappers[:] = [w for w in wrappers if getattr(w, "__self__", None) is not native]  # its prepare() too
+    handle = _converted_weights(native.model_patch, guider.model_patcher.model.pipe)
+    control = Control(handle.net, float(native.strength), image=native.control_image,
+                      inpaint_image=native.inpaint_image, mask=native.mask)  # fmt: skip
+    transformer_options[CONTROL_KEY] = ControlOption(control, float(native.sigma_start), float(native.sigma_end))
+    if handle.weights.patcher is not None:
+        guider.model_patcher.set_additional_models(NATIVE_MODELS_KEY, [handle.weights.patcher])
+
+
+def _converted_weights(model_patch, pipe):
+    """Our branch holding the weights of native's module (once per module: the weights do not change)."""
+    from ...qwen21_core.checkpoints.loading import fun_control_from_state_dict
+    from .. import host
+    from ..control import ControlHandle
+
+    module = model_patch.model
+    handle = _converted.get(module)
+    if handle is None:
+        net = fun_control_from_state_dict(module.state_dict(), pipe.transformer.config, host.offload_device(),
+                                          pipe.dtype, "native ComfyUI's Fun ControlNet")  # fmt: skip
+        handle = ControlHandle(net, "native Fun ControlNet", pipe.execution_device)
+        _converted[module] = handle
+    return handle

@@ -201,6 +201,11 @@ class Qwen21Diffusion(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
+    @property
+    def transformer_blocks(self):
+        """The DiT's blocks, by the name native ComfyUI's model has them (its Fun ControlNet node counts them)."""
+        return self.transformer.transformer_blocks
+
     def options_for(self, transformer_options: dict) -> SampleOptions:
         """Sampling options from the model options: ours (the Qwen21 Options node) or native ComfyUI's prefix-cache
         node (QwenImage21Cache: device auto/gpu/cpu/off, dtype default/int8/int4)."""

@@ -22,7 +22,7 @@ from ...qwen21_core.memory.planner import same_device
 from ...qwen21_core.request import LATENT_SCALE
 from ...qwen21_core.velocity import Part, VelocityRun
 from .conditioning import PendingNegative, resolve_pending
-from .control import ControlOption, control_option
+from .control import ControlOption, adopt_native_control, control_option
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
                     resolve_pending(entry)
     run = SamplingRun(guided=guided, rows=int(noise.shape[0]))
     options = guider.model_options.setdefault("transformer_options", {})  # this run's own copy (CFGGuider.sample)
+    adopt_native_control(guider, options)
     prepare_control(guider, options, noise.shape[-2:])
     options[RUN_KEY] = run
     try:

@@ -473,6 +473,30 @@ def load_fun_control(path: str | os.PathLike, base: TransformerConfig, device, d
     return model, info
 
 
+def fun_control_from_state_dict(state_dict: Mapping[str, torch.Tensor], base: TransformerConfig, device,
+                                dtype: torch.dtype, what: str = "a Fun-Control module") -> FunControlNet:  # fmt: skip
+    """Our control branch from another implementation's module state (native ComfyUI's QwenImage21FunControl: the
+    file's names, split or fused MLP), checked as a file is; its float weights are copied in `dtype` on `device`."""
+    convert = key_maps.converter(Layout("control", "diffusers"), state_dict.keys())
+    tensors = {}
+    for key, tensor in state_dict.items():
+        if not tensor.is_floating_point() or tensor.element_size() < 2:
+            raise WrongModelError(f"{what}: {key} is stored as {tensor.dtype}; only float weights are taken over from "
+                                  "another loader: load the file with Qwen21 Load Fun Control instead")  # fmt: skip
+        tensors.update(convert(key, tensor))
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    config, blocks, channels = _control_config(what, shapes, base)
+    model = build_empty(lambda: FunControlNet(config, blocks, channels), device, dtype)
+    slots = model.checkpoint_slots()
+    missing, unexpected = sorted(set(slots) - set(tensors)), sorted(set(tensors) - set(slots))
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"{what}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for name, slot in slots.items():
+            slot.copy_(tensors[name])
+    return model
+
+
 def _control_config(path, shapes: Mapping[str, tuple[int, ...]], base: TransformerConfig):
     """(config, number of blocks, context channels) of a Fun-Control file, checked against the DiT's config."""
     blocks = {int(m.group(1)) for k in shapes if (m := re.fullmatch(r"control_blocks\.(\d+)\.after_proj\.weight", k))}
