@@ -333,3 +333,36 @@ def test_files_that_are_not_a_fun_control_for_this_dit_are_named(tiny_files, tmp
     gap = {k.replace("control_blocks.0.after_proj", "control_blocks.3.after_proj"): v for k, v in released.items()}
     with pytest.raises(CheckpointMismatchError, match="control blocks are numbered"):
         load(_save(tmp_path, "gap.safetensors", gap))
+
+
+@pytest.mark.gpu
+def test_a_controlled_step_replayed_from_a_cuda_graph_is_bit_identical_to_eager():
+    """On the GPU in bf16: the controlled step (both streams, both caches) captured into a real CUDA graph replays the
+    eager step's bits, and a new control image adopted in place is replayed too."""
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.control import FunControlNet
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+
+    config = TransformerConfig(**CONTROL_DIT)
+    torch.manual_seed(0)
+    dit = QwenImage21Transformer(config).eval().to("cuda", torch.bfloat16)
+    net = FunControlNet(config, CONTROL_BLOCKS).eval().to("cuda", torch.bfloat16)
+    mask, embeds, cond_tokens, x, context = _inputs()
+    layout = build_layout(mask, [(4, 4)], (4, 6))
+    graphs = DecodeGraphs(dit, launch_bound_share=0)
+    control = Control(net, 0.9, image=DUMMY_IMAGE)
+    for run, ctx in enumerate((context, context.flip(0))):
+        branch = graphs.new_branch(layout, 2, "auto", "positive", control=control)
+        branch.control.set_context(ctx, run)
+        dit.prefill(branch, embeds.cuda(), cond_tokens.cuda())
+        eager = dit.new_branch(layout, 2, control=control)
+        eager.control.set_context(ctx)
+        dit.prefill(eager, embeds.cuda(), cond_tokens.cuda())
+        for t in (0.9, 0.4):
+            xt = (x * t).to("cuda", torch.bfloat16)
+            tt = torch.full((2,), t, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(graphs(branch, xt, tt), dit.decode(eager, xt, tt)), run
+        graphs.release(branch)
+        eager.release()
+        graphs.end_generation()
+    assert len(graphs.entries) == 1  # the second run adopted the first's entry

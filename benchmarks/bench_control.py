@@ -1,0 +1,170 @@
+"""Fun-Control against the plain model, in one process, on the full-size DiT and branch with random weights.
+
+    python benchmarks/bench_control.py                                    # H200/H100: fp8, 1024^2, 40 steps
+    python benchmarks/bench_control.py --sizes 1024x1024,1344x768 --steps 20
+    python benchmarks/bench_control.py --tiny --device cpu --steps 3      # smoke test
+
+Per size, the same prompt and noise through our sampler: plain; controlled over the whole schedule; controlled over
+its first half (start 0, end 0.5); and controlled through KSampler's way in (qwen21_core/velocity.py VelocityRun, what
+the MODEL door runs). Each run after a warm-up run (kernels compiled, graphs captured where a path captures): the whole
+run, its mean step (the first, which computes the prefixes, left out), peak VRAM and the decode-graph outcome.
+
+Ratios printed (issue 52's targets): controlled step / plain step (<= 1.5: the branch is half the base's blocks);
+half-range run / (half plain + half controlled steps at their own cost: steps outside the range cost the plain step);
+KSampler's controlled step / our sampler's (<= 1.05).
+
+Output: one JSON line per size ("control_vs_plain").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _common import emit, random_dit, sync  # noqa: E402
+
+GIB = 2**30
+CONTROL_BLOCKS = 16
+
+
+def build(args, device):
+    from qwen21_nodes.qwen21_core.config import SchedulerConfig, TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.control import FunControlNet
+    from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    config = TransformerConfig(num_layers=2, num_attention_heads=2, context_in_dim=64) if args.tiny else (
+        TransformerConfig())  # fmt: skip
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    transformer = random_dit(config, device, dtype)
+    blocks = 1 if args.tiny else CONTROL_BLOCKS
+    with torch.device("meta"):
+        net = FunControlNet(config, blocks).to(dtype)
+    net.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for param in net.parameters():  # as random_dit: matrices ~ torch's default Linear spread, vectors 1
+            param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=generator) if param.ndim > 1 else param.fill_(1)
+    if args.weights != "bf16":
+        transformer.quantize_linears(uniform_plan(FORMATS[args.weights], config.num_layers))
+        net.quantize_linears(uniform_plan(FORMATS[args.weights], blocks))
+    channels = config.in_channels
+    vae = torch.nn.Module()
+    vae.anchor = torch.nn.Parameter(torch.zeros(1, device=device), requires_grad=False)  # where the VAE "is"
+    vae.config = SimpleNamespace(latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
+    return Qwen21Pipeline(transformer, vae, None, SchedulerConfig()), config, net.eval()
+
+
+def conditioning(config, tokens: int, label: str):
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+
+    embeds = torch.randn(tokens, config.context_in_dim, generator=torch.Generator().manual_seed(tokens))
+    return Conditioning(PromptEmbedding(embeds, torch.zeros(tokens, dtype=torch.bool)), content_hash=f"bench:{label}")
+
+
+def sampler_run(pipe, cond, noise, steps, control):
+    from qwen21_nodes.qwen21_core.request import SampleRequest
+
+    h, w = noise.shape[-2:]
+    times, last = [], [None]
+
+    def callback(step, total, x0):
+        sync(pipe.device)
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    request = SampleRequest(height=h * 16, width=w * 16, steps=steps, noise=noise, callback=callback, control=control)
+    sync(pipe.device)
+    last[0] = time.perf_counter()
+    pipe.sample_request(cond, request)
+    return times, dict(pipe.last_sample_stats)
+
+
+def velocity_run(pipe, cond, noise, steps, control):
+    """ComfyUI's euler at cfg 1 through a VelocityRun, every call controlled (what the door does in range)."""
+    from qwen21_nodes.qwen21_core.velocity import Part
+
+    h, w = noise.shape[-2:]
+    context = pipe.control_context(control, (h, w))
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, device=pipe.device)
+    run = pipe.velocity_run(cond, h * 16, w * 16, noise.shape[0], control=control)
+    x = noise.to(pipe.device) * sigmas[0]
+    times = []
+    try:
+        for i in range(steps):
+            sync(pipe.device)
+            started = time.perf_counter()
+            v = run.velocity(x, sigmas[i].expand(x.shape[0]), [Part(cond, "positive", x.shape[0])], control, context)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+            sync(pipe.device)
+            times.append(time.perf_counter() - started)
+    finally:
+        run.close()
+    return times, dict(pipe.last_sample_stats)
+
+
+def measure(pipe, config, net, args, size: str):
+    from qwen21_nodes.qwen21_core.control import Control
+
+    width, height = (int(side) for side in size.split("x"))
+    h, w = height // 16, width // 16
+    device = pipe.device
+    cond = conditioning(config, args.prompt_tokens, size)
+    noise = torch.randn(1, config.in_channels, h, w, generator=torch.Generator().manual_seed(1))
+    context = torch.randn(h * w, net.control_channels, generator=torch.Generator().manual_seed(2))
+    dummy = torch.zeros(1, 16, 16, 3)
+    full = Control(net, 1.0, image=dummy)
+    half = Control(net, 1.0, 0.0, 0.5, image=dummy)
+    pipe.control_context = lambda control, latent_size: context  # a random context: no VAE in this benchmark
+    runs = {"plain": (sampler_run, None), "controlled": (sampler_run, full), "half": (sampler_run, half),
+            "ksampler_controlled": (velocity_run, full)}  # fmt: skip
+    row = dict(what="control_vs_plain", size=size, steps=args.steps, weights=args.weights,
+               control_blocks=len(net.control_blocks),
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")  # fmt: skip
+    for name, (run, control) in runs.items():
+        for _warm in range(args.warmups):
+            run(pipe, cond, noise, args.steps, control)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        times, stats = run(pipe, cond, noise, args.steps, control)
+        sync(device)
+        row[f"{name}_s"] = round(time.perf_counter() - started, 3)
+        row[f"{name}_step_ms"] = round(1000 * sum(times[1:]) / max(1, len(times) - 1), 2)
+        row[f"{name}_decode_graph"] = str(stats.get("decode_graph"))[:80]
+        row[f"{name}_control"] = stats.get("control")
+        if device.type == "cuda":
+            row[f"{name}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+    row["controlled_step_ratio"] = round(row["controlled_step_ms"] / row["plain_step_ms"], 3)
+    expected_half = (row["plain_s"] + row["controlled_s"]) / 2
+    row["half_run_ratio"] = round(row["half_s"] / expected_half, 3)
+    row["ksampler_ratio"] = round(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"], 3)
+    emit(**row)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--sizes", default="1024x1024")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmups", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=40)
+    parser.add_argument("--weights", default="fp8", choices=["bf16", "fp8", "int8", "int8_convrot"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    with torch.inference_mode():
+        pipe, config, net = build(args, device)
+        for size in args.sizes.split(","):
+            measure(pipe, config, net, args, size)
+
+
+if __name__ == "__main__":
+    main()
