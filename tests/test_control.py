@@ -366,3 +366,64 @@ def test_a_controlled_step_replayed_from_a_cuda_graph_is_bit_identical_to_eager(
         eager.release()
         graphs.end_generation()
     assert len(graphs.entries) == 1  # the second run adopted the first's entry
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory: a streamed branch, and what a controlled run is sized for
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _random_pair(seed=0):
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.control import FunControlNet
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+
+    config = TransformerConfig(**CONTROL_DIT)
+    torch.manual_seed(seed)
+    return QwenImage21Transformer(config).eval(), FunControlNet(config, CONTROL_BLOCKS).eval()
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_a_streamed_control_branch_gives_the_resident_step_exactly(resident):
+    """On a small card the branch's blocks stream from RAM as the DiT's do (memory/streaming.py; on the CPU the same
+    bookkeeping): the controlled step does not change."""
+    dit, net = _random_pair()
+    mask, embeds, cond_tokens, x, context = _inputs()
+    layout = build_layout(mask, [(4, 4)], (4, 6))
+    t = torch.full((2,), 0.6)
+
+    def step():
+        branch = _controlled_branch(dit, net, layout, 2, 0.9, context)
+        dit.prefill(branch, embeds, cond_tokens)
+        return dit.decode(branch, x, t)
+
+    with torch.inference_mode():
+        want = step()
+        net.place("cpu", resident)
+        try:
+            assert net.resident_blocks == resident and net.streaming_signature() == tuple(range(resident, 2))
+            got = step()
+        finally:
+            net.place("cpu")
+    assert net.streamer is None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("start,end", [(0.0, 1.0), (0.25, 0.5)])
+def test_a_controlled_run_is_sized_for_what_its_branches_allocate(start, end):
+    """memory/sizing.py counts a controlled branch's caches (the control blocks' K/V, the stream's start) and, where
+    plain steps lie on both sides of the range, a plain branch beside: exactly what the branches hold."""
+    from qwen21_nodes.qwen21_core.memory import sizing
+    from qwen21_nodes.qwen21_core.request import SampleRequest
+
+    dit, net = _random_pair()
+    mask, embeds, _, _, context = _inputs(condition_shapes=(), target=(4, 4), batch=1)
+    cond = Conditioning(PromptEmbedding(embeds, mask))
+    control = Control(net, 1.0, start, end, image=DUMMY_IMAGE)
+    request = SampleRequest(height=64, width=64, steps=4, control=control)
+    caches, _ = sizing.request_bytes(dit.config, dit.dtype, cond, request)
+    layout = build_layout(mask, [], (4, 4))
+    controlled = dit.new_branch(layout, 1, control=control)
+    held = controlled.cache_bytes + (dit.new_branch(layout, 1).cache_bytes if start > 0 and end < 1 else 0)
+    assert caches["gpu"] == held
+    plain, _ = sizing.request_bytes(dit.config, dit.dtype, cond, request.replace(control=None))
+    assert caches["gpu"] > plain["gpu"]
