@@ -4,6 +4,7 @@ adapters (tests/dit_reference.py), so a benchmark calls the reference exactly as
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -52,3 +53,24 @@ def worker_dit(device, config, dtype, weights=None):
     if weights is not None:
         model.quantize_linears(uniform_plan(FORMATS[weights], config.num_layers))
     return model
+
+
+def pipeline_without_encoders(transformer, device):
+    """A Qwen21Pipeline around `transformer` alone, for benchmarks of the sampling loop: no text encoder, and a VAE
+    stand-in that only says where the VAE is and normalises latents with mean 0, std 1."""
+    from qwen21_nodes.qwen21_core.config import SchedulerConfig
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+
+    channels = transformer.config.in_channels
+    vae = torch.nn.Module()
+    vae.anchor = torch.nn.Parameter(torch.zeros(1, device=device), requires_grad=False)  # where the VAE "is"
+    vae.config = SimpleNamespace(latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
+    return Qwen21Pipeline(transformer, vae, None, SchedulerConfig())
+
+
+def prompt_conditioning(config, tokens: int, label: str):
+    """A random prompt of `tokens` text tokens (seeded by its length), with a content hash naming `label`."""
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+
+    embeds = torch.randn(tokens, config.context_in_dim, generator=torch.Generator().manual_seed(tokens))
+    return Conditioning(PromptEmbedding(embeds, torch.zeros(tokens, dtype=torch.bool)), content_hash=f"bench:{label}")

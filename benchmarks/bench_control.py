@@ -21,22 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import emit, random_dit, sync  # noqa: E402
+from _common import emit, pipeline_without_encoders, prompt_conditioning, random_dit, sync  # noqa: E402
 
 GIB = 2**30
 CONTROL_BLOCKS = 16
 
 
 def build(args, device):
-    from qwen21_nodes.qwen21_core.config import SchedulerConfig, TransformerConfig
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
     from qwen21_nodes.qwen21_core.dit.control import FunControlNet
     from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
-    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
     from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
     config = TransformerConfig(num_layers=2, num_attention_heads=2, context_in_dim=64) if args.tiny else (
@@ -54,18 +52,7 @@ def build(args, device):
     if args.weights != "bf16":
         transformer.quantize_linears(uniform_plan(FORMATS[args.weights], config.num_layers))
         net.quantize_linears(uniform_plan(FORMATS[args.weights], blocks))
-    channels = config.in_channels
-    vae = torch.nn.Module()
-    vae.anchor = torch.nn.Parameter(torch.zeros(1, device=device), requires_grad=False)  # where the VAE "is"
-    vae.config = SimpleNamespace(latents_mean=[0.0] * channels, latents_std=[1.0] * channels)
-    return Qwen21Pipeline(transformer, vae, None, SchedulerConfig()), config, net.eval()
-
-
-def conditioning(config, tokens: int, label: str):
-    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
-
-    embeds = torch.randn(tokens, config.context_in_dim, generator=torch.Generator().manual_seed(tokens))
-    return Conditioning(PromptEmbedding(embeds, torch.zeros(tokens, dtype=torch.bool)), content_hash=f"bench:{label}")
+    return pipeline_without_encoders(transformer, device), config, net.eval()
 
 
 def sampler_run(pipe, cond, noise, steps, control):
@@ -116,7 +103,7 @@ def measure(pipe, config, net, args, size: str):
     width, height = (int(side) for side in size.split("x"))
     h, w = height // 16, width // 16
     device = pipe.device
-    cond = conditioning(config, args.prompt_tokens, size)
+    cond = prompt_conditioning(config, args.prompt_tokens, size)
     noise = torch.randn(1, config.in_channels, h, w, generator=torch.Generator().manual_seed(1))
     context = torch.randn(h * w, net.control_channels, generator=torch.Generator().manual_seed(2))
     dummy = torch.zeros(1, 16, 16, 3)

@@ -32,7 +32,7 @@ from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer
 from .block_stack import BlockStack
 from .kv_cache import KVCacheSpec, PrefixKVCache
-from .transformer import Block, checkpoint_rows
+from .transformer import Block
 
 CONTROL_CHANNELS = 129  # control latents (64) + keep mask (1) + masked-image latents (64)
 
@@ -84,21 +84,10 @@ class FunControlNet(BlockStack, nn.Module):
             "control_blocks.0.before_proj.weight": self.before_proj.weight,
             "control_blocks.0.before_proj.bias": self.before_proj.bias,
         }
-        inner, hidden = self.config.inner_dim, self.config.mlp_dim
         for i, (block, after) in enumerate(zip(self.control_blocks, self.after_proj, strict=True)):
-            p = f"control_blocks.{i}."
-            qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
-            slots[p + "after_proj.weight"] = after.weight
-            slots[p + "after_proj.bias"] = after.bias
-            slots[p + "attn.to_q.weight"] = checkpoint_rows(qkv, 0, inner)
-            slots[p + "attn.to_k.weight"] = checkpoint_rows(qkv, inner, 2 * inner)
-            slots[p + "attn.to_v.weight"] = checkpoint_rows(qkv, 2 * inner, 3 * inner)
-            slots[p + "attn.to_out.0.weight"] = checkpoint_rows(block.attn.to_out)
-            slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
-            slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
-            slots[p + "img_mlp.gate_layer.weight"] = checkpoint_rows(gate_up, 0, hidden)
-            slots[p + "img_mlp.proj.weight"] = checkpoint_rows(gate_up, hidden, 2 * hidden)
-            slots[p + "img_mlp.out.weight"] = checkpoint_rows(block.img_mlp.out)
+            slots.update(block.checkpoint_slots(f"control_blocks.{i}."))
+            slots[f"control_blocks.{i}.after_proj.weight"] = after.weight
+            slots[f"control_blocks.{i}.after_proj.bias"] = after.bias
         return slots
 
     def new_state(self, layout, batch: int, num_base_layers: int, strength: float, kv: KVCacheSpec | None = None,

@@ -164,6 +164,23 @@ class Block(nn.Module):
     def linears(self) -> dict[str, nn.Module]:
         return {name: self.get_submodule(name) for name in QUANTIZABLE}
 
+    def checkpoint_slots(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This block's diffusers keys (after `prefix`) -> the tensors they fill: the fused weights hand out row slices
+        (to_q/to_k/to_v of `to_qkv`, gate_layer/proj of `gate_up`)."""
+        inner, hidden = self.attn.heads * self.attn.head_dim, self.img_mlp.out.in_features
+        qkv, gate_up = self.attn.to_qkv, self.img_mlp.gate_up
+        return {
+            prefix + "attn.to_q.weight": checkpoint_rows(qkv, 0, inner),
+            prefix + "attn.to_k.weight": checkpoint_rows(qkv, inner, 2 * inner),
+            prefix + "attn.to_v.weight": checkpoint_rows(qkv, 2 * inner, 3 * inner),
+            prefix + "attn.to_out.0.weight": checkpoint_rows(self.attn.to_out),
+            prefix + "attn.norm_q.weight": self.attn.norm_q_weight,
+            prefix + "attn.norm_k.weight": self.attn.norm_k_weight,
+            prefix + "img_mlp.gate_layer.weight": checkpoint_rows(gate_up, 0, hidden),
+            prefix + "img_mlp.proj.weight": checkpoint_rows(gate_up, hidden, 2 * hidden),
+            prefix + "img_mlp.out.weight": checkpoint_rows(self.img_mlp.out),
+        }
+
     @property
     def quantized(self) -> bool:
         # read twice per block and step: attribute reads, not linears()' get_submodule walks
@@ -423,19 +440,8 @@ class QwenImage21Transformer(BlockStack, nn.Module):
             if ".transformer_blocks." in f".{name}":
                 continue
             slots[name] = param
-        inner, hidden = self.config.inner_dim, self.config.mlp_dim
         for i, block in enumerate(self.transformer_blocks):
-            p = f"transformer_blocks.{i}."
-            qkv, gate_up = block.attn.to_qkv, block.img_mlp.gate_up
-            slots[p + "attn.to_q.weight"] = checkpoint_rows(qkv, 0, inner)
-            slots[p + "attn.to_k.weight"] = checkpoint_rows(qkv, inner, 2 * inner)
-            slots[p + "attn.to_v.weight"] = checkpoint_rows(qkv, 2 * inner, 3 * inner)
-            slots[p + "attn.to_out.0.weight"] = checkpoint_rows(block.attn.to_out)
-            slots[p + "attn.norm_q.weight"] = block.attn.norm_q_weight
-            slots[p + "attn.norm_k.weight"] = block.attn.norm_k_weight
-            slots[p + "img_mlp.gate_layer.weight"] = checkpoint_rows(gate_up, 0, hidden)
-            slots[p + "img_mlp.proj.weight"] = checkpoint_rows(gate_up, hidden, 2 * hidden)
-            slots[p + "img_mlp.out.weight"] = checkpoint_rows(block.img_mlp.out)
+            slots.update(block.checkpoint_slots(f"transformer_blocks.{i}."))
         return slots
 
     @torch.no_grad()
