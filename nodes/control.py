@@ -90,7 +90,10 @@ class Qwen21ControlLoader:
     def load(self, model, control_name, weight_dtype):
         if weight_dtype not in WEIGHT_CHOICES:
             raise ValueError(f"weight_dtype must be one of {list(WEIGHT_CHOICES)}, got {weight_dtype!r}")
-        net = model.pipe.load_control(control_file_path(control_name), WEIGHT_CHOICES[weight_dtype])
+        # read into RAM: the memory manager places it beside the DiT when a run needs it (a 12 GB card may not hold
+        # both at load time)
+        net = model.pipe.load_control(control_file_path(control_name), WEIGHT_CHOICES[weight_dtype],
+                                      device=host.offload_device())  # fmt: skip
         return (ControlHandle(net, control_name, model.device),)
 
 
