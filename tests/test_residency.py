@@ -113,6 +113,33 @@ def test_never_keeps_the_encoder_and_the_dit_streams_instead(gpu):
     assert dit_stack.placed[-1] == ("cuda", 7)
 
 
+def test_a_control_branch_is_placed_with_the_dit_and_never_evicted_for_it(gpu):
+    """A controlled run places the Fun-Control branch first, leaving the DiT's room where the card has it; the DiT's
+    own placement may evict the text encoder but never the branch it runs with (on a small card both stream)."""
+    encoder, encoder_stack = gpu("text_encoder", 8)  # 9 GiB
+    dit, dit_stack = gpu("transformer", 8)  # 9 GiB
+    control, control_stack = gpu("fun_control", 4)  # 5 GiB
+    memory_adapter.LOCAL.load(encoder, GIB)
+    dit.load(2 * GIB, companions=(control,))  # 9 + 9 + 5 + 2 + 0.5 > 24: the encoder leaves, both stay whole
+    assert encoder_stack.placed[-1] == ("cpu", None)
+    assert control_stack.placed[-1] == ("cuda", None) and dit_stack.placed[-1] == ("cuda", None)
+    assert control.evictable  # the DiT's load borrowed it, then gave it back
+
+
+def test_on_a_small_card_the_branch_streams_so_that_the_dit_stays_whole(gpu, monkeypatch):
+    """The branch is placed first with the DiT's whole room kept: on a 12 GiB card it streams its blocks (16 a step
+    against the DiT's 32, the cheaper stack to stream) and the DiT stays whole; the DiT's load does not move it."""
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device, budget=None: 12 * GIB - sum(
+        s.device_weight_bytes() for s in stacks))  # fmt: skip
+    dit, dit_stack = gpu("transformer", 8)  # 9 GiB
+    control, control_stack = gpu("fun_control", 4)  # 5 GiB
+    stacks = [dit_stack, control_stack]
+    dit.load(GIB, companions=(control,))
+    # the branch: 12 - (1 needed + 9 for the DiT) - 0.5 = 1.5 GiB, less than its fixed part and two staging slots
+    assert control_stack.placed == [("cuda", 0)]
+    assert dit_stack.placed == [("cuda", None)]  # 12 - 1 (the branch's fixed part) - 1 - 0.5 = 9.5 GiB >= 9
+
+
 def test_choices_and_older_workflows_boolean():
     assert [text_encoder_offload(v) for v in ("auto", "always", "never", True, False)] == [
         "auto", "always", "never", "always", "never"]  # fmt: skip
