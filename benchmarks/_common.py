@@ -30,8 +30,14 @@ def random_dit(config, device, dtype):
 
     with torch.device("meta"):
         model = QwenImage21Transformer(config).to(dtype)
+    return random_weights(model, device, seed=0)
+
+
+def random_weights(model, device, seed: int):
+    """`model` (built on the meta device) filled on `device` as the benchmarks fill every model: matrices normal with
+    std 1/sqrt(3 fan_in), vectors 1, a zero-centred text norm 0. Returns it in eval mode."""
     model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("text_norm.weight"):
@@ -41,6 +47,17 @@ def random_dit(config, device, dtype):
             else:
                 param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=gen)
     return model.eval()
+
+
+def add_sampling_arguments(parser, sizes: str, steps: int) -> None:
+    """The options the sampling benchmarks share: device, tiny model, sizes, steps, warm-ups, prompt length, weights."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--sizes", default=sizes)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmups", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=40)
+    parser.add_argument("--weights", default="fp8", choices=["bf16", "fp8", "int8", "int8_convrot"])
 
 
 def worker_dit(device, config, dtype, weights=None):

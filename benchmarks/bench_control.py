@@ -25,7 +25,15 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import emit, pipeline_without_encoders, prompt_conditioning, random_dit, sync  # noqa: E402
+from _common import (  # noqa: E402
+    add_sampling_arguments,
+    emit,
+    pipeline_without_encoders,
+    prompt_conditioning,
+    random_dit,
+    random_weights,
+    sync,
+)
 
 GIB = 2**30
 CONTROL_BLOCKS = 16
@@ -44,15 +52,11 @@ def build(args, device):
     blocks = 1 if args.tiny else CONTROL_BLOCKS
     with torch.device("meta"):
         net = FunControlNet(config, blocks).to(dtype)
-    net.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(1)
-    with torch.no_grad():
-        for param in net.parameters():  # as random_dit: matrices ~ torch's default Linear spread, vectors 1
-            param.normal_(0, (3 * param.shape[1]) ** -0.5, generator=generator) if param.ndim > 1 else param.fill_(1)
+    net = random_weights(net, device, seed=1)
     if args.weights != "bf16":
         transformer.quantize_linears(uniform_plan(FORMATS[args.weights], config.num_layers))
         net.quantize_linears(uniform_plan(FORMATS[args.weights], blocks))
-    return pipeline_without_encoders(transformer, device), config, net.eval()
+    return pipeline_without_encoders(transformer, device), config, net
 
 
 def sampler_run(pipe, cond, noise, steps, control):
@@ -138,13 +142,7 @@ def measure(pipe, config, net, args, size: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--sizes", default="1024x1024")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmups", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--weights", default="fp8", choices=["bf16", "fp8", "int8", "int8_convrot"])
+    add_sampling_arguments(parser, sizes="1024x1024", steps=40)
     args = parser.parse_args()
     device = torch.device(args.device)
     with torch.inference_mode():

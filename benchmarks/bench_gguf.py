@@ -29,16 +29,9 @@ GIB = 2**30
 def gguf_twin(source, qtype: str):
     """A DiT sharing `source`'s tensors whose block Linears are GGUFLinears of random `qtype` blocks."""
     from qwen21_nodes.kernels.dequantize_gguf import BLOCKS
-    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
     from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
 
-    with torch.device("meta"):
-        twin = QwenImage21Transformer(source.config)
-    for module, original in zip(twin.modules(), source.modules(), strict=True):
-        module._parameters = dict(original._parameters)
-        module._buffers = dict(original._buffers)
-        if hasattr(original, "_freqs"):
-            module._freqs = original._freqs
+    twin = source.shared_twin()
     device = source.device
     scale_fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,))
     for block, original in zip(twin.transformer_blocks, source.transformer_blocks, strict=True):

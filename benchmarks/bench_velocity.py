@@ -23,7 +23,14 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import emit, pipeline_without_encoders, prompt_conditioning, random_dit, sync  # noqa: E402
+from _common import (  # noqa: E402
+    add_sampling_arguments,
+    emit,
+    pipeline_without_encoders,
+    prompt_conditioning,
+    random_dit,
+    sync,
+)
 
 GIB = 2**30
 
@@ -128,13 +135,7 @@ def profiled(pipe, loop, cond, noise, sigmas, name, size, top=12):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--sizes", default="1024x1024,1344x768,768x1344")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmups", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--weights", default="fp8", choices=["bf16", "fp8", "int8", "int8_convrot"])
+    add_sampling_arguments(parser, sizes="1024x1024,1344x768,768x1344", steps=20)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -408,9 +408,9 @@ class QwenImage21Transformer(BlockStack, nn.Module):
             setattr(parent, name, GGUFLinear(linear.in_features, segments, compute_dtype=linear.weight.dtype))
         return self
 
-    def quantized_copy(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
-        """A new transformer that shares this one's tensors, with the planned block Linears quantised from its
-        weights (for benchmarks and tests: quantised and bf16 models side by side for a fraction of the memory)."""
+    def shared_twin(self) -> QwenImage21Transformer:
+        """A new transformer of the same config holding this one's very tensors (built on the meta device): its
+        layers can then be swapped for other kinds without touching this one (benchmarks, tests)."""
         with torch.device("meta"):
             twin = QwenImage21Transformer(self.config)
         for module, source in zip(twin.modules(), self.modules(), strict=True):
@@ -418,6 +418,12 @@ class QwenImage21Transformer(BlockStack, nn.Module):
             module._buffers = dict(source._buffers)
             if hasattr(source, "_freqs"):
                 module._freqs = source._freqs
+        return twin
+
+    def quantized_copy(self, plan: Mapping[tuple[int, str], QuantFormat]) -> QwenImage21Transformer:
+        """A new transformer that shares this one's tensors, with the planned block Linears quantised from its
+        weights (for benchmarks and tests: quantised and bf16 models side by side for a fraction of the memory)."""
+        twin = self.shared_twin()
         for index, (block, source) in enumerate(zip(twin.transformer_blocks, self.transformer_blocks, strict=True)):
             for path, linear in source.linears().items():
                 parent_name, _, child = path.rpartition(".")
