@@ -6,6 +6,7 @@
     ... python benchmarks/bench_comfyui_session.py --limit 3 --pack-dir /tmp/old             # a restart's first images
     ... python benchmarks/bench_comfyui_session.py --samplers qwen21,ksampler                # KSampler on our MODEL
     ... python benchmarks/bench_comfyui_session.py --samplers ksampler --caps none,24,16,12 --cfgs 1,4 --limit 12
+    ... python benchmarks/bench_comfyui_session.py --samplers qwen21,ksampler --caps none,16 --control   # Fun-Control
 
 bench_session.py measures the session through our node classes in one process; this one starts ComfyUI (its
 default flags on the GPU, so its default cudaMallocAsync allocator and its memory manager are in the measurement;
@@ -18,6 +19,10 @@ over POST /prompt, the loader pointed at model files on disk as a user has them:
   the vision tower and embeddings bf16, no lm_head: the loader drops it anyway) with ComfyUI's own Qwen tokenizer
   beside it, the VAE in bf16 (ComfyUI layout) and a rank-64 LoRA on every block Linear (bench_lora's, in the key
   names ComfyUI saves: KSampler's path loads it through LoraLoaderModelOnly).
+`--control`: every text-to-image prompt runs with Fun-Control (Qwen21 Load Fun Control at fp8, the example's edge image,
+strength 1 over the whole schedule; Qwen21 Apply Fun Control before Qwen21 Sampler, Qwen21 Apply Fun Control (MODEL)
+before KSampler); the edits stay plain. Full size: a random 16-block branch in bf16 with ComfyUI's repack metadata
+(CONTROL_FILE, written once beside the others); tiny: make_tiny's.
 ComfyUI caches node outputs between prompts, so the loader runs once and the seed-only rerun reuses the encoder's
 output. Each prompt is timed from the POST to the websocket's execution_success (or error); a phase (encode_s,
 sample_s, decode_s, save_s, loader_s, lora_s) is the time from its node's `executing` message to the next node's, so it
@@ -77,6 +82,9 @@ FULL_SIZE_FILES = {
     "lora": "loras/session_lora_rank64_comfyui.safetensors",
 }
 LORA_RANK = 64
+CONTROL_FILE = "model_patches/qwen_image_2.1_fun_control_random_bf16.safetensors"
+CONTROL_BLOCKS = 16
+CONTROL_IMAGE = "control_edges.png"  # workflows/input, copied into the server's input/
 FULL_SIZE_DIR = "/tmp/qwen21_session_models"
 # server log lines that say where ComfyUI's memory manager and our loader put the models
 MEMORY_LINE = re.compile(r"Requested to load|loaded completely|loaded partially|[Uu]nload|qwen21: ")
@@ -118,15 +126,16 @@ def fp8_scaled(tensors: dict, quantized) -> tuple[list, object]:
     return header, values()
 
 
-def write_safetensors(path: Path, header: list, values) -> None:
-    """Stream a safetensors file, one tensor at a time to the host (a .part file renamed when complete)."""
+def write_safetensors(path: Path, header: list, values, metadata: dict | None = None) -> None:
+    """Stream a safetensors file, one tensor at a time to the host (a .part file renamed when complete), with
+    `metadata` added to the header's."""
     entries, offset = {}, 0
     for name, dtype, shape in header:
         size = int(torch.Size(shape).numel()) * dtype.itemsize
         entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                          "data_offsets": [offset, offset + size]}  # fmt: skip
         offset += size
-    entries["__metadata__"] = {"format": "pt"}
+    entries["__metadata__"] = {"format": "pt", **(metadata or {})}
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,13 +210,33 @@ def write_full_size(models: Path, device: torch.device, comfyui_dir: Path) -> No
     emit(what="session_models", written=True, gb=sizes, seconds=round(time.perf_counter() - started, 1))
 
 
+def write_control(path: Path, device: torch.device) -> None:
+    """A full-size random Fun-Control branch (CONTROL_BLOCKS blocks) as the released file names it, in bf16, with the
+    header metadata of ComfyUI's repack."""
+    from _common import random_weights
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.control import FunControlNet
+    from qwen21_nodes.qwen21_core.tiny import CONTROL_METADATA
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        with torch.device("meta"):
+            net = FunControlNet(TransformerConfig(), CONTROL_BLOCKS).to(torch.bfloat16)
+        net = random_weights(net, device, seed=5)
+        header, values = fp8_scaled({name: t.detach() for name, t in net.checkpoint_slots().items()}, lambda _: False)
+        write_safetensors(path, header, values, CONTROL_METADATA)
+    emit(what="session_models", written=True, gb={"control": round(path.stat().st_size / 1e9, 2)},
+         seconds=round(time.perf_counter() - started, 1))  # fmt: skip
+
+
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def model_files(args) -> dict[str, str]:
-    """The loader's file names (and the LoRA's), with the files made if they are not there yet."""
+    """The loader's file names (and the LoRA's, and with --control the branch's), with the files made if they are not
+    there yet."""
     models = Path(args.models_dir)
     if args.tiny:
         from qwen21_nodes.qwen21_core.tiny import make_tiny
@@ -217,9 +246,15 @@ def model_files(args) -> dict[str, str]:
         emit(what="session_models", written=True, tiny=True, seconds=round(time.perf_counter() - started, 1))
         return {role: paths[name].name for role, name in
                 (("diffusion_model", "transformer"), ("text_encoder", "text_encoder"), ("vae", "vae"),
-                 ("lora", "lora"))}  # fmt: skip
+                 ("lora", "lora"), ("control", "control"))}  # fmt: skip
     full_size_files(models, args.device, args.comfyui_dir)
-    return {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+    files = {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+    if args.control:
+        if not (models / CONTROL_FILE).is_file():  # a child process, as for the other files
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write-control", "--models-dir",
+                            str(models), "--device", args.device], check=True)  # fmt: skip
+        files["control"] = Path(CONTROL_FILE).name
+    return files
 
 
 def full_size_files(models: Path, device: str, comfyui_dir: str) -> dict[str, Path]:
@@ -280,7 +315,8 @@ class ComfyUI:
         (self.base / "custom_nodes" / "qwen21_bench_cap.py").write_text(CAP_NODE)
         for image in EXAMPLE_INPUTS.glob("*.png"):  # the edits' reference images
             shutil.copyfile(image, self.base / "input" / image.name)
-        kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras"))
+        kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras",
+                                                              "model_patches"))
         (self.base / "extra_model_paths.yaml").write_text(f"qwen21_session:\n    base_path: {models}\n{kinds}")
         port = _free_port()
         command = [python, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(self.base),
@@ -369,6 +405,25 @@ def with_files(prompt: dict, files: dict[str, str]) -> dict:
     return prompt
 
 
+def with_control(prompt: dict, control_name: str) -> dict:
+    """A text-to-image prompt with Fun-Control before its sampler (either sampler; after as_ksampler for KSampler):
+    the branch loaded at fp8, the example's edge image, strength 1 over the whole schedule. Edits stay plain."""
+    by_type = {node["class_type"]: node_id for node_id, node in prompt.items()}
+    loader = by_type["Qwen21ModelLoader"]
+    if any(node["class_type"] == "LoadImage" for node in prompt.values()):
+        return prompt
+    sampler = prompt[by_type.get("KSampler") or by_type["Qwen21Sampler"]]
+    apply = "Qwen21ApplyControlModel" if sampler["class_type"] == "KSampler" else "Qwen21ApplyControl"
+    prompt["control_image"] = {"class_type": "LoadImage", "inputs": {"image": CONTROL_IMAGE}}
+    prompt["control_loader"] = {"class_type": "Qwen21ControlLoader", "inputs": {
+        "model": [loader, 0], "control_name": control_name, "weight_dtype": PRECISION}}  # fmt: skip
+    prompt["control_apply"] = {"class_type": apply, "inputs": {
+        "model": sampler["inputs"]["model"], "control": ["control_loader", 0], "strength": 1.0, "start_percent": 0.0,
+        "end_percent": 1.0, "control_image": ["control_image", 0]}}  # fmt: skip
+    sampler["inputs"]["model"] = ["control_apply", 0]
+    return prompt
+
+
 def with_guidance(prompt: dict, cfg: float, negative: str) -> dict:
     """The prompt with guidance `cfg` (above 1 with the negative prompt `negative`)."""
     for node in prompt.values():
@@ -381,7 +436,7 @@ def with_guidance(prompt: dict, cfg: float, negative: str) -> dict:
 
 # Our sampling wrapper's line after a run through the MODEL (nodes/comfy/sampling.py)
 MODEL_RUN_LINE = re.compile(r"qwen21: (\d+) model calls, (\d+) prefix computations, (\d+) replayed steps, prefix "
-                            r"cache (\S+), decode graphs (.*), peak ([\d.]+) GiB")  # fmt: skip
+                            r"cache (\S+), decode graphs (.*?), peak ([\d.]+) GiB(?:, control (.*))?")  # fmt: skip
 
 
 def as_ksampler(prompt: dict) -> dict:
@@ -448,12 +503,14 @@ def run_prompt(server: ComfyUI, prompt: dict, row: dict, timeout: float) -> None
             row["plan"] = stats.get("plan")
             row["decode_graph"] = stats.get("decode_graph")
             row["prefill_graph"] = stats.get("prefill_graph")
+            row["control_status"] = stats.get("control", "off")
             if stats.get("peak_vram_mib"):
                 row["sample_peak_gib"] = round(stats["peak_vram_mib"] / 1024, 2)
     for found in MODEL_RUN_LINE.finditer(server.log()[log_start:]):  # a KSampler run on our MODEL
-        calls, prefills, replayed, cache, graphs, peak = found.groups()
+        calls, prefills, replayed, cache, graphs, peak, control = found.groups()
         row.update(model_calls=int(calls), prefix_computations=int(prefills), replayed_steps=int(replayed),
-                   prefix_cache=cache, decode_graph=graphs.strip(), sample_peak_gib=float(peak))  # fmt: skip
+                   prefix_cache=cache, decode_graph=graphs.strip(), sample_peak_gib=float(peak),
+                   control_status=control or "off")  # fmt: skip
     device = server.get("/system_stats")["devices"][0]
     if device.get("type") == "cuda":
         row["peak_allocated_gib"] = round(server.get("/qwen21_bench/peak")["peak_bytes"] / GIB, 2)
@@ -472,12 +529,12 @@ def run_session(args, files: dict[str, str], flags: list[str], cap: float | None
         total_gib = torch.cuda.get_device_properties(0).total_memory / GIB
         flags = [*flags, "--reserve-vram", f"{max(0.0, total_gib - cap):.3f}"]
     kind = dict(precision=PRECISION, cap_gib=cap, kernel_cache=found, via="comfyui", comfyui_flags=flags,
-                sampler=args.sampler)  # fmt: skip
+                sampler=args.sampler, control=args.control)  # fmt: skip
     log_dir = Path(args.log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     pack = Path(args.pack_dir).resolve() if args.pack_dir else REPO
-    name = f"comfyui_session_server_{args.sampler}_{'none' if cap is None else cap}.txt"
+    name = f"comfyui_session_server_{args.sampler}_{'none' if cap is None else cap}{'_control' * args.control}.txt"
     server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags, log_dir / name, pack,
                      hard_cap_gib=cap)  # fmt: skip
     try:
@@ -499,6 +556,8 @@ def run_session(args, files: dict[str, str], flags: list[str], cap: float | None
                 prompt = with_guidance(prompt, cfg, args.negative)
                 if args.sampler == "ksampler":
                     prompt = as_ksampler(prompt)
+                if args.control:
+                    prompt = with_control(prompt, files["control"])
                 shape = spec["label"] + (":lora" if spec["lora"] is not None else "")
                 row = dict(what="session_prompt", **kind, cfg=cfg, i=number, label=shape,
                            first_of_shape=shape not in seen, changed_prompt=spec["changed"],
@@ -569,11 +628,17 @@ def main() -> int:
                         "none,24,16,12")  # fmt: skip
     parser.add_argument("--cfgs", default="1", help="comma-separated guidance scales, each a pass over the prompts")
     parser.add_argument("--negative", default="blurry, low quality, distorted", help="the negative prompt at cfg > 1")
+    parser.add_argument("--control", action="store_true",
+                        help="Fun-Control on every text-to-image prompt (see the module docstring)")
     parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--write-control", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
         args.steps = min(args.steps, 2)
         args.tail = min(args.tail, 2)
+    if args.write_control:
+        write_control(Path(args.models_dir or FULL_SIZE_DIR) / CONTROL_FILE, torch.device(args.device))
+        return 0
     if args.write_models:  # only ComfyUI's Qwen tokenizer is needed (copied beside the text encoder)
         from qwen21_nodes.qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR
 
@@ -610,7 +675,7 @@ def main() -> int:
                     ours, theirs = summaries["qwen21"].get(cfg, {}), summaries["ksampler"].get(cfg, {})
                     ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
                              if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
-                    emit(what="ksampler_vs_qwen21", cap_gib=cap, cfg=cfg, steady_ratio=ratio,
+                    emit(what="ksampler_vs_qwen21", cap_gib=cap, cfg=cfg, control=args.control, steady_ratio=ratio,
                          qwen21_steady_s=ours.get("steady_image_s"), ksampler_steady_s=theirs.get("steady_image_s"),
                          qwen21_first_s=ours.get("first_image_s"),
                          ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip

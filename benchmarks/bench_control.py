@@ -5,13 +5,16 @@
     python benchmarks/bench_control.py --tiny --device cpu --steps 3      # smoke test
 
 Per size, the same prompt and noise through our sampler: plain; controlled over the whole schedule; controlled over
-its first half (start 0, end 0.5); and controlled through KSampler's way in (qwen21_core/velocity.py VelocityRun, what
-the MODEL door runs). Each run after a warm-up run (kernels compiled, graphs captured where a path captures): the whole
-run, its mean step (the first, which computes the prefixes, left out), peak VRAM and the decode-graph outcome.
+its first half (start 0, end 0.5); controlled with a prompt never seen before (a changed prompt: both prefixes, the
+base's and the branch's, computed in its first step); and controlled through KSampler's way in (qwen21_core/velocity.py
+VelocityRun, what the MODEL door runs). Each run after a warm-up run (kernels compiled, graphs captured where a path
+captures): the whole run, its mean step (the first, which computes the prefixes, left out), peak VRAM and the
+decode-graph outcome.
 
 Ratios printed (issue 52's targets): controlled step / plain step (<= 1.5: the branch is half the base's blocks);
-half-range run / (half plain + half controlled steps at their own cost: steps outside the range cost the plain step);
-KSampler's controlled step / our sampler's (<= 1.05).
+the changed-prompt controlled run / its steps at the controlled step's cost (<= 1.10); half-range run / (half plain +
+half controlled steps at their own cost: steps outside the range cost the plain step); KSampler's controlled step /
+our sampler's (<= 1.05).
 
 Output: one JSON line per size ("control_vs_plain").
 """
@@ -101,6 +104,18 @@ def velocity_run(pipe, cond, noise, steps, control):
     return times, dict(pipe.last_sample_stats)
 
 
+def changed_prompt_run(pipe, cond, noise, steps, control):
+    """sampler_run with a prompt of the same length never sampled before (a new content hash and new rows)."""
+    changed_prompt_run.count += 1
+    prompt = cond.positive
+    embeds = prompt.embeds + 0.01 * changed_prompt_run.count
+    fresh = type(cond)(type(prompt)(embeds, prompt.image_pad_mask), content_hash=f"bench:new{changed_prompt_run.count}")
+    return sampler_run(pipe, fresh, noise, steps, control)
+
+
+changed_prompt_run.count = 0
+
+
 def measure(pipe, config, net, args, size: str):
     from qwen21_nodes.qwen21_core.control import Control
 
@@ -115,6 +130,7 @@ def measure(pipe, config, net, args, size: str):
     half = Control(net, 1.0, 0.0, 0.5, image=dummy)
     pipe.control_context = lambda control, latent_size: context  # a random context: no VAE in this benchmark
     runs = {"plain": (sampler_run, None), "controlled": (sampler_run, full), "half": (sampler_run, half),
+            "changed_prompt_controlled": (changed_prompt_run, full),
             "ksampler_controlled": (velocity_run, full)}  # fmt: skip
     row = dict(what="control_vs_plain", size=size, steps=args.steps, weights=args.weights,
                control_blocks=len(net.control_blocks),
@@ -135,6 +151,8 @@ def measure(pipe, config, net, args, size: str):
             row[f"{name}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
     row["controlled_step_ratio"] = round(row["controlled_step_ms"] / row["plain_step_ms"], 3)
     expected_half = (row["plain_s"] + row["controlled_s"]) / 2
+    steps_s = args.steps * row["controlled_step_ms"] / 1000
+    row["changed_prompt_ratio"] = round(row["changed_prompt_controlled_s"] / steps_s, 3)
     row["half_run_ratio"] = round(row["half_s"] / expected_half, 3)
     row["ksampler_ratio"] = round(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"], 3)
     emit(**row)

@@ -67,10 +67,12 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
         options.pop(RUN_KEY, None)
         stats = run.close()
         if stats:
+            control = stats.get("control", "off")
+            control = "" if control == "off" else f", control {control}"
             log.info("qwen21: %d model calls, %d prefix computations, %d replayed steps, prefix cache %s, decode "
-                     "graphs %s, peak %.2f GiB", stats.get("steps", 0), stats.get("prefills", 0),
+                     "graphs %s, peak %.2f GiB%s", stats.get("steps", 0), stats.get("prefills", 0),
                      stats.get("replayed_steps", 0), stats.get("prefix_cache"), stats.get("decode_graph"),
-                     stats.get("peak_vram_mib", 0) / 1024)  # fmt: skip
+                     stats.get("peak_vram_mib", 0) / 1024, control)  # fmt: skip
 
 
 def prepare_control(guider, transformer_options: dict, latent_size) -> None:
