@@ -85,6 +85,19 @@ def smaller_plan(device: torch.device, needed: int):
         LOCAL.budget = saved
 
 
+def working_memory_request(candidates: list[int], device, weights_bytes: int) -> int:
+    """Bytes of working memory to ask the manager for beside a model of `weights_bytes` (a VAE decode's untiled pass):
+    inside ComfyUI the first of `candidates` that the device could hold with it, so that ComfyUI frees idle models'
+    layers (partly: the text encoder's after sampling) as for its own VAE Decode, rather than the pass tiling; 0 where
+    none could (the pass tiles, nothing is evicted for it). 0 outside ComfyUI too: the local manager moves whole
+    models off, and the encoder's reload at the next prompt would cost more than the tiles."""
+    device = planner.indexed_device(device)
+    if not host.IN_COMFYUI or device.type != "cuda":
+        return 0
+    room = device_capacity_bytes(device) - int(weights_bytes)
+    return next((int(needed) for needed in candidates if needed <= room), 0)
+
+
 def _new_patcher(make_model, managed, load_device, offload_device):
     from .comfy.patcher import new_patcher  # imports ComfyUI: inside it only
 

@@ -188,7 +188,15 @@ class Qwen21Model:
                                                     memory_adapter.device_capacity_bytes(self.device))  # fmt: skip
 
     def decode(self, latents: torch.Tensor, **kwargs):
-        self.vae.load()
+        """pipe.decode with the VAE placed first and, for tiling "auto", room asked for an untiled pass as ComfyUI's
+        own VAE Decode asks (memory_adapter.working_memory_request says when)."""
+        needed = 0
+        if kwargs.get("tiling", "auto") == "auto":  # the batch in one pass, else one image a pass
+            passes = [self.pipe.vae.untiled_decode_bytes((images, *latents.shape[1:]), kwargs.get("precision"),
+                                                         kwargs.get("quality", "exact"))
+                      for images in (latents.shape[0], 1)]  # fmt: skip
+            needed = memory_adapter.working_memory_request(passes, self.pipe.vae_execution_device, self.vae.full_bytes)
+        self.vae.load(needed)
         return self.pipe.decode(latents, **kwargs)
 
     def encode_image(self, images: torch.Tensor, masks: torch.Tensor | None):

@@ -648,6 +648,15 @@ class QwenImage21VAE(nn.Module):
             return ours / (_FULL_SIZE.decoder_base_dim or _FULL_SIZE.base_dim)
         return self.config.base_dim / _FULL_SIZE.base_dim
 
+    def untiled_decode_bytes(self, latent_shape, precision=None, quality: str = "exact") -> int:
+        """Free device memory an untiled decode of latents of `latent_shape` [B, z, h, w] plans with (tiling "auto"
+        decodes untiled when that much is free): what to ask a memory manager for before decoding."""
+        factor = self.config.spatial_compression
+        quality = "exact" if quality == "exact" else "fast"
+        return vae_tiling.untiled_bytes("decode", quality, resolve_precision(precision, self.dtype), latent_shape[0],
+                                        latent_shape[2] * factor, latent_shape[3] * factor,
+                                        self.activation_scale("decode"))  # fmt: skip
+
     def ops_for(self, quality: str) -> ExactOps:
         """The arithmetic for quality "exact" or "fast" (the fast paths install on first use)."""
         if quality == "exact":

@@ -127,6 +127,13 @@ class _LiveTensors(TorchDispatchMode):
         return out
 
 
+def untiled_bytes(kind: str, quality: str, dtype: torch.dtype, images: int, height: int, width: int,
+                  activation_scale: float = 1.0) -> int:  # fmt: skip
+    """Free memory an untiled pass over `images` images of height x width output (decode) or input (encode) pixels
+    plans with: its peak activations (BYTES_PER_PIXEL) over SAFETY, what `run` compares with the free memory."""
+    return int(bytes_per_pixel(kind, quality, dtype) * activation_scale * images * height * width / SAFETY)
+
+
 def live_tensor_peak(fn: Callable[[], object]) -> int:
     """Peak bytes of tensors created by fn that were alive at the same time (device-independent, so it runs
     on the meta device for full-size models). How the first BYTES_PER_PIXEL estimates were derived; it
