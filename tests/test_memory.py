@@ -680,3 +680,44 @@ def test_on_the_gpu_a_second_host_kv_cache_reuses_the_pinned_buffer_and_reads_wh
         again.release()
     finally:
         kv_cache.HOST_KV_BUFFERS = original
+
+
+def test_a_decode_inside_comfyui_asks_for_its_untiled_pass_and_no_more_than_the_card_holds(monkeypatch):
+    """Inside ComfyUI a VAE decode asks for the untiled pass's room (ComfyUI then partly unloads idle models, as for
+    its own VAE Decode): the batch's pass where the card holds it, else one image's, else nothing (the pass tiles and
+    nothing is evicted for it). Outside ComfyUI, and for a VAE on the CPU, it asks for nothing."""
+    gib = 2**30
+    monkeypatch.setattr(memory_adapter, "device_capacity_bytes", lambda device: 16 * gib)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(host, "IN_COMFYUI", False)
+    assert memory_adapter.working_memory_request([3 * gib], cuda, gib) == 0
+    monkeypatch.setattr(host, "IN_COMFYUI", True)
+    assert memory_adapter.working_memory_request([3 * gib, gib], cuda, gib) == 3 * gib
+    assert memory_adapter.working_memory_request([20 * gib, 3 * gib], cuda, gib) == 3 * gib
+    assert memory_adapter.working_memory_request([20 * gib, 15 * gib + 1], cuda, gib) == 0
+    assert memory_adapter.working_memory_request([3 * gib], torch.device("cpu"), gib) == 0
+
+
+def test_the_handles_decode_loads_the_vae_with_the_request(monkeypatch):
+    """Qwen21Model.decode passes the request for its latents (the batch's pass, then one image's) to the VAE's load;
+    tiling "on" asks for nothing."""
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    loads, asked = [], []
+    handle = object.__new__(Qwen21Model)
+    vae = types.SimpleNamespace(untiled_decode_bytes=lambda shape, precision, quality: shape[0] * 1000 + (
+        quality == "fast"))  # fmt: skip
+    handle.pipe = types.SimpleNamespace(vae=vae, vae_execution_device=torch.device("cuda", 0),
+                                        decode=lambda latents, **kwargs: "images")  # fmt: skip
+    handle.vae = types.SimpleNamespace(full_bytes=7, load=loads.append)
+
+    def request(candidates, device, weights_bytes):
+        asked.append((candidates, device, weights_bytes))
+        return candidates[-1]
+
+    monkeypatch.setattr(memory_adapter, "working_memory_request", request)
+    latents = torch.zeros(3, 4, 2, 2)
+    assert handle.decode(latents, tiling="auto", quality="fast") == "images"
+    assert asked == [([3001, 1001], torch.device("cuda", 0), 7)] and loads == [1001]
+    handle.decode(latents, tiling="on")
+    assert loads == [1001, 0] and len(asked) == 1

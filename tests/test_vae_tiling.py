@@ -324,3 +324,20 @@ def test_callback_reports_every_tile_and_can_interrupt(vae):
     with pytest.raises(Interrupted):
         vae.decode(z, tiling="on", tile_size=64, callback=stop_at_second)
     assert torch.equal(vae.decode(z, tiling="on", tile_size=64), before)  # nothing left behind
+
+
+def test_the_untiled_request_is_what_the_plan_needs_to_decode_untiled(vae, monkeypatch):
+    """untiled_decode_bytes is the free memory at which "auto" stops tiling: what Qwen21Model.decode asks ComfyUI to
+    free. One byte less and the same decode tiles, so a request smaller than the plan's need would not help."""
+    z = _latents(2, 4, 6, 6, seed=5)
+    needed = vae.untiled_decode_bytes(z.shape)
+    one = vae.untiled_decode_bytes((1, *z.shape[1:]))
+    assert needed == 2 * one > 0
+    assert vae.untiled_decode_bytes(z.shape, quality="fast") < needed  # the fast path holds less
+    _pretend_free_bytes(monkeypatch, int(needed * vae_tiling.SAFETY) + 1)
+    vae.decode(z, tiling="auto")
+    assert vae.last_decode_info["tiled"] is False and vae.last_decode_info["batch_chunk"] == 2
+    _pretend_free_bytes(monkeypatch, int(one * vae_tiling.SAFETY) - 64)
+    vae.tiling_config = TilingConfig(min_tile_size=32)
+    vae.decode(z, tiling="auto")
+    assert vae.last_decode_info["tiled"] is True
