@@ -362,7 +362,7 @@ def test_bench_comfyui_session_smoke_runs_the_session_through_a_comfyui_server(t
     assert all("Qwen21LoraLoader" not in p["cached"] and p["lora_s"] >= 0 for p in lora)
     assert all(p["total_s"] >= p["sample_s"] + p["decode_s"] and p["sample_inner_s"] > 0 for p in prompts)
     assert summary["first_image_s"] > 0 and summary["steady_image_s"] > 0 and summary["changed_prompt_ratio"] >= 1
-    assert "Requested to load Qwen21ComfyModel" in (tmp_path / "comfyui_session_server.txt").read_text()
+    assert "Requested to load Qwen21ComfyModel" in (tmp_path / "comfyui_session_server_qwen21_none.txt").read_text()
 
 
 @pytest.mark.slow
@@ -470,7 +470,7 @@ def test_bench_comfyui_session_runs_the_first_prompts_with_the_pack_it_is_given(
     (setup,), prompts = by_what["session_setup"], by_what["session_prompt"]
     assert setup["pack"] == str(pack.resolve())
     assert [p["i"] for p in prompts] == [0, 1] and not [p for p in prompts if "error" in p]
-    assert "qwen21 pack marker: the copy" in (tmp_path / "log" / "comfyui_session_server.txt").read_text()
+    assert "qwen21 pack marker: the copy" in (tmp_path / "log" / "comfyui_session_server_qwen21_none.txt").read_text()
 
 
 def test_bench_loader_node_loads_in_fresh_processes_with_each_package(tmp_path):
@@ -554,3 +554,23 @@ def test_the_ksampler_session_samples_each_prompt_at_our_samplers_size(monkeypat
     assert prompt[source]["class_type"] == "Qwen21EmptyLatent"
     (latent,) = Qwen21EmptyLatent().make(**prompt[source]["inputs"])
     assert latent["samples"].shape == (1, 64, size[1] // 16, size[0] // 16)
+
+
+@pytest.mark.slow
+@pytest.mark.comfyui
+@needs_comfyui_server
+def test_bench_comfyui_session_runs_fun_control_through_both_samplers(tmp_path):
+    """--control: the text-to-image prompts run with Fun-Control (make_tiny's branch) through Qwen21 Sampler and
+    through KSampler, every step controlled, each prompt ending in success, the KSampler line naming the control."""
+    pytest.importorskip("websocket", reason="bench_comfyui_session needs websocket-client")
+    by_what = _bench("bench_comfyui_session.py", "--tiny", "--device", "cpu", "--limit", "2", "--control",
+                     "--samplers", "qwen21,ksampler", "--log-dir", str(tmp_path))  # fmt: skip
+    prompts = by_what["session_prompt"]
+    assert [(p["sampler"], p["i"]) for p in prompts] == [("qwen21", 0), ("qwen21", 1), ("ksampler", 0), ("ksampler", 1)]
+    assert not [p for p in prompts if "error" in p]
+    steps = 2  # --tiny runs 2 steps
+    assert [p["model_calls"] for p in prompts[2:]] == [steps, steps]
+    assert [p["control_status"] for p in prompts] == [f"{steps}/{steps} steps at strength 1"] * 2 + [
+        f"{steps}/{steps} calls at strength 1"] * 2  # fmt: skip
+    assert all(p["control"] for p in prompts) and by_what["ksampler_vs_qwen21"][0]["control"] is True
+    assert "Qwen21ApplyControlModel" in prompts[3]["cached"]  # the second prompt reuses the applied MODEL
