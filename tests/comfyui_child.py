@@ -512,7 +512,11 @@ def check_control():
     plain = ours(handle, cond)
     got = custom_advanced(model_control, positive, negative, latent)
     stats = dict(handle.pipe.last_sample_stats)  # this run's: the controlled MODEL's
-    emit(check="control", parity=relative(got, expected), effect=relative(plain, expected),
+    shape = [2, *latent["samples"].shape[1:]]  # ComfyUI's CFG estimate: a doubled batch
+    (both,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 1.0, 0.25, 0.75, **images)
+    memory = {name: patcher.memory_required(shape) for name, patcher in
+              (("plain", model), ("control", model_control), ("off", off), ("both_sides", both))}  # fmt: skip
+    emit(check="control", parity=relative(got, expected), effect=relative(plain, expected), memory=memory,
          apply_model_output=relative(custom_advanced(controlled_model, positive, negative, latent), expected),
          half_to_full=relative(custom_advanced(half, positive, negative, latent), expected),
          half_to_plain=relative(custom_advanced(half, positive, negative, latent), plain),

@@ -183,6 +183,10 @@ def test_fun_control_through_comfyuis_samplers_matches_qwen21_sampler(results):
     assert line["half_to_full"] > 1e-4 and line["half_to_plain"] > 1e-4  # half the steps controlled: in between
     assert line["off_to_plain"] == 0.0  # strength 0 is the plain model
     assert line["status_control"] == "3/3 calls at strength 1"  # the run says how many calls ran controlled
+    # ComfyUI's memory_required counts the branch's caches and activations (it loads the DiT with that much room);
+    # a range inside the schedule keeps a plain branch beside the controlled one; strength 0 is the plain model
+    memory = line["memory"]
+    assert memory["off"] == memory["plain"] < memory["control"] < memory["both_sides"], memory
 
 
 def test_native_fun_controlnet_nodes_patches_run_as_our_control(results):

@@ -146,17 +146,21 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
         rows += sum(math.prod(latent.shape[-2:]) for latent in latents)
         return {"qwen21_prefix": [1, rows]}
 
-    def memory_required(self, input_shape, cond_shapes={}):  # noqa: B006 - ComfyUI's signature
+    def memory_required(self, input_shape, cond_shapes={}, control=None):  # noqa: B006 - ComfyUI's signature
         """Device bytes a sampling run needs beside the weights (memory/sizing.py): the prefix K/V of the
         conditionings (two branches when ComfyUI asks for a doubled batch, its CFG estimate) and a step's
-        activations, for the K/V on the GPU (the larger placement)."""
+        activations, for the K/V on the GPU (the larger placement); with `control` (a Control that is on, which our
+        patcher passes for a MODEL with Fun-Control) the branch's caches and activations too."""
         prefixes = [shape[-1] for shape in cond_shapes.get("qwen21_prefix", [])] or [1]
         rows, _, h, w = input_shape[:4]
         branches = sorted(prefixes, reverse=True)[: 2 if len(prefixes) > 1 else 1]
         batch = max(1, rows // len(branches))
         options = self.diffusion_model.options_for({})
+        control_layers, plain_beside = memory_adapter.control_sizing(control)
         caches, activations = memory_adapter.job_bytes(self.pipe.transformer.config, self.pipe.dtype, branches,
-                                                       h * w, batch, options.kv_cache, options.kv_layout)  # fmt: skip
+                                                       h * w, batch, options.kv_cache, options.kv_layout,
+                                                       control_layers=control_layers,
+                                                       plain_beside=plain_beside)  # fmt: skip
         return caches["gpu"] + activations
 
     # ---- LoRAs ----------------------------------------------------------------------------------------------
