@@ -596,12 +596,16 @@ def check_native_control():
     NativeFunControlStandIn(model_patch, vae, hint, None, None, 0.8, list(range(0, num_base, num_base // 1)),
                             float(sampling.percent_to_sigma(0.0)),
                             float(sampling.percent_to_sigma(1.0))).register(native_model)  # fmt: skip
+    shape = [2, *latent["samples"].shape[1:]]
+    memory = {name: patcher.memory_required(shape) for name, patcher in
+              (("plain", model), ("ours", ours_model), ("native", native_model))}  # fmt: skip
     expected = custom_advanced(ours_model, positive, negative, latent)
     got = custom_advanced(native_model, positive, negative, latent)
     again = custom_advanced(native_model, positive, negative, latent)  # the converted weights are kept
     plain = custom_advanced(model, positive, negative, latent)
     emit(check="native_control", parity=relative(got, expected), again=relative(again, got),
-         effect=relative(plain, expected), native_hooks_called=NativeFunControlStandIn.calls)  # fmt: skip
+         effect=relative(plain, expected), native_hooks_called=NativeFunControlStandIn.calls,
+         memory=memory)  # fmt: skip
 
 
 def check_model_type_line():

@@ -196,3 +196,5 @@ def test_native_fun_controlnet_nodes_patches_run_as_our_control(results):
     assert line["parity"] <= 1e-6 and line["again"] == 0.0
     assert line["effect"] > 1e-2
     assert line["native_hooks_called"] == 0
+    memory = line["memory"]  # ComfyUI is told the branch's room before the run takes native's patches over
+    assert memory["plain"] < memory["native"] == memory["ours"], memory
