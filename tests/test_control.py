@@ -427,3 +427,25 @@ def test_a_controlled_run_is_sized_for_what_its_branches_allocate(start, end):
     assert caches["gpu"] == held
     plain, _ = sizing.request_bytes(dit.config, dit.dtype, cond, request.replace(control=None))
     assert caches["gpu"] > plain["gpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)")
+@pytest.mark.parametrize("fmt", ["none", "fp8"])
+def test_a_branch_loaded_under_inference_mode_runs_after_the_manager_places_it(tiny_files, fmt):
+    """Inside ComfyUI the loader node runs under inference mode, so the branch's parameters are inference tensors in
+    RAM; placed on the GPU whole (the memory manager's load) they must be normal tensors there, or the first
+    controlled step outside inference mode fails ("Inference tensors do not track version counter"), as every
+    controlled prompt through ComfyUI on a GPU did before move_layer."""
+    from qwen21_nodes.qwen21_core.checkpoints.loading import load_fun_control
+    from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
+
+    with torch.inference_mode():
+        net, _ = load_fun_control(tiny_files["control"], TINY_TRANSFORMER, "cpu", torch.bfloat16, weight_format=fmt)
+    assert any(p.is_inference() for p in net.parameters())
+    net.place(torch.device("cuda"))
+    assert not [name for name, p in net.named_parameters() if p.is_inference() or p.device.type != "cuda"]
+    block = net.control_blocks[0]
+    x = torch.randn(1, 8, TINY_TRANSFORMER.inner_dim, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():  # outside inference mode, as the sampler's graphs run
+        assert torch.isfinite(block.attn.to_out[0](x)).all()

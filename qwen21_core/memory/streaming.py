@@ -64,6 +64,19 @@ def point_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
                 sub._parameters[leaf] = replacement
 
 
+def move_layer(layer: nn.Module, device: torch.device) -> None:
+    """layer.to(device) (asynchronous towards the GPU), except that a parameter made under inference mode is
+    replaced rather than given the copy as its `.data` (point_parameter): `.to()` would leave it an inference tensor
+    holding normal data, which fails at its first use outside inference mode (a branch loaded inside ComfyUI)."""
+    device = torch.device(device)
+    for name, param in list(layer.named_parameters()):
+        point_parameter(layer, name, param.data.to(device, non_blocking=device.type == "cuda"))
+    for sub in layer.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device, non_blocking=device.type == "cuda")
+
+
 def point_layer(layer: nn.Module, entries, flat: torch.Tensor, device: torch.device | None = None) -> None:
     """The layer's parameters as views of its flat host buffer, or as copies of them on `device` (asynchronous from
     pinned memory: the copies run in stream order before anything that reads them)."""
@@ -146,7 +159,7 @@ class LayerStreamer:
                 for index in list(self.host):
                     self._point_at(index, self.host.pop(index), device)
                 for layer in self.layers:
-                    layer.to(device, non_blocking=True)
+                    move_layer(layer, device)
         self.prefetcher = None
         self.resident = len(self.layers) if device == self.device else 0
 
@@ -249,7 +262,7 @@ def place_with_streaming(module: nn.Module, layers: nn.ModuleList, streamer: Lay
         else:
             with torch.no_grad(), torch.inference_mode(False):
                 for layer in layers:  # from the host copy (pinned): asynchronous
-                    layer.to(device, non_blocking=device.type == "cuda")
+                    move_layer(layer, device)
         _place_rest(module, layers, device, home if to_host else None, version)
         return None
     _place_rest(module, layers, device, None, version)
