@@ -574,3 +574,18 @@ def test_bench_comfyui_session_runs_fun_control_through_both_samplers(tmp_path):
         f"{steps}/{steps} calls at strength 1"] * 2  # fmt: skip
     assert all(p["control"] for p in prompts) and by_what["ksampler_vs_qwen21"][0]["control"] is True
     assert "Qwen21ApplyControlModel" in prompts[3]["cached"]  # the second prompt reuses the applied MODEL
+
+
+def test_bench_control_smoke_runs_every_path_with_its_control_counts():
+    """bench_control --tiny on the CPU: the plain, controlled, half-range, changed-prompt and KSampler-way runs each
+    report how many steps ran controlled, and the ratios are the figures they are computed from."""
+    (row,) = _bench("bench_control.py", "--tiny", "--device", "cpu", "--steps", "3")["control_vs_plain"]
+    assert row["plain_control"] == "off"
+    assert row["controlled_control"] == row["changed_prompt_controlled_control"] == "3/3 steps at strength 1"
+    assert row["half_control"] == "2/3 steps at strength 1"  # start 0, end 0.5 of 3 steps
+    assert row["ksampler_controlled_control"] == "3/3 calls at strength 1"
+    assert row["controlled_step_ratio"] == pytest.approx(row["controlled_step_ms"] / row["plain_step_ms"], abs=1e-3)
+    steps_s = 3 * row["controlled_step_ms"] / 1000
+    assert row["changed_prompt_ratio"] == pytest.approx(row["changed_prompt_controlled_s"] / steps_s, abs=1e-3)
+    assert row["ksampler_ratio"] == pytest.approx(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"],
+                                                  abs=1e-3)  # fmt: skip
