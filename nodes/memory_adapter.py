@@ -32,7 +32,7 @@ from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door t
     text_encoder_offload,
 )
 from ..qwen21_core.memory.out_of_memory import SMALLER_PLAN_FACTOR
-from ..qwen21_core.memory.sizing import control_sizing, job_bytes  # noqa: F401 - for the MODEL's memory_required
+from ..qwen21_core.memory.sizing import job_bytes  # noqa: F401 - for the MODEL's memory_required
 from ..qwen21_core.memory.streaming import StreamableStack
 from . import host
 

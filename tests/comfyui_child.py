@@ -86,6 +86,26 @@ def custom_advanced(model, positive, negative, latent, seed=3, steps=3, cfg=1.0,
     return custom.SamplerCustomAdvanced().sample(noise, guider, chosen, sigmas, latent)[0]["samples"]
 
 
+def asked_memory(run) -> list[int]:
+    """run() with ComfyUI's load_models_gpu recording the memory_required of each load that places our DiT: what
+    ComfyUI's own sampler asks room for (comfy/sampler_helpers.py estimate_memory), beside the weights."""
+    import comfy.sampler_helpers
+
+    asked, real = [], comfy.model_management.load_models_gpu
+
+    def recording(models, memory_required=0, *args, **kwargs):
+        if any(type(getattr(m, "model", None)).__name__ == "Qwen21ComfyModel" for m in models):
+            asked.append(int(memory_required))
+        return real(models, memory_required, *args, **kwargs)
+
+    comfy.model_management.load_models_gpu = comfy.sampler_helpers.comfy.model_management.load_models_gpu = recording
+    try:
+        run()
+    finally:
+        comfy.model_management.load_models_gpu = real
+    return asked
+
+
 def relative(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -512,10 +532,9 @@ def check_control():
     plain = ours(handle, cond)
     got = custom_advanced(model_control, positive, negative, latent)
     stats = dict(handle.pipe.last_sample_stats)  # this run's: the controlled MODEL's
-    shape = [2, *latent["samples"].shape[1:]]  # ComfyUI's CFG estimate: a doubled batch
     (both,) = OURS["Qwen21ApplyControlModel"]().apply(model, control, 1.0, 0.25, 0.75, **images)
-    memory = {name: patcher.memory_required(shape) for name, patcher in
-              (("plain", model), ("control", model_control), ("off", off), ("both_sides", both))}  # fmt: skip
+    memory = {name: asked_memory(lambda m=patcher: custom_advanced(m, positive, negative, latent)) for name, patcher
+              in (("plain", model), ("control", model_control), ("off", off), ("both_sides", both))}  # fmt: skip
     emit(check="control", parity=relative(got, expected), effect=relative(plain, expected), memory=memory,
          apply_model_output=relative(custom_advanced(controlled_model, positive, negative, latent), expected),
          half_to_full=relative(custom_advanced(half, positive, negative, latent), expected),
@@ -596,11 +615,11 @@ def check_native_control():
     NativeFunControlStandIn(model_patch, vae, hint, None, None, 0.8, list(range(0, num_base, num_base // 1)),
                             float(sampling.percent_to_sigma(0.0)),
                             float(sampling.percent_to_sigma(1.0))).register(native_model)  # fmt: skip
-    shape = [2, *latent["samples"].shape[1:]]
-    memory = {name: patcher.memory_required(shape) for name, patcher in
-              (("plain", model), ("ours", ours_model), ("native", native_model))}  # fmt: skip
-    expected = custom_advanced(ours_model, positive, negative, latent)
-    got = custom_advanced(native_model, positive, negative, latent)
+    memory, expected, got = {}, [], []
+    memory["ours"] = asked_memory(lambda: expected.append(custom_advanced(ours_model, positive, negative, latent)))
+    memory["native"] = asked_memory(lambda: got.append(custom_advanced(native_model, positive, negative, latent)))
+    memory["plain"] = asked_memory(lambda: custom_advanced(model, positive, negative, latent))
+    (expected,), (got,) = expected, got
     again = custom_advanced(native_model, positive, negative, latent)  # the converted weights are kept
     plain = custom_advanced(model, positive, negative, latent)
     emit(check="native_control", parity=relative(got, expected), again=relative(again, got),

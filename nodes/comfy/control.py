@@ -10,10 +10,10 @@ the run loads the DiT (nodes/comfy/sampling.py), so the VAE never displaces the 
 from __future__ import annotations
 
 import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ...qwen21_core.control import Control
-from .. import memory_adapter
 
 CONTROL_KEY = "qwen21_control"  # in transformer_options
 ADDITIONAL_MODELS_KEY = "qwen21_control"
@@ -61,36 +61,20 @@ def control_option(transformer_options: dict) -> ControlOption | None:
     return option if isinstance(option, ControlOption) else None
 
 
-def control_sizing(patcher) -> tuple[int, bool]:
-    """(control layers, plain branch beside) of the Fun-Control a run of our MODEL `patcher` will run, for its
-    memory_required: ours from Qwen21 Apply Fun Control (MODEL), or native's patches, which the run takes over
-    (adopt_native_control; their weights converted here already if not yet, once per module)."""
-    options = patcher.model_options.get("transformer_options") or {}
-    option = control_option(options)
-    if option is not None:
-        return memory_adapter.control_sizing(option.control if option.control.on else None)
-    native = _native_patches(options)
-    if len(native) != 1:
-        return 0, False  # none, or more than one: the run refuses them by name
-    (native,) = native.values()
-    if not float(native.strength):
+# (control layers, plain branch beside) of the run ComfyUI is preparing: set by our OUTER_SAMPLE wrapper around the run
+# (nodes/comfy/sampling.py), read by the MODEL's memory_required, which ComfyUI calls with shapes only
+RUN_CONTROL_SIZING: ContextVar[tuple[int, bool]] = ContextVar("qwen21_run_control_sizing", default=(0, False))
+
+
+def run_control_sizing(option: ControlOption | None, sampling) -> tuple[int, bool]:
+    """(control layers, plain branch beside) of a run with `option` (ours, or native's taken over), for job_bytes: a
+    range inside the schedule (`sampling`: the MODEL's model sampling) keeps a plain branch beside the controlled
+    one."""
+    if option is None or not option.control.on:
         return 0, False
-    handle = _converted_weights(native.model_patch, patcher.model.pipe)
-    sampling = patcher.get_model_object("model_sampling")
-    inside = (float(native.sigma_start) < float(sampling.percent_to_sigma(0.0)) - SIGMA_TOLERANCE
-              and float(native.sigma_end) > float(sampling.percent_to_sigma(1.0)) + SIGMA_TOLERANCE)  # fmt: skip
-    return len(handle.net.control_blocks), inside
-
-
-def _native_patches(transformer_options: dict) -> dict:
-    """id -> native Fun-Control patch, for each one behind the block replacements of these options."""
-    replaced = (transformer_options.get("patches_replace") or {}).get("dit") or {}
-    found = {}
-    for patch in replaced.values():
-        control_patch = _native_control_patch(patch)
-        if control_patch is not None:
-            found[id(control_patch)] = control_patch
-    return found
+    inside = (option.sigma_start < float(sampling.percent_to_sigma(0.0)) - SIGMA_TOLERANCE
+              and option.sigma_end > float(sampling.percent_to_sigma(1.0)) + SIGMA_TOLERANCE)  # fmt: skip
+    return len(option.control.net.control_blocks), inside
 
 
 def _native_control_patch(patch):

@@ -42,7 +42,7 @@ from ...qwen21_core.options import SampleOptions
 from ...qwen21_core.scheduler import resolution_shift
 from .. import memory_adapter
 from .conditioning import conditioning_from_entry, unencoded_negative
-from .control import control_option
+from .control import RUN_CONTROL_SIZING, control_option
 from .latents import Qwen21LatentFormat, size_empty_latents
 from .sampling import RUN_KEY, SamplingRun
 
@@ -146,16 +146,18 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
         rows += sum(math.prod(latent.shape[-2:]) for latent in latents)
         return {"qwen21_prefix": [1, rows]}
 
-    def memory_required(self, input_shape, cond_shapes={}, control_layers=0, plain_beside=False):  # noqa: B006
+    def memory_required(self, input_shape, cond_shapes={}):  # noqa: B006 - ComfyUI's signature
         """Device bytes a sampling run needs beside the weights (memory/sizing.py): the prefix K/V of the
         conditionings (two branches when ComfyUI asks for a doubled batch, its CFG estimate) and a step's
-        activations, for the K/V on the GPU (the larger placement). ComfyUI's signature, plus what our patcher passes
-        for a MODEL with Fun-Control (nodes/comfy/control.py control_sizing): the branch's caches and activations."""
+        activations, for the K/V on the GPU (the larger placement); in a run with Fun-Control the branch's caches and
+        activations too (its weights ComfyUI counts as the additional model's): our OUTER_SAMPLE wrapper sets
+        RUN_CONTROL_SIZING around the run, since ComfyUI passes only shapes."""
         prefixes = [shape[-1] for shape in cond_shapes.get("qwen21_prefix", [])] or [1]
         rows, _, h, w = input_shape[:4]
         branches = sorted(prefixes, reverse=True)[: 2 if len(prefixes) > 1 else 1]
         batch = max(1, rows // len(branches))
         options = self.diffusion_model.options_for({})
+        control_layers, plain_beside = RUN_CONTROL_SIZING.get()
         caches, activations = memory_adapter.job_bytes(self.pipe.transformer.config, self.pipe.dtype, branches,
                                                        h * w, batch, options.kv_cache, options.kv_layout,
                                                        control_layers=control_layers,

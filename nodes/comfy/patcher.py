@@ -28,7 +28,6 @@ import comfy.patcher_extension
 
 from ...qwen21_core.lora.comfy_patches import MODEL_PREFIX, comfy_patches_as_stack
 from ...qwen21_core.lora.reading import LoraError
-from .control import control_sizing
 from .sampling import SAMPLING_WRAPPER_KEY, sampling_wrapper
 
 log = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ class Qwen21Patcher(comfy.model_patcher.ModelPatcher):
 
     def model_size(self):
         return self.managed.full_bytes
-
-    def memory_required(self, input_shape, *args, **kwargs):
-        """The model's memory_required, with this MODEL's Fun-Control counted (its caches and activations; ComfyUI
-        counts the branch's weights as the additional model's): the MODEL's options hold it, the model does not."""
-        layers, plain_beside = control_sizing(self)
-        if not layers:
-            return super().memory_required(input_shape, *args, **kwargs)
-        cond_shapes = kwargs.get("cond_shapes", args[0] if args else {})
-        return self.model.memory_required(input_shape, cond_shapes, layers, plain_beside)
 
     def add_patches(self, patches, *args, **kwargs):
         """ComfyUI's LoRA loaders add what their key map matched; the base keeps those that name a weight of the

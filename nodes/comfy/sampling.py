@@ -22,7 +22,7 @@ from ...qwen21_core.memory.planner import same_device
 from ...qwen21_core.request import LATENT_SCALE
 from ...qwen21_core.velocity import Part, VelocityRun
 from .conditioning import PendingNegative, resolve_pending
-from .control import ControlOption, adopt_native_control, control_option
+from .control import RUN_CONTROL_SIZING, ControlOption, adopt_native_control, control_option, run_control_sizing
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,12 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
     adopt_native_control(guider, options)
     prepare_control(guider, options, noise.shape[-2:])
     options[RUN_KEY] = run
+    sizing = RUN_CONTROL_SIZING.set(run_control_sizing(control_option(options),
+                                                       guider.model_patcher.get_model_object("model_sampling")))
     try:
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
+        RUN_CONTROL_SIZING.reset(sizing)
         options.pop(RUN_KEY, None)
         stats = run.close()
         if stats:
