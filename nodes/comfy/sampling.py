@@ -60,9 +60,9 @@ def sampling_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kw
     options = guider.model_options.setdefault("transformer_options", {})  # this run's own copy (CFGGuider.sample)
     adopt_native_control(guider, options)
     prepare_control(guider, options, noise.shape[-2:])
+    sampling = guider.model_patcher.get_model_object("model_sampling")
+    sizing = RUN_CONTROL_SIZING.set(run_control_sizing(control_option(options), sampling))
     options[RUN_KEY] = run
-    sizing = RUN_CONTROL_SIZING.set(run_control_sizing(control_option(options),
-                                                       guider.model_patcher.get_model_object("model_sampling")))
     try:
         return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
     finally:
