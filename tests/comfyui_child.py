@@ -639,10 +639,11 @@ def main() -> int:
     setup()
     for name in CHECKS:
         try:
-            if name.startswith("lora_") and name != "lora_stack":
-                check_lora(name.removeprefix("lora_"))
-            else:
-                globals()[f"check_{name}"]()
+            with torch.inference_mode():  # as ComfyUI's executor runs every node of a prompt (execution.py)
+                if name.startswith("lora_") and name != "lora_stack":
+                    check_lora(name.removeprefix("lora_"))
+                else:
+                    globals()[f"check_{name}"]()
         except Exception:  # noqa: BLE001 - reported per check
             emit(check=name, failed=traceback.format_exc()[-3000:])
     return 0

@@ -49,3 +49,20 @@ def test_ksampler_on_a_card_without_room_for_both_models_keeps_the_dit_on_the_gp
     assert line["errors"] == {} and line["devices"] == ["cuda:0"] and line["calls"] >= 6, line  # every call, both runs
     assert line["effect"] > 1e-3  # cfg 4 differs from cfg 1: the negative was used
     assert line["difference"] == {"cfg1": 0.0, "cfg4": 0.0}, line  # the uncapped run's latents, bit for bit
+
+
+def test_fun_control_through_comfyuis_samplers_on_the_gpu(tmp_path):
+    """The control checks of test_comfyui_types on the GPU, the nodes run under inference mode as ComfyUI's executor
+    runs them: the branch loaded there and placed on the GPU by ComfyUI's manager must run (every controlled prompt
+    failed at its first step once, "Inference tensors do not track version counter", which the CPU never showed), and
+    give Qwen21 Sampler's latents; native's patches run as ours."""
+    found = run_child(tmp_path, ["control", "native_control"])
+    line = found["control"]
+    assert "failed" not in line, line.get("failed")
+    assert line["parity"] <= 1e-4 and line["apply_model_output"] <= 1e-4 and line["effect"] > 1e-2, line
+    assert line["off_to_plain"] == 0.0 and line["status_control"] == "3/3 calls at strength 1", line
+    memory = line["memory"]
+    assert memory["off"] == memory["plain"] and memory["plain"][0] < memory["control"][0] < memory["both_sides"][0]
+    native = found["native_control"]
+    assert "failed" not in native, native.get("failed")
+    assert native["parity"] <= 1e-6 and native["native_hooks_called"] == 0, native
