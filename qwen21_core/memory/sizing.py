@@ -60,13 +60,6 @@ def job_bytes(config, dtype: torch.dtype, prefix_lengths: Sequence[int], target_
     return caches, activations
 
 
-def control_sizing(control) -> tuple[int, bool]:
-    """(control_layers, plain_beside) of job_bytes for a run with `control` (a Control that is on, or None)."""
-    if control is None:
-        return 0, False
-    return len(control.net.control_blocks), control.start > 0 and control.end < 1
-
-
 def request_bytes(config, dtype: torch.dtype, cond, request: SampleRequest, options: SampleOptions | None = None,
                   workers=None) -> tuple[dict[str, int], int]:  # fmt: skip
     """`job_bytes` of one run of `request` on `cond` (a Conditioning) on this device: a branch per prompt the guidance
@@ -80,7 +73,9 @@ def request_bytes(config, dtype: torch.dtype, cond, request: SampleRequest, opti
     slots = sum(h * w for h, w in cond.image_shapes) // TOKENS_PER_SLOT
     prefixes = [length + (TOKENS_PER_SLOT - 1) * slots for length in lengths]  # a slot's row becomes 4 latent rows
     ranks = workers.world if mode == "sequence" else 1  # this device's share of heads and rows: 1/ranks
-    control_layers, plain_beside = control_sizing(request.control if request.controlled else None)
+    control = request.control if request.controlled else None
+    control_layers = len(control.net.control_blocks) if control is not None else 0
+    plain_beside = control is not None and control.start > 0 and control.end < 1
     return job_bytes(config, dtype, prefixes, request.target_tokens, request.batch_size, options.kv_cache,
                      options.kv_layout, ranks, control_layers, plain_beside)  # fmt: skip
 
