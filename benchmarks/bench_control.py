@@ -3,6 +3,7 @@
     python benchmarks/bench_control.py                                    # H200/H100: fp8, 1024^2, 40 steps
     python benchmarks/bench_control.py --sizes 1024x1024,1344x768 --steps 20
     python benchmarks/bench_control.py --tiny --device cpu --steps 3      # smoke test
+    python benchmarks/bench_control.py --profile                          # + where a controlled step's time goes
 
 Per size, the same prompt and noise through our sampler: plain; controlled over the whole schedule; controlled over
 its first half (start 0, end 0.5); controlled with a prompt never seen before (a changed prompt: both prefixes, the
@@ -16,7 +17,10 @@ the changed-prompt controlled run / its steps at the controlled step's cost (<= 
 half controlled steps at their own cost: steps outside the range cost the plain step); KSampler's controlled step /
 our sampler's (<= 1.05).
 
-Output: one JSON line per size ("control_vs_plain").
+Output: one JSON line per size ("control_vs_plain"). With --profile, per size and path (plain, controlled) one
+"control_profile" line: eager steps (no CUDA graphs, so every kernel is seen) under torch's profiler, the step's kernel
+time by kind (fp8 GEMM, bf16 GEMM: the branch's after_proj in an fp8 model, attention, Triton, other) and its top
+kernels.
 """
 
 from __future__ import annotations
@@ -116,6 +120,56 @@ def changed_prompt_run(pipe, cond, noise, steps, control):
 changed_prompt_run.count = 0
 
 
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind, from its name (cuBLAS/CUTLASS names carry their input types)."""
+    lower = name.lower()
+    if "flash" in lower or "fmha" in lower or "attention" in lower:
+        return "attention"
+    if "e4m3" in lower or "f8" in lower or "fp8" in lower:
+        return "gemm_fp8"
+    if "gemm" in lower or "nvjet" in lower or "xmma" in lower or "cutlass" in lower:
+        return "gemm_other"
+    if lower.startswith("_") or "triton" in lower:  # our Triton kernels are named after their Python functions
+        return "triton"
+    return "other"
+
+
+def profile_steps(pipe, cond, noise, control, name: str, size: str, steps: int = 7, top: int = 14) -> dict:
+    """Eager steps (decode graphs off) under the profiler: the run's first step (the prefixes) and one more left out
+    (the profiler's own warm-up), the rest recorded."""
+    from qwen21_nodes.qwen21_core.options import SampleOptions
+    from qwen21_nodes.qwen21_core.request import SampleRequest
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    h, w = noise.shape[-2:]
+    eager = SampleOptions(decode_graphs=False)
+    recorded = steps - 2
+    cuda = pipe.device.type == "cuda"  # on the CPU (the smoke test) the operators' own time stands in
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    spent = "device_time_total" if cuda else "self_cpu_time_total"
+    with profile(activities=[activity], schedule=schedule(wait=1, warmup=1, active=recorded)) as prof:
+
+        def callback(step, total, x0):
+            sync(pipe.device)
+            prof.step()
+
+        request = SampleRequest(height=h * 16, width=w * 16, steps=steps, noise=noise, callback=callback,
+                                control=control)  # fmt: skip
+        pipe.sample_request(cond, request, eager)  # kernels compiled and graphs off already: one run suffices
+    events = [e for e in prof.key_averages() if getattr(e, spent) > 0]
+    per_step = 1 / (recorded * 1e3)  # microseconds over the recorded steps -> ms per step
+    kinds: dict[str, float] = {}
+    for event in events:
+        kind = kernel_kind(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(event, spent) * per_step
+    ranked = sorted(events, key=lambda e: -getattr(e, spent))[:top]
+    return dict(what="control_profile", size=size, path=name, recorded_steps=recorded,
+                step_kernel_ms=round(sum(kinds.values()), 2),
+                kinds_ms={kind: round(ms, 2) for kind, ms in sorted(kinds.items())},
+                top=[[e.key[:70], round(getattr(e, spent) * per_step, 3), round(e.count / recorded, 1)]
+                     for e in ranked])  # fmt: skip
+
+
 def measure(pipe, config, net, args, size: str):
     from qwen21_nodes.qwen21_core.control import Control
 
@@ -156,11 +210,15 @@ def measure(pipe, config, net, args, size: str):
     row["half_run_ratio"] = round(row["half_s"] / expected_half, 3)
     row["ksampler_ratio"] = round(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"], 3)
     emit(**row)
+    if args.profile:
+        for name, control in (("plain", None), ("controlled", full)):
+            emit(**profile_steps(pipe, cond, noise, control, name, size))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_arguments(parser, sizes="1024x1024", steps=40)
+    parser.add_argument("--profile", action="store_true", help="eager steps' kernels, plain and controlled")
     args = parser.parse_args()
     device = torch.device(args.device)
     with torch.inference_mode():

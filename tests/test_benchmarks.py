@@ -579,7 +579,8 @@ def test_bench_comfyui_session_runs_fun_control_through_both_samplers(tmp_path):
 def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     """bench_control --tiny on the CPU: the plain, controlled, half-range, changed-prompt and KSampler-way runs each
     report how many steps ran controlled, and the ratios are the figures they are computed from."""
-    (row,) = _bench("bench_control.py", "--tiny", "--device", "cpu", "--steps", "3")["control_vs_plain"]
+    lines = _bench("bench_control.py", "--tiny", "--device", "cpu", "--steps", "3", "--profile")
+    (row,) = lines["control_vs_plain"]
     assert row["plain_control"] == "off"
     assert row["controlled_control"] == row["changed_prompt_controlled_control"] == "3/3 steps at strength 1"
     assert row["half_control"] == "2/3 steps at strength 1"  # start 0, end 0.5 of 3 steps
@@ -589,3 +590,14 @@ def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     assert row["changed_prompt_ratio"] == pytest.approx(row["changed_prompt_controlled_s"] / steps_s, abs=1e-3)
     assert row["ksampler_ratio"] == pytest.approx(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"],
                                                   abs=1e-3)  # fmt: skip
+    # --profile: one line per path, its kinds summing to the step's total, the controlled step holding more work
+    plain, controlled = lines["control_profile"]
+    assert (plain["path"], controlled["path"]) == ("plain", "controlled")
+    for line in (plain, controlled):
+        assert line["step_kernel_ms"] == pytest.approx(sum(line["kinds_ms"].values()), abs=0.05)
+        assert line["top"] and all(ms >= 0 for _, ms, _ in line["top"])
+    matmuls = {
+        p["path"]: sum(n for name, _, n in p["top"] if name in ("aten::mm", "aten::addmm"))
+        for p in lines["control_profile"]
+    }
+    assert matmuls["controlled"] > matmuls["plain"]  # the branch's blocks and after_proj are in the recorded steps
