@@ -8,7 +8,8 @@ Each variant shares the bf16 model's non-block weights; its block Linears are GG
 scales: the speed is what is measured, not the picture), fp8 ones quantised from the bf16 weights. A run samples
 --steps steps of a 1024x1024 text-to-image request through our sampler (prefix cache and decode graphs on); the
 line gives each variant's mean step (the prefix step left out), its ratio to bf16's and to fp8's, its block weights'
-bytes and the run's peak VRAM. --kernel-only times one layer's dequantisation against its GEMM per type.
+bytes and the run's peak VRAM. --kernel-only times one layer's dequantisation against its GEMM per type (the K-quants
+also against their first, flat kernel: `tiled_over_flat`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,21 @@ def step_ms(model, args, device) -> tuple[float, float, str]:
     return 1000 * steps[len(steps) // 2], peak, str(pipe.last_sample_stats.get("decode_graph"))[:60]
 
 
+def timed_ms(fn, device, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
 def kernel_only(args, device) -> None:
-    """One gate_up-sized layer: the dequantisation alone and its GEMM on 4096 rows, per type."""
+    """One gate_up-sized layer: the dequantisation alone and its GEMM on 4096 rows, per type; for the K-quants also
+    their first (flat) kernel on the same blocks, its output compared bit for bit."""
+    from qwen21_nodes.kernels.dequantize_gguf import BLOCKS, dequantize_gguf
     from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
 
     out_features, in_features = (24576, 4096) if not args.tiny else (768, 256)
@@ -94,23 +108,19 @@ def kernel_only(args, device) -> None:
     for qtype in args.types.split(","):
         layer = GGUFLinear(in_features, ((out_features, qtype),)).to(device)
         layer.qweight.data = torch.randint(0, 256, layer.qweight.shape, dtype=torch.uint8, device=device)
-        for _ in range(3):
-            weight = layer.dequantized_weight(torch.bfloat16)
-        sync(device)
-        started = time.perf_counter()
-        for _ in range(20):
-            weight = layer.dequantized_weight(torch.bfloat16)
-        sync(device)
-        dequant = (time.perf_counter() - started) / 20
-        started = time.perf_counter()
-        for _ in range(20):
-            torch.nn.functional.linear(x, weight)
-        sync(device)
-        gemm = (time.perf_counter() - started) / 20
-        read = layer.qweight.numel() + weight.numel() * 2
-        emit(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features],
-             dequant_ms=round(dequant * 1e3, 3), gemm_4096_ms=round(gemm * 1e3, 3),
-             gb_per_s=round(read / dequant / 1e9, 1))  # fmt: skip
+        weight = layer.dequantized_weight(torch.bfloat16)
+        dequant = timed_ms(lambda layer=layer: layer.dequantized_weight(torch.bfloat16), device)
+        gemm = timed_ms(lambda weight=weight: torch.nn.functional.linear(x, weight), device)
+        moved = layer.qweight.numel() + weight.numel() * 2
+        row = dict(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features],
+                   dequant_ms=round(dequant, 3), gemm_4096_ms=round(gemm, 3), gb_per_s=round(moved / dequant / 1e6, 1))  # fmt: skip
+        if BLOCKS[qtype][0] == 256:
+            data = layer.qweight.data
+            flat = timed_ms(lambda data=data, q=qtype: dequantize_gguf(data, q, in_features, tiled=False), device)
+            same = torch.equal(dequantize_gguf(data, qtype, in_features, tiled=False).view(torch.int16),
+                               weight.view(torch.int16))  # fmt: skip
+            row.update(flat_dequant_ms=round(flat, 3), tiled_over_flat=round(dequant / flat, 3), bit_identical=same)
+        emit(**row)
 
 
 def main():

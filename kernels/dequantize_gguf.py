@@ -18,9 +18,14 @@ The arithmetic is gguf-py's, in fp32 and in its order (products rounded before t
 compiled without fused multiply-adds), so that the reference and the kernel give its bits exactly; the result is
 rounded once to the asked dtype.
 
-The kernel: one program per (row, BLOCK_COLS values of it); each value reads the bytes that hold its quant and its
+The kernels: one program per (row, BLOCK_COLS values of it); each value reads the bytes that hold its quant and its
 block's scales (neighbouring values share them, from the cache), so a read of the weight's bytes and one write of
-the result in the activation dtype is all the memory traffic. The row count is not specialised on.
+the result in the activation dtype is all the memory traffic. The row count is not specialised on. The 32-value types
+index values in one flat range (`_dequantize_gguf_kernel`, which also holds the K-quants' first version, kept for
+bench_gguf's comparison). The K-quants take whole super-blocks as a [super-block, sub-block, 32] tile instead:
+each super-block's scales are decoded once for its sub-blocks, and a sub-block's quant bytes and output values are
+contiguous along the tile's last axis, so they move as wide loads and stores where the flat range's divisions hid
+that from the compiler and left one-byte gathers.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ QUANTIZED = tuple(name for name, (size, _) in BLOCKS.items() if size > 1)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CODES = {name: index for index, name in enumerate(QUANTIZED)}  # the kernel's QTYPE constexpr
 BLOCK_COLS = 1024
-INTERPRETER_BLOCK_COLS = 256
+INTERPRETER_BLOCK_COLS = 512  # two K-quant super-blocks: a tile's masked tail is tested too
 NUM_WARPS = 4
 
 
@@ -224,22 +229,72 @@ def _dequantize_gguf_kernel(q_ptr, out_ptr, N, K, ROW_BYTES, QTYPE: tl.constexpr
     tl.store(out_ptr + row * K + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(data: torch.Tensor, qtype: str, out: torch.Tensor) -> torch.Tensor:
+@jit(do_not_specialize=("N",))
+def _dequantize_k_quant_kernel(q_ptr, out_ptr, N, K, ROW_BYTES, QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                               SUPER_BLOCKS: tl.constexpr):  # fmt: skip
+    """Q4_K, Q5_K, Q6_K: SUPER_BLOCKS super-blocks of 256 values of one row, as an [SUPER_BLOCKS, 8, 32] tile (Q4_K
+    and Q5_K: sub-block, value; Q6_K: group of 32 values, value); the arithmetic and its order are the flat kernel's
+    were, so the bits are gguf's."""
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * SUPER_BLOCKS + tl.arange(0, SUPER_BLOCKS)
+    valid = blocks < K // 256
+    blocks = tl.where(valid, blocks, 0)  # masked super-blocks read the row's first (never stored)
+    p = q_ptr + row * ROW_BYTES + blocks * TYPE_SIZE  # [S] each super-block's bytes
+    sub = tl.arange(0, 8)
+    lane = tl.arange(0, 32)
+    p3 = p[:, None, None]
+    sub3 = sub[None, :, None]
+    lane3 = lane[None, None, :]
+    if QTYPE == 5 or QTYPE == 6:  # Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
+        ps = p[:, None] + 4  # [S, 1] the 12 bytes of scales and mins
+        first = sub[None, :] < 4
+        at_sub = tl.load(ps + sub[None, :])  # scales[sub] (a scale for sub < 4)
+        at_next = tl.load(ps + 4 + sub[None, :] % 4)  # scales[sub + 4]: a min for sub < 4, the low bits for sub >= 4
+        at_back = tl.load(ps + sub[None, :] % 4)  # scales[sub - 4] for sub >= 4
+        at_top = tl.load(ps + 4 + sub[None, :])  # scales[sub + 4] for sub >= 4 (bytes 8 to 11)
+        sc = tl.where(first, at_sub & 63, (at_top & 0x0F) | ((at_back >> 6) << 4))
+        mn = tl.where(first, at_next & 63, (at_top >> 4) | ((at_sub >> 6) << 4))
+        d = _f16_at(p)[:, None] * sc.to(tl.float32)  # [S, 8]
+        dm = _f16_at(p + 2)[:, None] * mn.to(tl.float32)
+        qs = 16 if QTYPE == 5 else 48
+        q = (tl.load(p3 + qs + (sub3 // 2) * 32 + lane3) >> (4 * (sub3 % 2)).to(tl.uint8)) & 0x0F
+        if QTYPE == 6:
+            q = q | (((tl.load(p3 + 16 + lane3) >> sub3.to(tl.uint8)) & 1) << 4)
+        x = d[:, :, None] * q.to(tl.float32) - dm[:, :, None]
+    else:  # Q6_K: group g of 32 values: half g // 4, group g % 4 of that half
+        half = sub3 // 4
+        group = sub3 % 4
+        low = (tl.load(p3 + half * 64 + (group % 2) * 32 + lane3) >> (4 * (group // 2)).to(tl.uint8)) & 0x0F
+        high = (tl.load(p3 + 128 + half * 32 + lane3) >> (2 * group).to(tl.uint8)) & 3
+        scale = tl.load(p3 + 192 + sub3 * 2 + lane3 // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        x = (_f16_at(p + 208)[:, None, None] * scale) * ((low | (high << 4)).to(tl.int8) - 32).to(tl.float32)
+    cols = blocks[:, None, None] * 256 + sub3 * 32 + lane3
+    tl.store(out_ptr + row * K + cols, x.to(out_ptr.dtype.element_ty), mask=valid[:, None, None])
+
+
+def _launch(data: torch.Tensor, qtype: str, out: torch.Tensor, tiled: bool = True) -> torch.Tensor:
     n, k = out.shape
     size, nbytes = BLOCKS[qtype]
     block_cols = INTERPRETER_BLOCK_COLS if INTERPRETER_ACTIVE else BLOCK_COLS
     elsewhere = data.is_cuda and data.device.index != torch.cuda.current_device()  # Triton launches on the current
     with torch.cuda.device(data.device) if elsewhere else contextlib.nullcontext():
-        launch(_dequantize_gguf_kernel, (n, cdiv(k, block_cols)), data, out, n, k, data.shape[1], QTYPE=CODES[qtype],
-               SIZE=size, TYPE_SIZE=nbytes, BLOCK_COLS=block_cols, num_warps=NUM_WARPS,
-               enable_fp_fusion=False)  # fmt: skip
+        if size == 256 and tiled:
+            blocks = block_cols // 256
+            launch(_dequantize_k_quant_kernel, (n, cdiv(k // 256, blocks)), data, out, n, k, data.shape[1],
+                   QTYPE=CODES[qtype], TYPE_SIZE=nbytes, SUPER_BLOCKS=blocks, num_warps=NUM_WARPS,
+                   enable_fp_fusion=False)  # fmt: skip
+        else:
+            launch(_dequantize_gguf_kernel, (n, cdiv(k, block_cols)), data, out, n, k, data.shape[1],
+                   QTYPE=CODES[qtype], SIZE=size, TYPE_SIZE=nbytes, BLOCK_COLS=block_cols, num_warps=NUM_WARPS,
+                   enable_fp_fusion=False)  # fmt: skip
     return out
 
 
 def dequantize_gguf(data: torch.Tensor, qtype: str, columns: int, dtype: torch.dtype = torch.bfloat16,
-                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    out: torch.Tensor | None = None, tiled: bool = True) -> torch.Tensor:  # fmt: skip
     """`dequantize_gguf_reference`, written into `out` ([N, columns] contiguous, `dtype`) or a new tensor: the Triton
-    kernel where Triton runs on the data's device (a quantised type), else the reference. Bit-identical either way."""
+    kernel where Triton runs on the data's device (a quantised type), else the reference. Bit-identical either way.
+    tiled=False: the K-quants through the flat kernel (their first version, for bench_gguf's comparison)."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"dequantize_gguf: dtype must be one of {OUT_DTYPES}, got {dtype}")
     expected = (data.shape[0] if data.dim() == 2 else -1, columns)
@@ -253,7 +308,7 @@ def dequantize_gguf(data: torch.Tensor, qtype: str, columns: int, dtype: torch.d
     dequantize_gguf_reference_check(data, qtype, columns)
     if out is None:
         out = torch.empty(expected, dtype=dtype, device=data.device)
-    return _launch(data.contiguous(), qtype, out)
+    return _launch(data.contiguous(), qtype, out, tiled)
 
 
 def dequantize_gguf_reference_check(data: torch.Tensor, qtype: str, columns: int) -> None:

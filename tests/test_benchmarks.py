@@ -601,3 +601,21 @@ def test_bench_control_smoke_runs_every_path_with_its_control_counts():
         for p in lines["control_profile"]
     }
     assert matmuls["controlled"] > matmuls["plain"]  # the branch's blocks and after_proj are in the recorded steps
+
+
+def test_bench_gguf_smoke_times_each_type_and_the_k_quants_first_kernel():
+    """bench_gguf --tiny on the CPU: the kernel-only lines per type (the K-quants also through their first, flat
+    kernel, bit-identical), then the step line per variant with its ratios to bf16."""
+    kernel = _bench("bench_gguf.py", "--tiny", "--device", "cpu", "--kernel-only", "--types", "Q8_0,Q4_K,Q6_K")
+    lines = {line["qtype"]: line for line in kernel["gguf_dequant_kernel"]}
+    assert set(lines) == {"Q8_0", "Q4_K", "Q6_K"} and "flat_dequant_ms" not in lines["Q8_0"]
+    for qtype in ("Q4_K", "Q6_K"):
+        line = lines[qtype]
+        assert line["bit_identical"] is True
+        ratio = line["dequant_ms"] / line["flat_dequant_ms"]
+        assert line["tiled_over_flat"] == pytest.approx(ratio, rel=0.02, abs=2e-3)
+    steps = _bench("bench_gguf.py", "--tiny", "--device", "cpu", "--types", "Q8_0", "--steps", "3", "--repeats", "1")
+    rows = {row["variant"]: row for row in steps["gguf_step"]}
+    assert set(rows) == {"bf16", "Q8_0"} and rows["bf16"]["vs_bf16"] == 1.0
+    assert rows["Q8_0"]["vs_bf16"] == pytest.approx(rows["Q8_0"]["step_ms"] / rows["bf16"]["step_ms"], abs=1e-3)
+    assert rows["Q8_0"]["block_gib"] < rows["bf16"]["block_gib"]
