@@ -12,6 +12,10 @@ VelocityRun, what the MODEL door runs). Each run after a warm-up run (kernels co
 captures): the whole run, its mean step (the first, which computes the prefixes, left out), peak VRAM and the
 decode-graph outcome.
 
+With quantised weights the branch's skips (after_proj) are first kept in bf16 (the previous path) for one controlled
+run, then quantised as the loader now quantises them (`quantised_skips_speedup`: the bf16-skip step over the
+quantised one; `quantised_skips_rel_rms`: the controlled latents' difference, relative RMS).
+
 Ratios printed (issue 52's targets): controlled step / plain step (<= 1.5: the branch is half the base's blocks);
 the changed-prompt controlled run / its steps at the controlled step's cost (<= 1.10); half-range run / (half plain +
 half controlled steps at their own cost: steps outside the range cost the plain step); KSampler's controlled step /
@@ -48,7 +52,7 @@ CONTROL_BLOCKS = 16
 
 def build(args, device):
     from qwen21_nodes.qwen21_core.config import TransformerConfig
-    from qwen21_nodes.qwen21_core.dit.control import FunControlNet
+    from qwen21_nodes.qwen21_core.dit.control import SKIP, FunControlNet, control_plan
     from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
     from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
@@ -62,7 +66,7 @@ def build(args, device):
     net = random_weights(net, device, seed=1)
     if args.weights != "bf16":
         transformer.quantize_linears(uniform_plan(FORMATS[args.weights], config.num_layers))
-        net.quantize_linears(uniform_plan(FORMATS[args.weights], blocks))
+        net.quantize_linears(control_plan(FORMATS[args.weights], blocks, keep=[SKIP]))  # skips: see measure
     return pipeline_without_encoders(transformer, device), config, net
 
 
@@ -81,7 +85,7 @@ def sampler_run(pipe, cond, noise, steps, control):
     request = SampleRequest(height=h * 16, width=w * 16, steps=steps, noise=noise, callback=callback, control=control)
     sync(pipe.device)
     last[0] = time.perf_counter()
-    pipe.sample_request(cond, request)
+    sampler_run.latents = pipe.sample_request(cond, request)
     return times, dict(pipe.last_sample_stats)
 
 
@@ -172,6 +176,8 @@ def profile_steps(pipe, cond, noise, control, name: str, size: str, steps: int =
 
 def measure(pipe, config, net, args, size: str):
     from qwen21_nodes.qwen21_core.control import Control
+    from qwen21_nodes.qwen21_core.dit.control import control_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
 
     width, height = (int(side) for side in size.split("x"))
     h, w = height // 16, width // 16
@@ -189,7 +195,8 @@ def measure(pipe, config, net, args, size: str):
     row = dict(what="control_vs_plain", size=size, steps=args.steps, weights=args.weights,
                control_blocks=len(net.control_blocks),
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")  # fmt: skip
-    for name, (run, control) in runs.items():
+
+    def timed(name, run, control):
         for _warm in range(args.warmups):
             run(pipe, cond, noise, args.steps, control)
         if device.type == "cuda":
@@ -203,6 +210,19 @@ def measure(pipe, config, net, args, size: str):
         row[f"{name}_control"] = stats.get("control")
         if device.type == "cuda":
             row[f"{name}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+
+    skips_kept = None
+    if args.weights != "bf16":  # the previous path first: quantised blocks, bf16 skips; then the skips quantised too
+        timed("controlled_bf16_skips", sampler_run, full)
+        skips_kept = sampler_run.latents.float()
+        net.quantize_linears(control_plan(FORMATS[args.weights], len(net.control_blocks)))
+    for name, (run, control) in runs.items():
+        timed(name, run, control)
+        if name == "controlled" and skips_kept is not None:
+            diff = sampler_run.latents.float() - skips_kept
+            row["quantised_skips_rel_rms"] = round((diff.pow(2).mean() / skips_kept.pow(2).mean()).sqrt().item(), 5)
+    if skips_kept is not None:
+        row["quantised_skips_speedup"] = round(row["controlled_bf16_skips_step_ms"] / row["controlled_step_ms"], 3)
     row["controlled_step_ratio"] = round(row["controlled_step_ms"] / row["plain_step_ms"], 3)
     expected_half = (row["plain_s"] + row["controlled_s"]) / 2
     steps_s = args.steps * row["controlled_step_ms"] / 1000

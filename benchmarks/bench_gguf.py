@@ -112,8 +112,8 @@ def kernel_only(args, device) -> None:
         dequant = timed_ms(lambda layer=layer: layer.dequantized_weight(torch.bfloat16), device)
         gemm = timed_ms(lambda weight=weight: torch.nn.functional.linear(x, weight), device)
         moved = layer.qweight.numel() + weight.numel() * 2
-        row = dict(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features],
-                   dequant_ms=round(dequant, 3), gemm_4096_ms=round(gemm, 3), gb_per_s=round(moved / dequant / 1e6, 1))  # fmt: skip
+        row = dict(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features])
+        row.update(dequant_ms=round(dequant, 3), gemm_4096_ms=round(gemm, 3), gb_per_s=round(moved / dequant / 1e6, 1))
         if BLOCKS[qtype][0] == 256:
             data = layer.qweight.data
             flat = timed_ms(lambda data=data, q=qtype: dequantize_gguf(data, q, in_features, tiled=False), device)

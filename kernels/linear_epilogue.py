@@ -5,6 +5,7 @@
 - y is the GEMM's output [M, N]: an int32 accumulator of an int8 W8A8 GEMM (then `row_scale` [M] and
   `col_scale` [N] give value = y * row_scale * col_scale), or already dequantised bf16/fp16 (an FP8
   `_scaled_mm` applies its scales itself);
+- with `bias` [N]: value + bias, rounded (a Linear's bias; the control branch's after_proj has one);
 - with `residual` [M, N] and `gate` [B, N]: out = residual + gate[row's batch] * value (the block's gated
   residual, x + tanh(gate) * attn_out / mlp_out).
 
@@ -26,14 +27,16 @@ NUM_WARPS = 4
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def linear_epilogue_reference(y, *, row_scale=None, col_scale=None, residual=None, gate=None, rows_per_batch=1,
-                              out_dtype=None):  # fmt: skip
+def linear_epilogue_reference(y, *, row_scale=None, col_scale=None, bias=None, residual=None, gate=None,
+                              rows_per_batch=1, out_dtype=None):  # fmt: skip
     """The torch formulation (see the module docstring)."""
     out_dtype = out_dtype or _default_out_dtype(y, residual)
     value = y
     if row_scale is not None:
         value = (y.float() * row_scale.float()[:, None] * col_scale.float()[None, :]).to(out_dtype)
     value = value.to(out_dtype)
+    if bias is not None:
+        value = (value.float() + bias.float()[None, :]).to(out_dtype)
     if residual is None:
         return value
     rows = torch.arange(y.shape[0], device=y.device) // rows_per_batch
@@ -67,10 +70,10 @@ def add_gated_residual(value, rows, cols, mask, residual_ptr, residual_stride, g
 
 @jit(do_not_specialize=("M", "rows_per_batch"))  # row counts vary: one compile for all (_triton.jit)
 def _linear_epilogue_kernel(
-    y_ptr, y_stride, row_scale_ptr, col_scale_ptr, residual_ptr, residual_stride, gate_ptr, gate_stride,
+    y_ptr, y_stride, row_scale_ptr, col_scale_ptr, bias_ptr, residual_ptr, residual_stride, gate_ptr, gate_stride,
     rows_per_batch, out_ptr, out_stride, M, N,
-    DEQUANT: tl.constexpr, RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DEQUANT: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,13 +84,16 @@ def _linear_epilogue_kernel(
     if DEQUANT:
         value = dequantize_tile(value, rows, cols, row_mask, col_mask, row_scale_ptr, col_scale_ptr)
     value = value.to(OUT_DTYPE)
+    if BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0)
+        value = (value.to(tl.float32) + bias.to(tl.float32)[None, :]).to(OUT_DTYPE)
     if RESIDUAL:
         value = add_gated_residual(value, rows, cols, mask, residual_ptr, residual_stride, gate_ptr, gate_stride,
                                    rows_per_batch, OUT_DTYPE)  # fmt: skip
     tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], value, mask=mask)
 
 
-def _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dtype) -> str | None:
+def _unsupported(y, row_scale, col_scale, bias, residual, gate, rows_per_batch, out_dtype) -> str | None:
     if y.dim() != 2 or y.stride(1) != 1:
         return f"y must be [M, N] with contiguous rows, got {tuple(y.shape)}"
     m, n = y.shape
@@ -99,6 +105,8 @@ def _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dt
         return f"an integer y ({y.dtype}) needs row_scale and col_scale"
     if out_dtype not in OUT_DTYPES:
         return f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}"
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype or bias.stride(0) != 1):
+        return f"bias must be [N]={n} contiguous {out_dtype}, got {bias.dtype} {tuple(bias.shape)}"
     return residual_problem(residual, gate, m, n, rows_per_batch, out_dtype)
 
 
@@ -121,21 +129,23 @@ def linear_epilogue(
     *,
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     rows_per_batch: int = 1,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantise y (int32 with scales, or float) and optionally add residual + gate * value; see the module
-    docstring. `out` may alias `residual` (each element is read before it is written). Returns [M, N]."""
+    """Dequantise y (int32 with scales, or float), optionally add a bias, and optionally add residual + gate * value;
+    see the module docstring. `out` may alias `residual` (each element is read before it is written). Returns
+    [M, N]."""
     out_dtype = out_dtype or _default_out_dtype(y, residual)
-    reason = _unsupported(y, row_scale, col_scale, residual, gate, rows_per_batch, out_dtype)
+    reason = _unsupported(y, row_scale, col_scale, bias, residual, gate, rows_per_batch, out_dtype)
     if reason:
         raise ValueError(f"linear_epilogue: {reason}")
     if not triton_runs_on(y.device) or y.numel() == 0:
-        result = linear_epilogue_reference(y, row_scale=row_scale, col_scale=col_scale, residual=residual, gate=gate,
-                                           rows_per_batch=rows_per_batch, out_dtype=out_dtype)  # fmt: skip
+        result = linear_epilogue_reference(y, row_scale=row_scale, col_scale=col_scale, bias=bias, residual=residual,
+                                           gate=gate, rows_per_batch=rows_per_batch, out_dtype=out_dtype)  # fmt: skip
         return result if out is None else out.copy_(result)
     m, n = y.shape
     out = torch.empty((m, n), dtype=out_dtype, device=y.device) if out is None else out
@@ -143,9 +153,10 @@ def linear_epilogue(
     launch(
         _linear_epilogue_kernel, (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N)),
         y, y.stride(0), dummy if row_scale is None else row_scale, dummy if col_scale is None else col_scale,
-        dummy if residual is None else residual, 0 if residual is None else residual.stride(0),
-        dummy if gate is None else gate, 0 if gate is None else gate.stride(0), rows_per_batch, out, out.stride(0),
-        m, n, DEQUANT=row_scale is not None, RESIDUAL=residual is not None, OUT_DTYPE=TL_DTYPES[out_dtype],
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        dummy if bias is None else bias, dummy if residual is None else residual,
+        0 if residual is None else residual.stride(0), dummy if gate is None else gate,
+        0 if gate is None else gate.stride(0), rows_per_batch, out, out.stride(0), m, n,
+        DEQUANT=row_scale is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
+        OUT_DTYPE=TL_DTYPES[out_dtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out

@@ -76,8 +76,8 @@ class Qwen21ControlLoader:
                     {
                         "default": "auto",
                         "tooltip": "auto: the file's own format (a bf16 file in the DiT's compute dtype). fp8 / int8 "
-                        "/ int8_convrot: the control blocks' Linears quantised at load (half the memory of bf16), as "
-                        "for the DiT. bf16: dequantise a quantised file.",
+                        "/ int8_convrot: the control blocks' Linears and their skip projections quantised at load "
+                        "(half the memory of bf16), as for the DiT. bf16: dequantise a quantised file.",
                     },
                 ),
             }

@@ -590,6 +590,11 @@ def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     assert row["changed_prompt_ratio"] == pytest.approx(row["changed_prompt_controlled_s"] / steps_s, abs=1e-3)
     assert row["ksampler_ratio"] == pytest.approx(row["ksampler_controlled_step_ms"] / row["controlled_step_ms"],
                                                   abs=1e-3)  # fmt: skip
+    # fp8 (the default): one controlled run with bf16 skips first, then the skips quantised; their latents differ
+    assert row["controlled_bf16_skips_control"] == "3/3 steps at strength 1"
+    assert 0 < row["quantised_skips_rel_rms"] < 0.1
+    ratio = row["controlled_bf16_skips_step_ms"] / row["controlled_step_ms"]
+    assert row["quantised_skips_speedup"] == pytest.approx(ratio, abs=1e-3)
     # --profile: one line per path, its kinds summing to the step's total, the controlled step holding more work
     plain, controlled = lines["control_profile"]
     assert (plain["path"], controlled["path"]) == ("plain", "controlled")

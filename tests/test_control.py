@@ -295,11 +295,82 @@ def test_the_released_layout_and_comfyuis_fused_one_load_the_same_branch(tiny_fi
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_the_control_blocks_load_quantised_and_still_steer_the_step(tiny_files, fmt):
     from qwen21_nodes.qwen21_core.checkpoints.loading import load_fun_control
+    from qwen21_nodes.qwen21_core.dit.control import QuantizedSkip
     from qwen21_nodes.qwen21_core.tiny import TINY_TRANSFORMER
 
     net, _ = load_fun_control(tiny_files["control"], TINY_TRANSFORMER, "cpu", torch.float32, weight_format=fmt)
     assert net.quantization.startswith(fmt) and "(4/4 block linears)" in net.quantization
-    assert isinstance(net.control_img_in, torch.nn.Linear)  # the projections with biases stay float
+    assert isinstance(net.control_img_in, torch.nn.Linear) and isinstance(net.before_proj, torch.nn.Linear)
+    # the skips are quantised with the blocks, their biases kept float and read from the file
+    float_net, _ = load_fun_control(tiny_files["control"], TINY_TRANSFORMER, "cpu", torch.float32)
+    assert all(isinstance(skip, torch.nn.Linear) for skip in float_net.after_proj)  # "auto" on a float file
+    for skip, float_skip in zip(net.after_proj, float_net.after_proj, strict=True):
+        assert isinstance(skip, QuantizedSkip) and skip.linear.fmt.kind == fmt
+        assert torch.equal(skip.bias, float_skip.bias)
+        weight = skip.linear.float_weight(torch.float32)
+        error = ((weight - float_skip.weight).abs().max() / float_skip.weight.abs().max()).item()
+        assert 0 < error < 0.07  # quantised from the file's weight, not left empty or random
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("backend", ["emulate", "weight_only"])
+def test_a_quantised_skip_adds_strength_times_its_projection(use_settings, fmt, backend):
+    """add_skip with a QuantizedSkip: h + strength * (W c + b) through the quantised GEMM and the fused epilogue, as
+    the bf16 skip's torch add within the format's error; the strength is the gate, per batch row."""
+    from qwen21_nodes.qwen21_core.dit.control import QuantizedSkip, add_skip
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    use_settings(quant_gemm=backend)
+    g = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(256, 256)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(256, 256, generator=g) / 16)
+        linear.bias.copy_(torch.randn(256, generator=g))
+    skip = QuantizedSkip.from_linear(linear, FORMATS[fmt])
+    h, c = torch.randn(2, 24, 256, generator=g), torch.randn(2, 24, 256, generator=g)
+    with torch.no_grad():
+        for strength in (1.0, 0.35):
+            want = add_skip(h, linear, c, strength, None)
+            gate = torch.full((2, 256), strength)
+            got = add_skip(h, skip, c, strength, gate)
+            change = want - h
+            error = ((got - want).abs().max() / change.abs().max()).item()
+            assert 0 < error < 0.05, (strength, error)
+        gate = torch.tensor([[0.0] * 256, [1.0] * 256])  # the gate is per batch: row 0 unchanged
+        got = add_skip(h, skip, c, 1.0, gate)
+        assert torch.equal(got[0], h[0]) and not torch.equal(got[1], h[1])
+
+
+def test_a_quantised_branch_steers_the_step_as_the_float_one_within_fp8(use_settings, models):
+    """The controlled step with fp8 blocks and skips (emulated W8A8 on the CPU) against the float branch's."""
+    import copy
+
+    from qwen21_nodes.qwen21_core.dit.control import SKIP, QuantizedSkip, control_plan
+    from qwen21_nodes.qwen21_core.quant.weights import FORMATS
+
+    use_settings(quant_gemm="emulate")
+    _, _, dit, net = models
+    blocks = len(net.control_blocks)
+    plan = control_plan(FORMATS["fp8"], blocks)
+    assert sum(path == SKIP for _, path in plan) == blocks
+    assert not any(path == SKIP for _, path in control_plan(FORMATS["fp8"], blocks, keep=[SKIP]))
+    quant_net = copy.deepcopy(net).quantize_linears(plan)
+    assert all(isinstance(skip, QuantizedSkip) for skip in quant_net.after_proj)
+    mask, embeds, cond_tokens, x, context = _inputs()
+    layout = build_layout(mask, [(4, 4)], (4, 6))
+    t = torch.full((2,), 0.5)
+    velocities = {}
+    for name, control_net in (("float", net), ("fp8", quant_net), ("plain", None)):
+        if control_net is None:
+            branch = dit.new_branch(layout, 2)
+        else:
+            branch = _controlled_branch(dit, control_net, layout, 2, 0.8, context)
+        dit.prefill(branch, embeds, cond_tokens)
+        velocities[name] = dit.decode(branch, x, t)
+    change = (velocities["float"] - velocities["plain"]).abs().max()
+    assert change > 0.05 * velocities["plain"].abs().max()  # the control matters in this step
+    error = ((velocities["fp8"] - velocities["float"]).abs().max() / change).item()
+    assert 0 < error < 0.1, error
 
 
 def _save(tmp_path, name, tensors):

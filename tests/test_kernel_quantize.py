@@ -138,11 +138,14 @@ def test_linear_epilogue_is_bit_identical(kernel_device, dtype, m, n):
     residual = torch.randn(m, n, generator=gen).to(kernel_device, dtype)
     gate = torch.randn(3, n, generator=gen).to(kernel_device, dtype)
     y = (torch.randn(m, n, generator=gen) * 5).to(kernel_device, dtype)
+    bias = torch.randn(n, generator=gen).to(kernel_device, dtype)
     per = -(-m // 3)
     cases = [
         dict(y=acc, row_scale=row, col_scale=col, out_dtype=dtype),
         dict(y=acc, row_scale=row, col_scale=col, residual=residual, gate=gate, rows_per_batch=per),
         dict(y=y, residual=residual, gate=gate, rows_per_batch=per),
+        dict(y=y, bias=bias, residual=residual, gate=gate, rows_per_batch=per),  # the control branch's skip
+        dict(y=acc, row_scale=row, col_scale=col, bias=bias, out_dtype=dtype),
     ]
     for case in cases:
         got = E.linear_epilogue(**case)
@@ -167,6 +170,8 @@ def test_bad_inputs_are_named():
         E.linear_epilogue(torch.zeros(4, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match="residual and gate go together"):
         E.linear_epilogue(torch.zeros(4, 8), residual=torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"bias must be \[N\]=8 contiguous torch.float32"):
+        E.linear_epilogue(torch.zeros(4, 8), bias=torch.zeros(4))
 
 
 def test_kernels_through_interpreter():

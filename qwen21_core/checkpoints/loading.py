@@ -31,7 +31,7 @@ from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLProcessor
 
 from ..config import QWEN21_SCHEDULER, PipelineConfig, SchedulerConfig, TransformerConfig, VAEConfig
-from ..dit.control import FunControlNet
+from ..dit.control import SKIP, FunControlNet
 from ..dit.transformer import QUANTIZABLE, QwenImage21Transformer
 from ..quant.linear import QuantLinear
 from ..quant.plan import CHOICES, WeightFormats, choose, dit_stored_formats
@@ -447,7 +447,8 @@ def load_fun_control(path: str | os.PathLike, base: TransformerConfig, device, d
     """A Qwen-Image-2.1 Fun-Controlnet-Union file (alibaba-pai's original, ComfyUI's repack with the same tensors, or a
     fused-MLP or quantised ComfyUI file) -> our control branch for a DiT of config `base`. Its blocks must match the
     DiT's width and heads (a file for another model is refused by name); weight_format as the DiT's (quant/plan.py):
-    "auto" keeps a quantised file's format, "fp8" / "int8" / "int8_convrot" quantise the control blocks' Linears."""
+    "auto" keeps a quantised file's format, "fp8" / "int8" / "int8_convrot" quantise the control blocks' Linears and
+    their skips (after_proj)."""
     device, dtype = _resolve_device(device), _check_dtype(dtype, "dtype")
     if weight_format not in CHOICES:
         raise ValueError(f"weight format must be one of {CHOICES}, got {weight_format!r}")
@@ -460,8 +461,12 @@ def load_fun_control(path: str | os.PathLike, base: TransformerConfig, device, d
         convert = key_maps.converter(layout, ckpt.keys())
         shapes = _shapes(ckpt, convert, quant)
         config, blocks, channels = _control_config(ckpt.path, shapes, base)
-        stored = dit_stored_formats(_stored_formats(quant, convert), stack="control_blocks")
-        candidates = [(i, name) for i in range(blocks) for name in QUANTIZABLE]
+        stored_names = _stored_formats(quant, convert)
+        stored = dit_stored_formats(stored_names, stack="control_blocks")
+        for name, fmt in stored_names.items():  # the skips a quantised file stores in 8 bits ("auto" keeps them so)
+            if match := re.fullmatch(rf"control_blocks\.(\d+)\.{SKIP}\.weight", name):
+                stored[(int(match.group(1)), SKIP)] = fmt
+        candidates = [(i, name) for i in range(blocks) for name in (*QUANTIZABLE, SKIP)]
         plan = choose(weight_format, candidates, stored)
         model = build_empty(lambda: FunControlNet(config, blocks, channels).to(dtype).quantize_linears(plan),
                             device, dtype)  # fmt: skip

@@ -17,7 +17,10 @@ differs from the plain one (the skips reach it), so a step outside the control r
 own prefix (sampler.py).
 
 Checkpoint names are the file's (`control_img_in`, `control_blocks.{i}.…`, `before_proj` in block 0 only); the
-blocks are the DiT's own `Block` (fused QKV and gate+up, quantisable and streamable the same way).
+blocks are the DiT's own `Block` (fused QKV and gate+up, quantisable and streamable the same way). A quantised
+branch quantises its skips too (`after_proj`, a D x D GEMM per control block on every image row; in bf16 beside
+fp8 blocks they were a fifteenth of the branch's time): `QuantizedSkip`, its bias and the strength-weighted add in
+the GEMM's epilogue (kernels/linear_epilogue.py).
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ...kernels.linear_epilogue import linear_epilogue
 from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer
+from ..quant.linear import Projected, QuantLinear
+from ..quant.slots import QuantSlot
+from ..quant.weights import QuantFormat
 from .block_stack import BlockStack
 from .kv_cache import KVCacheSpec, PrefixKVCache
-from .transformer import Block
+from .transformer import QUANTIZABLE, Block
 
 CONTROL_CHANNELS = 129  # control latents (64) + keep mask (1) + masked-image latents (64)
+SKIP = "after_proj"  # a quantisation plan's name for a control block's skip projection: (block index, SKIP)
 
 
 def injection_layers(num_base_layers: int, num_control_blocks: int) -> tuple[int, ...]:
@@ -44,6 +52,56 @@ def injection_layers(num_base_layers: int, num_control_blocks: int) -> tuple[int
         raise ValueError(f"a control branch of {num_control_blocks} blocks cannot pair with a DiT of "
                          f"{num_base_layers} blocks")  # fmt: skip
     return tuple(range(0, num_base_layers, num_base_layers // num_control_blocks))[:num_control_blocks]
+
+
+class QuantizedSkip(nn.Module):
+    """A control block's after_proj with its weight quantised (a QuantLinear) and its bias in the compute dtype."""
+
+    def __init__(self, linear: QuantLinear, bias: nn.Parameter):
+        super().__init__()
+        self.linear = linear
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: QuantFormat) -> QuantizedSkip:
+        """`linear` quantised (on the meta device only its type changes: the loader fills it)."""
+        weight = linear.weight
+        if weight.device.type == "meta":
+            layer = QuantLinear(linear.in_features, linear.out_features, fmt, compute_dtype=weight.dtype)
+        else:
+            layer = QuantLinear.from_weight(weight.detach(), fmt)
+        return cls(layer, nn.Parameter(linear.bias.detach(), requires_grad=False))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return self.linear(c) + self.bias
+
+    def add_to(self, h: torch.Tensor, c: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """h + gate * (W c + b) for h, c [B, S, D] and gate [B', D] (B' >= B): the quantised GEMM, then one epilogue
+        pass for the bias and the weighted add."""
+        b, s, d = h.shape
+        c2d = c.reshape(b * s, -1)
+        layer = self.linear
+        backend = layer.backend(b * s) if layer.quantize_activations else "weight_only"
+        if backend == "weight_only":
+            projected = Projected(layer.weight_only(c2d))
+        else:
+            projected = layer.project(*layer.quantize_input(c2d.contiguous()), backend)
+        out = linear_epilogue(projected.data, row_scale=projected.row_scale, col_scale=projected.col_scale,
+                              bias=self.bias, residual=h.reshape(b * s, d), gate=gate, rows_per_batch=s)  # fmt: skip
+        return out.view(b, s, d)
+
+
+def add_skip(h: torch.Tensor, skip: nn.Module, c: torch.Tensor, strength: float, gate: torch.Tensor) -> torch.Tensor:
+    """h + strength * skip(c): a bf16 skip as torch adds it (the strength exact), a quantised one fused (the strength
+    as `gate`, [B, D] in h's dtype)."""
+    if isinstance(skip, QuantizedSkip):
+        return skip.add_to(h, c, gate)
+    return h.add(skip(c), alpha=strength)
+
+
+def control_plan(fmt: QuantFormat, num_blocks: int, keep=()) -> dict[tuple[int, str], QuantFormat]:
+    """Every control block Linear and skip in `fmt`, except the paths in `keep` (SKIP keeps the skips in bf16)."""
+    return {(i, path): fmt for i in range(num_blocks) for path in (*QUANTIZABLE, SKIP) if path not in set(keep)}
 
 
 class FunControlNet(BlockStack, nn.Module):
@@ -86,9 +144,18 @@ class FunControlNet(BlockStack, nn.Module):
         }
         for i, (block, after) in enumerate(zip(self.control_blocks, self.after_proj, strict=True)):
             slots.update(block.checkpoint_slots(f"control_blocks.{i}."))
-            slots[f"control_blocks.{i}.after_proj.weight"] = after.weight
+            quantized = isinstance(after, QuantizedSkip)
+            slots[f"control_blocks.{i}.after_proj.weight"] = QuantSlot(after.linear) if quantized else after.weight
             slots[f"control_blocks.{i}.after_proj.bias"] = after.bias
         return slots
+
+    def quantize_linears(self, plan):
+        """BlockStack's, plus the skips the plan names as (block index, SKIP)."""
+        super().quantize_linears({key: fmt for key, fmt in plan.items() if key[1] != SKIP})
+        for (index, path), fmt in plan.items():
+            if path == SKIP and not isinstance(self.after_proj[index], QuantizedSkip):
+                self.after_proj[index] = QuantizedSkip.from_linear(self.after_proj[index], fmt)
+        return self
 
     def new_state(self, layout, batch: int, num_base_layers: int, strength: float, kv: KVCacheSpec | None = None,
                   heads: int | None = None) -> ControlState:  # fmt: skip
@@ -100,8 +167,9 @@ class FunControlNet(BlockStack, nn.Module):
                               **vars(kv or KVCacheSpec()))  # fmt: skip
         with torch.inference_mode(False):
             start = torch.zeros(1, layout.target_len, cfg.inner_dim, device=self.device, dtype=self.dtype)
+            gate = torch.full((batch, cfg.inner_dim), float(strength), device=self.device, dtype=self.dtype)
         inject = injection_layers(num_base_layers, len(self.control_blocks))
-        return ControlState(self, cache, start, float(strength), {layer: k for k, layer in enumerate(inject)})
+        return ControlState(self, cache, start, float(strength), {layer: k for k, layer in enumerate(inject)}, gate)
 
 
 def control_key(control) -> tuple | None:
@@ -124,6 +192,7 @@ class ControlState:
     start: torch.Tensor
     strength: float
     inject: dict[int, int]
+    gate: torch.Tensor | None = None  # [batch, D]: the strength for a quantised skip's fused add (add_skip)
     context_id: object = None  # what `start` was made from (the caller's key): set_context skips a repeat
 
     @torch.no_grad()
@@ -139,6 +208,10 @@ class ControlState:
         tokens = context.to(net.device, net.dtype)
         self.start.copy_(net.before_proj(net.control_img_in(tokens))[None])
         self.context_id = context_id
+
+    def add_skip(self, h: torch.Tensor, k: int, c: torch.Tensor) -> torch.Tensor:
+        """h + strength * after_proj[k](c): control block k's skip into the base's hidden state."""
+        return add_skip(h, self.net.after_proj[k], c, self.strength, self.gate)
 
     def release(self) -> None:
         self.cache.release()

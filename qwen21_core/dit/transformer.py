@@ -586,7 +586,7 @@ class QwenImage21Transformer(BlockStack, nn.Module):
                     # never "last": its skip feeds the base blocks after it
                     c = control_block.prefill(c, mod0, branch, k, last=False, cache=control.cache)
                     if x is not None:
-                        x = x.add(control.net.after_proj[k](c), alpha=control.strength)
+                        x = control.add_skip(x, k, c)
         if control is not None:
             for _ in blocks:  # the streamer's hooks after the last control block
                 pass
@@ -618,7 +618,7 @@ class QwenImage21Transformer(BlockStack, nn.Module):
                 if control is not None and i in control.inject:
                     k, control_block = next(blocks)  # control.inject lists the control blocks in order
                     c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
-                    h = h.add(control.net.after_proj[k](c), alpha=control.strength)
+                    h = control.add_skip(h, k, c)
         if control is not None:
             for _ in blocks:  # the streamer's hooks after the last control block
                 pass
