@@ -342,6 +342,8 @@ def triton_compiles():
 def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     """The point of the warm-up: a prefill and decode of sizes and prompt lengths it never saw (rows and tokens are
     not specialised on; each bucket's configuration was compiled) launch only kernels that are already compiled."""
+    from qwen21_nodes.qwen21_core.control import Control
+    from qwen21_nodes.qwen21_core.dit.control import FunControlNet, control_plan
     from qwen21_nodes.qwen21_core.dit.sequence import build_layout
     from qwen21_nodes.qwen21_core.dit.transformer import uniform_plan
     from qwen21_nodes.qwen21_core.quant.weights import FORMATS
@@ -349,8 +351,11 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = QwenImage21Transformer(TINY_TRANSFORMER).to(device, torch.bfloat16).eval()
+    net = FunControlNet(TINY_TRANSFORMER, 1).to(device, torch.bfloat16).eval()  # a Fun-Control branch beside
     if fmt != "bf16":
         model = model.quantized_copy(uniform_plan(FORMATS[fmt], model.config.num_layers))
+        net.quantize_linears(control_plan(FORMATS[fmt], 1))  # its skips too: their epilogue has a bias
+    control = Control(net, 0.7, image=torch.zeros(1, 16, 16, 3))
     for jobs in dit_warmup_parts(model, device).values():
         for job in jobs:
             job()
@@ -361,10 +366,13 @@ def test_after_the_warmup_real_steps_of_new_sizes_compile_nothing(fmt):
             layout = build_layout(mask, [], (side, side))
             embeds = torch.randn(text, config.context_in_dim, device=device, dtype=torch.bfloat16)
             x = torch.randn(1, side * side, config.in_channels, device=device, dtype=torch.bfloat16)
-            branch = model.new_branch(layout, 1)
-            model.prefill(branch, embeds, None)
-            model.decode(branch, x, torch.full((1,), 0.5, device=device, dtype=torch.bfloat16))
-            branch.release()
+            for with_control in (None, control):
+                branch = model.new_branch(layout, 1, control=with_control)
+                if with_control is not None:
+                    branch.control.set_context(torch.randn(side * side, net.control_channels, device=device))
+                model.prefill(branch, embeds, None)
+                model.decode(branch, x, torch.full((1,), 0.5, device=device, dtype=torch.bfloat16))
+                branch.release()
     assert compiled == []
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ...kernels.kv_quant import dequantize_kv, quantize_kv
 from ...kernels.launch_configs import all_buckets, forced_bucket
+from ...kernels.linear_epilogue import linear_epilogue
 from ...kernels.qk_norm_rope import qk_norm_rope
 from ..startup.warmup import shared_copy
 from .attention import shared_prefix_decode_attention
@@ -70,7 +71,8 @@ def dit_warmup_parts(transformer: QwenImage21Transformer, device: torch.device) 
 def warm_up(block, config, part: str, bucket: int) -> None:
     """One piece of `block`'s step math on WARMUP_ROWS dummy rows, with `bucket`'s launch configurations: "qkv" (the
     modulated QKV projection), "attention" (QK-norm + RoPE into a cache-like buffer, the split attention and its
-    merge) or "finish" (the output projection and the MLP with their gated residuals)."""
+    merge; and the control branch's skip epilogue) or "finish" (the output projection and the MLP with their gated
+    residuals)."""
     device = next(block.parameters()).device
     dtype = block.attn.norm_q_weight.dtype
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
@@ -92,6 +94,9 @@ def warm_up(block, config, part: str, bucket: int) -> None:
                                    block.eps, k_out=cache[0, :, :WARMUP_ROWS], v_out=cache[1, :, :WARMUP_ROWS],
                                    min_tokens=0)  # fmt: skip
             shared_prefix_decode_attention(q, k, v, k, v)
+            # a quantised control branch's skip: its bias and strength-weighted add in one pass (dit/control.py)
+            rows = x[0]
+            linear_epilogue(rows, bias=ones[0, 0], residual=rows, gate=ones[0], rows_per_batch=WARMUP_ROWS)
         else:
             raise ValueError(f"unknown warm-up part {part!r}")
 
