@@ -24,6 +24,7 @@ from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door t
     TEXT_ENCODER_OFFLOAD,
     LocalMemoryManager,
     component_devices,
+    encoder_runs_in_place,
     evictable,
     expected_kv_placement,
     offload_after_encode,
@@ -129,6 +130,8 @@ class ManagedModules:
     `merge_loras` (the DiT's): brings the weights to a LoRA stack once they are placed; `loras` is this handle's
     stack (`with_loras`). Inside ComfyUI the patcher does it as part of loading, with ComfyUI's own patches after
     ours, through the same call.
+    `runs_in_place` (the text encoder's): inside ComfyUI, on a GPU where part of it is loaded already, it runs as it
+    is (memory/manager.py encoder_runs_in_place) rather than making the manager evict the DiT for it.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class ManagedModules:
         self.full_bytes = sum(p.numel() * p.element_size() for m in modules.values() for p in m.parameters())
         self.name = "+".join(modules)  # for logs: "transformer", "text_encoder", "vae"
         self.evictable = True
+        self.runs_in_place = False
         self.patcher = None
         if host.IN_COMFYUI:
             make = comfy_model or (lambda: Qwen21Weights(modules, host.offload_device()))
@@ -169,6 +173,8 @@ class ManagedModules:
         models if needed, and bring the DiT's weights to this handle's LoRA stack. companions: other ManagedModules
         that run with these (a control branch beside the DiT), placed in the same call, never evicted for these."""
         if self.patcher is not None:
+            if not companions and self._runs_in_place_now(int(memory_required)):
+                return
             patchers = [self.patcher, *(c.patcher for c in companions)]
             host.comfy_mm.load_models_gpu(patchers, memory_required=int(memory_required),
                                           force_full_load=self.streamable is None)  # fmt: skip
@@ -185,6 +191,16 @@ class ManagedModules:
                 companion.evictable = evictable
         if self.merge_loras is not None:
             self.merge_loras(self.loras)  # after placing: merging runs where the weights are
+
+    def _runs_in_place_now(self, memory_required: int) -> bool:
+        if not self.runs_in_place or self.streamable is None or self.load_device.type != "cuda":
+            return False
+        free, on_device = host.comfy_mm.get_free_memory(self.load_device), self.device_bytes()
+        if not encoder_runs_in_place(on_device, free, memory_required, int(host.comfy_mm.minimum_inference_memory())):
+            return False
+        log.info("qwen21: %s runs where it is (%.2f of %.2f GiB on %s, the rest streamed; %.2f GiB free)", self.name,
+                 on_device / 2**30, self.full_bytes / 2**30, self.load_device, free / 2**30)  # fmt: skip
+        return True
 
     def unload(self) -> None:
         """Move the modules off their device now (as ComfyUI does when it needs the room)."""

@@ -50,6 +50,7 @@ class Qwen21Model:
                                            streamable=pipe.text_encoder)  # fmt: skip
         self.vae = ManagedModules({"vae": pipe.vae}, pipe.vae_execution_device)
         self.text_encoder.evictable = memory_adapter.evictable(self.offload_text_encoder)
+        self.text_encoder.runs_in_place = True
         self.control = None  # (qwen21_core.control.Control, its weights' ManagedModules): with_control
         # a memory manager places the weights (ComfyUI's, or the local one) and owns the one budget
         pipe.memory = memory_adapter.pipeline_memory()

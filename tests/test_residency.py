@@ -208,6 +208,70 @@ def test_inside_comfyui_the_encoder_is_a_model_comfyui_may_unload(monkeypatch):
     assert (handle.text_encoder.patcher, 4096) in loaded and unloaded == []
 
 
+@pytest.mark.parametrize(
+    "on_device,free,needed,margin,expected",
+    [(3 * GIB, 4 * GIB, GIB, GIB, True), (3 * GIB, 2 * GIB, GIB, GIB, True), (3 * GIB, 2 * GIB - 1, GIB, GIB, False),
+     (0, 40 * GIB, GIB, GIB, False)],
+)  # fmt: skip
+def test_the_encoder_runs_in_place_with_part_of_it_on_the_device_and_room_for_its_activations(
+    on_device, free, needed, margin, expected
+):
+    assert memory_manager.encoder_runs_in_place(on_device, free, needed, margin) is expected
+
+
+def _comfy_managed(monkeypatch, on_device: int, free: int, runs_in_place=True, device="cuda"):
+    """A ManagedModules as inside ComfyUI on a pretend GPU (its patcher a stand-in): `on_device` bytes of it placed,
+    `free` bytes free by ComfyUI's count; returns it and the manager's load calls."""
+    calls = []
+    fake_mm = types.SimpleNamespace(
+        load_models_gpu=lambda models, memory_required, force_full_load: calls.append((models, memory_required)),
+        get_free_memory=lambda device: free,
+        minimum_inference_memory=lambda: GIB,
+    )  # fmt: skip
+    monkeypatch.setattr(host, "comfy_mm", fake_mm)
+    m = memory_adapter.ManagedModules({"text_encoder": torch.nn.Linear(1, 1)}, torch.device(device),
+                                      streamable=Stack(layers=36))  # fmt: skip
+    m.patcher = types.SimpleNamespace(name="te")  # built outside ComfyUI, then given a patcher as inside it
+    m.device_bytes = lambda: on_device
+    m.runs_in_place = runs_in_place
+    return m, calls
+
+
+def test_inside_comfyui_a_partly_loaded_encoder_runs_where_it_is(monkeypatch):
+    """A changed prompt on a card that cannot hold the DiT and the encoder together: the encoder, partly on the GPU
+    after sampling took its room, encodes there (its other layers streaming) instead of asking ComfyUI to load it
+    whole, which evicted the DiT's blocks for it and made sampling load them back."""
+    m, calls = _comfy_managed(monkeypatch, on_device=6 * GIB, free=3 * GIB)
+    m.load(GIB // 2)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "on_device,free,runs_in_place,device",
+    [(0, 40 * GIB, True, "cuda"), (6 * GIB, GIB, True, "cuda"), (6 * GIB, 40 * GIB, False, "cuda"),
+     (6 * GIB, 40 * GIB, True, "cpu")],
+    ids=["nothing-placed-yet", "no-room-for-activations", "the-dit", "not-a-gpu"],
+)  # fmt: skip
+def test_otherwise_comfyuis_manager_places_it(monkeypatch, on_device, free, runs_in_place, device):
+    m, calls = _comfy_managed(monkeypatch, on_device, free, runs_in_place, device)
+    m.load(GIB // 2)
+    assert calls == [([m.patcher], GIB // 2)]
+
+
+def test_the_handles_encoder_runs_in_place_and_its_dit_does_not(monkeypatch):
+    monkeypatch.setattr(host, "IN_COMFYUI", False)
+    from qwen21_nodes.nodes.model import Qwen21Model
+
+    text = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
+    cpu = torch.device("cpu")
+    pipe = types.SimpleNamespace(transformer=torch.nn.Linear(2, 2), text_encoder=text, vae=torch.nn.Linear(2, 2),
+                                 sources={}, release_device_caches=lambda: None, device=cpu,
+                                 text_encoder_device=cpu, vae_execution_device=cpu)  # fmt: skip
+    handle = Qwen21Model(pipe)
+    assert handle.text_encoder.runs_in_place and not handle.transformer.runs_in_place
+    assert not handle.vae.runs_in_place
+
+
 # ---- the host copy ----------------------------------------------------------------------------------------
 
 

@@ -97,6 +97,16 @@ def offload_after_encode(choice: str, encoder_device, dit_device) -> bool:
     return choice == "always" and not own_gpu(encoder_device, dit_device)
 
 
+def encoder_runs_in_place(device_bytes: int, free_bytes: int, needed_bytes: int, margin_bytes: int) -> bool:
+    """Inside ComfyUI, whether the text encoder runs with the layers it has on the device (the others streaming from
+    pinned RAM) instead of asking the manager to load it whole. A load makes the manager evict the DiT's blocks for
+    the encoder's missing layers, and sampling then evicts the encoder's for the DiT's: on a card that cannot hold
+    both, every changed prompt moved both ways. Streaming moves only the encoder's missing layers, once, beside its
+    compute. It needs some of the encoder on the device already (else the manager places it first) and the free
+    memory its activations take, with the manager's own margin for a run."""
+    return device_bytes > 0 and free_bytes >= needed_bytes + margin_bytes
+
+
 def expected_kv_placement(option: str, dit_bytes: int, gpu_job_bytes: int, capacity: int) -> str:
     """The K/V placement to ask a memory manager's room for before sampling: "auto" counts the GPU when the whole DiT
     and a GPU cache fit the device at all (the manager then evicts other models for it), else host RAM."""
