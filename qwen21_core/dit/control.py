@@ -18,8 +18,8 @@ own prefix (sampler.py).
 
 Checkpoint names are the file's (`control_img_in`, `control_blocks.{i}.…`, `before_proj` in block 0 only); the
 blocks are the DiT's own `Block` (fused QKV and gate+up, quantisable and streamable the same way). A quantised
-branch quantises its skips too (`after_proj`, a D x D GEMM per control block on every image row; in bf16 beside
-fp8 blocks they were a fifteenth of the branch's time): `QuantizedSkip`, its bias and the strength-weighted add in
+branch quantises its skips too (`after_proj`, a D x D GEMM per control block on every image row, which in bf16
+would run at half the speed of the fp8 blocks' GEMMs): `QuantizedSkip`, its bias and the strength-weighted add in
 the GEMM's epilogue (kernels/linear_epilogue.py).
 """
 
