@@ -514,6 +514,32 @@ def check_small_card():
          effect=(uncapped[4.0] - uncapped[1.0]).abs().max().item())  # fmt: skip
 
 
+def check_encoder_in_place():
+    """On the GPU: a text encoder that ComfyUI's manager left partly loaded (as sampling leaves it on a card without
+    room for both models) encodes where it is, its other layers streamed, with no load through the manager, and gives
+    the embeddings it gives whole."""
+    import comfy.model_management as mm
+
+    handle, _model, _vae = load("bf16")
+    whole = encode(handle, "a red apple")[0].positive.embeds.float().cpu()
+    te = handle.text_encoder
+    te.patcher.partially_unload(te.patcher.offload_device, te.device_bytes() // 2)
+    placed, loads, real = te.device_bytes(), [], mm.load_models_gpu
+
+    def recording(models, *args, **kwargs):
+        loads.append(any(m is te.patcher for m in models))
+        return real(models, *args, **kwargs)
+
+    mm.load_models_gpu = recording
+    try:
+        streamed = encode(handle, "a red apple")[0].positive.embeds.float().cpu()
+    finally:
+        mm.load_models_gpu = real
+    emit(check="encoder_in_place", placed=placed, full=te.full_bytes, encoder_loads=sum(loads),
+         resident=getattr(te.streamable, "resident_layers", None), layers=te.streamable.num_layers,
+         difference=(streamed - whole).abs().max().item())  # fmt: skip
+
+
 def check_control():
     """Fun-Control through ComfyUI's samplers: Qwen21 Apply Fun Control (MODEL) on our MODEL against Qwen21 Sampler with
     Qwen21 Apply Fun Control on the same weights; the MODEL output of the latter too; a partial range, strength 0."""

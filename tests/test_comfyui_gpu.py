@@ -51,6 +51,16 @@ def test_ksampler_on_a_card_without_room_for_both_models_keeps_the_dit_on_the_gp
     assert line["difference"] == {"cfg1": 0.0, "cfg4": 0.0}, line  # the uncapped run's latents, bit for bit
 
 
+def test_a_partly_loaded_text_encoder_encodes_where_it_is(tmp_path):
+    """The text encoder half placed by ComfyUI's manager (as on a card without room for both models after sampling)
+    encodes without a load through the manager (which would evict the DiT for it), its other layers streamed, and
+    gives the embeddings of the whole encoder bit for bit."""
+    line = run_child(tmp_path, ["encoder_in_place"])["encoder_in_place"]
+    assert "failed" not in line, line.get("failed")
+    assert line["placed"] > 0 and line["resident"] < line["layers"], line  # on the GPU, some layers streamed
+    assert line["encoder_loads"] == 0 and line["difference"] == 0.0, line
+
+
 def test_fun_control_through_comfyuis_samplers_on_the_gpu(tmp_path):
     """The control checks of test_comfyui_types on the GPU, the nodes run under inference mode as ComfyUI's executor
     runs them: the branch loaded there and placed on the GPU by ComfyUI's manager must run (every controlled prompt
