@@ -196,7 +196,8 @@ class ManagedModules:
         if not self.runs_in_place or self.streamable is None or self.load_device.type != "cuda":
             return False
         free, on_device = host.comfy_mm.get_free_memory(self.load_device), self.device_bytes()
-        if not encoder_runs_in_place(on_device, free, memory_required, int(host.comfy_mm.minimum_inference_memory())):
+        margin = getattr(host.comfy_mm, "minimum_inference_memory", lambda: 2**30)()  # every release we read has it
+        if not encoder_runs_in_place(on_device, free, memory_required, int(margin)):
             return False
         log.info("qwen21: %s runs where it is (%.2f of %.2f GiB on %s, the rest streamed; %.2f GiB free)", self.name,
                  on_device / 2**30, self.full_bytes / 2**30, self.load_device, free / 2**30)  # fmt: skip
