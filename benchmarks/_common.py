@@ -3,6 +3,7 @@ adapters (tests/dit_reference.py), so a benchmark calls the reference exactly as
 
 import json
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,19 @@ def emit(**fields):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def mean_call_ms(fn, device, iters: int, warmup: int = 1) -> float:
+    """Mean ms of `fn` over `iters` back-to-back calls, after `warmup` calls (synchronised before and after: the
+    launches queue as in a model's forward, so short kernels are not timed with a sync each)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - started) / iters * 1e3
 
 
 def random_dit(config, device, dtype):

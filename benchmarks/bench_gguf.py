@@ -22,7 +22,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _common import emit, random_dit, sync  # noqa: E402
+from _common import emit, mean_call_ms, random_dit, sync  # noqa: E402
 
 GIB = 2**30
 
@@ -86,17 +86,6 @@ def step_ms(model, args, device) -> tuple[float, float, str]:
     return 1000 * steps[len(steps) // 2], peak, str(pipe.last_sample_stats.get("decode_graph"))[:60]
 
 
-def timed_ms(fn, device, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    sync(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync(device)
-    return (time.perf_counter() - started) / repeats * 1e3
-
-
 def kernel_only(args, device) -> None:
     """One gate_up-sized layer: the dequantisation alone and its GEMM on 4096 rows, per type; for the K-quants also
     their first (flat) kernel on the same blocks, its output compared bit for bit."""
@@ -109,14 +98,15 @@ def kernel_only(args, device) -> None:
         layer = GGUFLinear(in_features, ((out_features, qtype),)).to(device)
         layer.qweight.data = torch.randint(0, 256, layer.qweight.shape, dtype=torch.uint8, device=device)
         weight = layer.dequantized_weight(torch.bfloat16)
-        dequant = timed_ms(lambda layer=layer: layer.dequantized_weight(torch.bfloat16), device)
-        gemm = timed_ms(lambda weight=weight: torch.nn.functional.linear(x, weight), device)
+        dequant = mean_call_ms(lambda layer=layer: layer.dequantized_weight(torch.bfloat16), device, 20, warmup=3)
+        gemm = mean_call_ms(lambda weight=weight: torch.nn.functional.linear(x, weight), device, 20, warmup=3)
         moved = layer.qweight.numel() + weight.numel() * 2
         row = dict(what="gguf_dequant_kernel", qtype=qtype, shape=[out_features, in_features])
         row.update(dequant_ms=round(dequant, 3), gemm_4096_ms=round(gemm, 3), gb_per_s=round(moved / dequant / 1e6, 1))
         if BLOCKS[qtype][0] == 256:
             data = layer.qweight.data
-            flat = timed_ms(lambda data=data, q=qtype: dequantize_gguf(data, q, in_features, tiled=False), device)
+            flat = mean_call_ms(lambda data=data, q=qtype: dequantize_gguf(data, q, in_features, tiled=False), device,
+                                20, warmup=3)  # fmt: skip
             same = torch.equal(dequantize_gguf(data, qtype, in_features, tiled=False).view(torch.int16),
                                weight.view(torch.int16))  # fmt: skip
             row.update(flat_dequant_ms=round(flat, 3), tiled_over_flat=round(dequant / flat, 3), bit_identical=same)

@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import sync  # noqa: E402
+from _common import mean_call_ms, sync  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen21_nodes.qwen21_core.images import prepare_condition_image  # noqa: E402
 from qwen21_nodes.qwen21_core.text.encoder import (  # noqa: E402
@@ -308,13 +308,7 @@ def dequant_cases(encoder, common: dict, image_size: int, device, dtype, args) -
     iters = 3 if args.tiny else 50
 
     def per_call_ms(fn) -> float:
-        fn()
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(device)
-        return (time.perf_counter() - start) / iters * 1e3
+        return mean_call_ms(fn, device, iters)
 
     new = D.dequantize_weight_fast if kernel else D.dequantize_weight_reference
     layer = dict(

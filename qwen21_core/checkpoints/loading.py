@@ -461,11 +461,8 @@ def load_fun_control(path: str | os.PathLike, base: TransformerConfig, device, d
         convert = key_maps.converter(layout, ckpt.keys())
         shapes = _shapes(ckpt, convert, quant)
         config, blocks, channels = _control_config(ckpt.path, shapes, base)
-        stored_names = _stored_formats(quant, convert)
-        stored = dit_stored_formats(stored_names, stack="control_blocks")
-        for name, fmt in stored_names.items():  # the skips a quantised file stores in 8 bits ("auto" keeps them so)
-            if match := re.fullmatch(rf"control_blocks\.(\d+)\.{SKIP}\.weight", name):
-                stored[(int(match.group(1)), SKIP)] = fmt
+        # the skips a quantised file stores in 8 bits are kept so under "auto", as its blocks' Linears
+        stored = dit_stored_formats(_stored_formats(quant, convert), stack="control_blocks", extra={SKIP: SKIP})
         candidates = [(i, name) for i in range(blocks) for name in (*QUANTIZABLE, SKIP)]
         plan = choose(weight_format, candidates, stored)
         model = build_empty(lambda: FunControlNet(config, blocks, channels).to(dtype).quantize_linears(plan),

@@ -34,7 +34,7 @@ from ...kernels.linear_epilogue import linear_epilogue
 from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer
-from ..quant.linear import Projected, QuantLinear
+from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
 from .block_stack import BlockStack
@@ -79,13 +79,7 @@ class QuantizedSkip(nn.Module):
         """h + gate * (W c + b) for h, c [B, S, D] and gate [B', D] (B' >= B): the quantised GEMM, then one epilogue
         pass for the bias and the weighted add."""
         b, s, d = h.shape
-        c2d = c.reshape(b * s, -1)
-        layer = self.linear
-        backend = layer.backend(b * s) if layer.quantize_activations else "weight_only"
-        if backend == "weight_only":
-            projected = Projected(layer.weight_only(c2d))
-        else:
-            projected = layer.project(*layer.quantize_input(c2d.contiguous()), backend)
+        projected = self.linear.project_rows(c.reshape(b * s, -1))
         out = linear_epilogue(projected.data, row_scale=projected.row_scale, col_scale=projected.col_scale,
                               bias=self.bias, residual=h.reshape(b * s, d), gate=gate, rows_per_batch=s)  # fmt: skip
         return out.view(b, s, d)
@@ -101,7 +95,8 @@ def add_skip(h: torch.Tensor, skip: nn.Module, c: torch.Tensor, strength: float,
 
 def control_plan(fmt: QuantFormat, num_blocks: int, keep=()) -> dict[tuple[int, str], QuantFormat]:
     """Every control block Linear and skip in `fmt`, except the paths in `keep` (SKIP keeps the skips in bf16)."""
-    return {(i, path): fmt for i in range(num_blocks) for path in (*QUANTIZABLE, SKIP) if path not in set(keep)}
+    paths = [path for path in (*QUANTIZABLE, SKIP) if path not in keep]
+    return {(i, path): fmt for i in range(num_blocks) for path in paths}
 
 
 class FunControlNet(BlockStack, nn.Module):

@@ -166,14 +166,17 @@ class QuantLinear(nn.Module):
         alpha/rank folded into `up`; [] removes them. The quantised weight is never touched."""
         self.side_path = LowRankSidePath(paths, self.qweight.device, self.compute_dtype) if paths else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
+    def project_rows(self, x2d: torch.Tensor) -> Projected:
+        """The unfused GEMM of activation rows x2d [M, K]: weight-only, or quantised and projected with this device's
+        W8A8 backend (its output possibly an accumulator with scales, for an epilogue to finish)."""
         backend = self.backend(x2d.shape[0]) if self.quantize_activations else "weight_only"
         if backend == "weight_only":
-            y = self.weight_only(x2d)
-        else:
-            q, scale = self.quantize_input(x2d.contiguous())
-            y = self.project(q, scale, backend).dense(x.dtype)
+            return Projected(self.weight_only(x2d))
+        return self.project(*self.quantize_input(x2d.contiguous()), backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        y = self.project_rows(x2d).dense(x.dtype)
         if self.side_path is not None:
             self.side_path.add_to(y, x2d)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -74,14 +74,16 @@ _DIT_LAYER_OF = {
 }
 
 
-def dit_stored_formats(diffusers_names: Mapping[str, QuantFormat],
-                       stack: str = "transformer_blocks") -> dict[tuple[int, str], QuantFormat]:  # fmt: skip
+def dit_stored_formats(diffusers_names: Mapping[str, QuantFormat], stack: str = "transformer_blocks",
+                       extra: Mapping[str, str] | None = None) -> dict[tuple[int, str], QuantFormat]:  # fmt: skip
     """(block, fused layer path) -> format, from the quantised weights' diffusers names; `stack`: the blocks' name
-    ("control_blocks" for the Fun-Control branch, whose blocks are the DiT's)."""
+    ("control_blocks" for the Fun-Control branch, whose blocks are the DiT's); `extra`: more per-block layers of that
+    stack (file name after the block index -> plan path: the branch's skips)."""
+    layer_of = {**_DIT_LAYER_OF, **(extra or {})}
     pattern = re.compile(rf"{re.escape(stack)}\.(\d+)\.(.+)\.weight")
     out = {}
     for name, fmt in diffusers_names.items():
         match = pattern.fullmatch(name)
-        if match and match.group(2) in _DIT_LAYER_OF:
-            out[(int(match.group(1)), _DIT_LAYER_OF[match.group(2)])] = fmt
+        if match and match.group(2) in layer_of:
+            out[(int(match.group(1)), layer_of[match.group(2)])] = fmt
     return out
