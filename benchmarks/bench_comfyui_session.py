@@ -82,6 +82,9 @@ FULL_SIZE_FILES = {
     "lora": "loras/session_lora_rank64_comfyui.safetensors",
 }
 LORA_RANK = 64
+# --dit q4_k_m: the DiT as a GGUF file (written once beside the others), loaded with weight_dtype auto
+GGUF_DIT_FILE = "diffusion_models/qwen_image_2.1_random_Q4_K_M.gguf"
+DITS = ("fp8", "q4_k_m")
 CONTROL_FILE = "model_patches/qwen_image_2.1_fun_control_random_bf16.safetensors"
 CONTROL_BLOCKS = 16
 CONTROL_IMAGE = "control_edges.png"  # workflows/input, copied into the server's input/
@@ -159,6 +162,70 @@ def write_dit(path: Path, dit) -> None:
     write_safetensors(path, *fp8_scaled(comfy, lambda name: ".transformer_blocks." in name))
 
 
+# A Q4_K_M-like mix, as llama.cpp's Q4_K_M keeps its value and down projections in Q6_K in part of the layers
+GGUF_HIGHER = ("attn.to_v.weight", "img_mlp.out.weight")
+
+
+def write_gguf_dit(path: Path, dit) -> None:
+    """Our DiT as a Q4_K_M GGUF file in ComfyUI-GGUF's layout (bare ComfyUI names): every block Linear Q4_K, its
+    to_v and MLP out in Q6_K in every other block (rows too short for 256-value blocks: Q8_0, as the converters
+    fall back), vectors in F32 and the other matrices in BF16. The blocks are
+    random codes with the spread of the random init (bench_gguf.random_gguf_rows), streamed one tensor at a time
+    to the file (a .part file renamed when complete)."""
+    import gguf
+    import numpy as np
+    from bench_gguf import random_gguf_rows
+    from qwen21_nodes.qwen21_core.checkpoints import key_maps
+
+    tensors = key_maps.dit_to_comfyui({n: t.detach() for n, t in dit.checkpoint_slots().items()}, prefix="")
+    gen = torch.Generator(device=dit.device).manual_seed(2)
+    plan = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 1:
+            plan[name] = "F32"
+        elif name.startswith("transformer_blocks.") and tensor.dim() == 2:
+            index = int(name.split(".")[1])
+            qtype = "Q6_K" if name.endswith(GGUF_HIGHER) and index % 2 == 0 else "Q4_K"
+            plan[name] = qtype if tensor.shape[1] % 256 == 0 else "Q8_0" if tensor.shape[1] % 32 == 0 else "BF16"
+        else:
+            plan[name] = "BF16"
+
+    def data(name):
+        tensor, qtype = tensors[name], plan[name]
+        if qtype == "F32":
+            return tensor.float().cpu().numpy()
+        if qtype == "BF16":
+            return tensor.to(torch.bfloat16).contiguous().view(torch.uint8).cpu().numpy()
+        rows, columns = tensor.shape
+        return random_gguf_rows(qtype, rows, columns, (3 * columns) ** -0.5, tensor.device, gen).cpu().numpy()
+
+    def nbytes(name):
+        from qwen21_nodes.kernels.dequantize_gguf import row_bytes
+
+        tensor, qtype = tensors[name], plan[name]
+        return tensor.numel() * 4 if qtype == "F32" else tensor.shape[0] * row_bytes(qtype, tensor.shape[-1])
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    writer = gguf.GGUFWriter(str(part), "qwen_image21")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for name, tensor in tensors.items():
+        qtype = plan[name]
+        if qtype == "F32":
+            writer.add_tensor_info(name, tuple(tensor.shape), np.dtype(np.float32), nbytes(name))
+        else:
+            shape = (tensor.shape[0], nbytes(name) // tensor.shape[0])
+            writer.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes(name),
+                                   raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name in tensors:
+        writer.write_tensor_data(data(name))
+    writer.close()
+    part.rename(path)
+
+
 def write_text_encoder(path: Path, model) -> None:
     """A transformers Qwen3-VL model as Comfy-Org's fp8_scaled file: its language model's Linears fp8, the vision
     tower and the embeddings bf16, without the lm_head (our loader reads past it)."""
@@ -229,6 +296,18 @@ def write_control(path: Path, device: torch.device) -> None:
          seconds=round(time.perf_counter() - started, 1))  # fmt: skip
 
 
+def write_full_size_gguf(path: Path, device: torch.device) -> None:
+    """GGUF_DIT_FILE: the full-size DiT as a Q4_K_M GGUF (write_gguf_dit), built on `device` in a child process."""
+    from _common import random_dit
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        write_gguf_dit(path, random_dit(TransformerConfig(), device, torch.bfloat16))
+    emit(what="session_models", written=True, gb={"diffusion_model_gguf": round(path.stat().st_size / 1e9, 2)},
+         seconds=round(time.perf_counter() - started, 1))  # fmt: skip
+
+
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -244,11 +323,17 @@ def model_files(args) -> dict[str, str]:
         started = time.perf_counter()
         paths = make_tiny(models)
         emit(what="session_models", written=True, tiny=True, seconds=round(time.perf_counter() - started, 1))
+        dit = "gguf" if args.dit == "q4_k_m" else "transformer"  # tiny: make_tiny's GGUF (Q8_0 blocks)
         return {role: paths[name].name for role, name in
-                (("diffusion_model", "transformer"), ("text_encoder", "text_encoder"), ("vae", "vae"),
+                (("diffusion_model", dit), ("text_encoder", "text_encoder"), ("vae", "vae"),
                  ("lora", "lora"), ("control", "control"))}  # fmt: skip
     full_size_files(models, args.device, args.comfyui_dir)
     files = {role: Path(name).name for role, name in FULL_SIZE_FILES.items()}
+    if args.dit == "q4_k_m":
+        if not (models / GGUF_DIT_FILE).is_file():  # a child process, as for the other files
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write-gguf", "--models-dir",
+                            str(models), "--device", args.device], check=True)  # fmt: skip
+        files["diffusion_model"] = Path(GGUF_DIT_FILE).name
     if args.control:
         if not (models / CONTROL_FILE).is_file():  # a child process, as for the other files
             subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write-control", "--models-dir",
@@ -315,8 +400,9 @@ class ComfyUI:
         (self.base / "custom_nodes" / "qwen21_bench_cap.py").write_text(CAP_NODE)
         for image in EXAMPLE_INPUTS.glob("*.png"):  # the edits' reference images
             shutil.copyfile(image, self.base / "input" / image.name)
-        kinds = "".join(f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras",
-                                                              "model_patches"))
+        kinds = "".join(
+            f"    {kind}: {kind}\n" for kind in ("diffusion_models", "text_encoders", "vae", "loras", "model_patches")
+        )
         (self.base / "extra_model_paths.yaml").write_text(f"qwen21_session:\n    base_path: {models}\n{kinds}")
         port = _free_port()
         command = [python, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(self.base),
@@ -396,12 +482,13 @@ def _free_port() -> int:
 # ---- the session ---------------------------------------------------------------------------------------------
 
 
-def with_files(prompt: dict, files: dict[str, str]) -> dict:
-    """bench_session's prompt with the loader pointed at our files, in the session's precision."""
+def with_files(prompt: dict, files: dict[str, str], dit: str = PRECISION) -> dict:
+    """bench_session's prompt with the loader pointed at our files, in the session's precision (a GGUF DiT: auto,
+    which keeps its blocks as they are stored)."""
     for node in prompt.values():
         if node["class_type"] == "Qwen21ModelLoader":
             node["inputs"].update(diffusion_model=files["diffusion_model"], text_encoder=files["text_encoder"],
-                                  vae=files["vae"], weight_dtype=PRECISION)  # fmt: skip
+                                  vae=files["vae"], weight_dtype=PRECISION if dit == PRECISION else "auto")  # fmt: skip
     return prompt
 
 
@@ -448,8 +535,14 @@ def as_ksampler(prompt: dict) -> dict:
     model = [loader, 1]
     if "Qwen21LoraLoader" in by_type:
         lora = prompt[by_type["Qwen21LoraLoader"]]
-        prompt[by_type["Qwen21LoraLoader"]] = {"class_type": "LoraLoaderModelOnly", "inputs": {
-            "model": model, "lora_name": lora["inputs"]["lora_name"], "strength_model": lora["inputs"]["strength"]}}
+        prompt[by_type["Qwen21LoraLoader"]] = {
+            "class_type": "LoraLoaderModelOnly",
+            "inputs": {
+                "model": model,
+                "lora_name": lora["inputs"]["lora_name"],
+                "strength_model": lora["inputs"]["strength"],
+            },
+        }
         model = [by_type["Qwen21LoraLoader"], 0]
     encoder = prompt[encode]["inputs"]
     encoder["model"] = [loader, 0]
@@ -528,13 +621,16 @@ def run_session(args, files: dict[str, str], flags: list[str], cap: float | None
     if cap is not None and args.device == "cuda":
         total_gib = torch.cuda.get_device_properties(0).total_memory / GIB
         flags = [*flags, "--reserve-vram", f"{max(0.0, total_gib - cap):.3f}"]
-    kind = dict(precision=PRECISION, cap_gib=cap, kernel_cache=found, via="comfyui", comfyui_flags=flags,
+    kind = dict(precision=PRECISION, dit=args.dit, cap_gib=cap, kernel_cache=found, via="comfyui", comfyui_flags=flags,
                 sampler=args.sampler, control=args.control)  # fmt: skip
     log_dir = Path(args.log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     pack = Path(args.pack_dir).resolve() if args.pack_dir else REPO
-    name = f"comfyui_session_server_{args.sampler}_{'none' if cap is None else cap}{'_control' * args.control}.txt"
+    name = (
+        f"comfyui_session_server_{args.sampler}_{args.dit}_{'none' if cap is None else cap}"
+        f"{'_control' * args.control}.txt"
+    )
     server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags, log_dir / name, pack,
                      hard_cap_gib=cap)  # fmt: skip
     try:
@@ -552,7 +648,7 @@ def run_session(args, files: dict[str, str], flags: list[str], cap: float | None
             for index, spec in enumerate(specs):
                 number = offset + index  # every prompt's text new, also across guidance scales
                 text_index = number if spec["changed"] else number - 1  # the rerun: the previous prompt's text
-                prompt = with_files(session_prompt(spec, number, args, files["lora"], text_index), files)
+                prompt = with_files(session_prompt(spec, number, args, files["lora"], text_index), files, args.dit)
                 prompt = with_guidance(prompt, cfg, args.negative)
                 if args.sampler == "ksampler":
                     prompt = as_ksampler(prompt)
@@ -628,9 +724,14 @@ def main() -> int:
                         "none,24,16,12")  # fmt: skip
     parser.add_argument("--cfgs", default="1", help="comma-separated guidance scales, each a pass over the prompts")
     parser.add_argument("--negative", default="blurry, low quality, distorted", help="the negative prompt at cfg > 1")
-    parser.add_argument("--control", action="store_true",
-                        help="Fun-Control on every text-to-image prompt (see the module docstring)")
+    parser.add_argument(
+        "--control", action="store_true", help="Fun-Control on every text-to-image prompt (see the module docstring)"
+    )
+    parser.add_argument("--dit", default="fp8", help="comma-separated DiT files, each a pass over --caps and "
+                        "--samplers: fp8 (Comfy-Org's fp8_scaled layout) and/or q4_k_m (a GGUF in ComfyUI-GGUF's "
+                        "layout, loaded with weight_dtype auto)")  # fmt: skip
     parser.add_argument("--write-models", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--write-gguf", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--write-control", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -638,6 +739,9 @@ def main() -> int:
         args.tail = min(args.tail, 2)
     if args.write_control:
         write_control(Path(args.models_dir or FULL_SIZE_DIR) / CONTROL_FILE, torch.device(args.device))
+        return 0
+    if args.write_gguf:
+        write_full_size_gguf(Path(args.models_dir or FULL_SIZE_DIR) / GGUF_DIT_FILE, torch.device(args.device))
         return 0
     if args.write_models:  # only ComfyUI's Qwen tokenizer is needed (copied beside the text encoder)
         from qwen21_nodes.qwen21_core.checkpoints.loading import COMFYUI_TOKENIZER_DIR
@@ -661,24 +765,29 @@ def main() -> int:
     if not samplers or set(samplers) - {"qwen21", "ksampler"}:
         parser.error(f"--samplers takes qwen21 and/or ksampler, got {args.samplers!r}")
     caps = [None if cap.strip() in ("none", "") else float(cap) for cap in args.caps.split(",")]
+    dits = [name.strip() for name in args.dit.split(",") if name.strip()]
+    if not dits or set(dits) - set(DITS):
+        parser.error(f"--dit takes {' and/or '.join(DITS)}, got {args.dit!r}")
     args.cfgs = [float(cfg) for cfg in args.cfgs.split(",")]
     try:
         failures = 0
-        for cap in caps:
-            summaries = {}
-            for name in samplers:
-                args.sampler = name
-                failed, summaries[name] = run_session(args, model_files(args), comfyui_flags(args), cap)
-                failures += failed
-            if {"qwen21", "ksampler"} <= summaries.keys():
-                for cfg in args.cfgs:
-                    ours, theirs = summaries["qwen21"].get(cfg, {}), summaries["ksampler"].get(cfg, {})
-                    ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
-                             if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
-                    emit(what="ksampler_vs_qwen21", cap_gib=cap, cfg=cfg, control=args.control, steady_ratio=ratio,
-                         qwen21_steady_s=ours.get("steady_image_s"), ksampler_steady_s=theirs.get("steady_image_s"),
-                         qwen21_first_s=ours.get("first_image_s"),
-                         ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip
+        for dit in dits:
+            args.dit = dit
+            for cap in caps:
+                summaries = {}
+                for name in samplers:
+                    args.sampler = name
+                    failed, summaries[name] = run_session(args, model_files(args), comfyui_flags(args), cap)
+                    failures += failed
+                if {"qwen21", "ksampler"} <= summaries.keys():
+                    for cfg in args.cfgs:
+                        ours, theirs = summaries["qwen21"].get(cfg, {}), summaries["ksampler"].get(cfg, {})
+                        ratio = (round(theirs["steady_image_s"] / ours["steady_image_s"], 3)
+                                 if ours.get("steady_image_s") and theirs.get("steady_image_s") else None)  # fmt: skip
+                        emit(what="ksampler_vs_qwen21", dit=dit, cap_gib=cap, cfg=cfg, control=args.control,
+                             steady_ratio=ratio, qwen21_steady_s=ours.get("steady_image_s"),
+                             ksampler_steady_s=theirs.get("steady_image_s"), qwen21_first_s=ours.get("first_image_s"),
+                             ksampler_first_s=theirs.get("first_image_s"))  # fmt: skip
         return 1 if failures else 0
     finally:
         if temporary:

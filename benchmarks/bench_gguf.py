@@ -27,23 +27,64 @@ from _common import emit, mean_call_ms, random_dit, sync  # noqa: E402
 GIB = 2**30
 
 
+# Where each type keeps its fp16 scale d (and its fp16 minimum m where it has one), and the spread of its quant codes
+# q: a value is d * q for the types without m (their codes centred by the kernel), d * q + m (m = -q_centre * d) for
+# those with it.
+_SCALES = {
+    "Q8_0": dict(d=0, m=None, q_std=73.9, q_centre=0.0),  # int8 codes, -128..127
+    "Q4_0": dict(d=0, m=None, q_std=4.61, q_centre=0.0),  # the kernel subtracts 8 itself
+    "Q5_0": dict(d=0, m=None, q_std=9.23, q_centre=0.0),  # the kernel subtracts 16 itself
+    "Q4_1": dict(d=0, m=2, q_std=4.61, q_centre=7.5),
+    "Q5_1": dict(d=0, m=2, q_std=9.23, q_centre=15.5),
+}
+# K-quants: every sub-block scale (and minimum) code set to 32 (Q4_K, Q5_K: 6-bit codes packed into 12 bytes) or
+# 16 (Q6_K: int8 codes), so the fp16 d (and dmin) alone set the spread.
+_K_SCALES = {
+    "Q4_K": dict(d=0, m=2, codes=(4, bytes([160] * 8 + [0] * 4)), code=32, q_std=4.61, q_centre=7.5),
+    "Q5_K": dict(d=0, m=2, codes=(4, bytes([160] * 8 + [0] * 4)), code=32, q_std=9.23, q_centre=15.5),
+    "Q6_K": dict(d=208, m=None, codes=(192, bytes([16] * 16)), code=16, q_std=18.47, q_centre=0.0),
+}
+
+
+def random_gguf_rows(qtype: str, rows: int, columns: int, std: float, device, generator=None) -> torch.Tensor:
+    """[rows, row bytes] uint8: random `qtype` blocks whose values have spread `std` and are centred on 0 (Q4_0 and
+    Q5_0 half a code off: they have no minimum to centre with), from uniform random codes under fixed scales. Full size on a GPU in a
+    moment, where a real quantiser would take minutes; the benchmarks time the layers, so the values need only be
+    finite and of a realistic size."""
+    from qwen21_nodes.kernels.dequantize_gguf import BLOCKS, row_bytes
+
+    block_values, block_bytes_ = BLOCKS[qtype]
+    data = torch.randint(0, 256, (rows, row_bytes(qtype, columns)), dtype=torch.uint8, device=device,
+                         generator=generator)  # fmt: skip
+    blocks = data.view(-1, block_bytes_)
+    layout = _K_SCALES.get(qtype) or _SCALES[qtype]
+    d = std / (layout.get("code", 1) * layout["q_std"])
+    minimum = layout["q_centre"] * d * (1 if "codes" in layout else -1)  # K-quants subtract their dmin, Q4_1 adds m
+    fields = [(layout["d"], d)] + ([(layout["m"], minimum)] if layout["m"] is not None else [])
+    for offset, value in fields:
+        half = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
+        blocks[:, offset : offset + 2] = half
+    if "codes" in layout:
+        offset, codes = layout["codes"]
+        blocks[:, offset : offset + len(codes)] = torch.tensor(list(codes), dtype=torch.uint8, device=device)
+    assert block_values > 1, qtype
+    return data
+
+
 def gguf_twin(source, qtype: str):
-    """A DiT sharing `source`'s tensors whose block Linears are GGUFLinears of random `qtype` blocks."""
-    from qwen21_nodes.kernels.dequantize_gguf import BLOCKS
+    """A DiT sharing `source`'s tensors whose block Linears are GGUFLinears of random `qtype` blocks with the spread
+    of the benchmarks' random init (std 1/sqrt(3 fan_in))."""
     from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
 
     twin = source.shared_twin()
     device = source.device
-    scale_fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,))
+    gen = torch.Generator(device=device).manual_seed(1)
     for block, original in zip(twin.transformer_blocks, source.transformer_blocks, strict=True):
         for path, linear in original.linears().items():
             layer = GGUFLinear(linear.in_features, ((linear.out_features, qtype),), compute_dtype=source.dtype)
-            blocks = torch.randint(0, 256, layer.qweight.shape, dtype=torch.uint8, device=device)
-            rows = blocks.view(-1, BLOCKS[qtype][1])
-            for offset in scale_fields:  # small fp16 scales: every value finite
-                scales = (torch.rand(rows.shape[0], device=device) * 1e-3).to(torch.float16)
-                rows[:, offset : offset + 2] = scales.view(torch.uint8).view(-1, 2)
-            layer.qweight = torch.nn.Parameter(blocks, requires_grad=False)
+            blocks = random_gguf_rows(qtype, linear.out_features, linear.in_features,
+                                      (3 * linear.in_features) ** -0.5, device, gen)  # fmt: skip
+            layer.qweight = torch.nn.Parameter(blocks.view(layer.qweight.shape), requires_grad=False)
             parent, _, child = path.rpartition(".")
             setattr(block.get_submodule(parent), child, layer)
     return twin.eval()

@@ -170,12 +170,13 @@ for part in "$@"; do
       run bench_control "${CONTROL_LIMIT:-300}" python3 benchmarks/bench_control.py ${CONTROL_ARGS:-} ;;
     velocity)  # KSampler's way into the DiT (VelocityRun) against our sampler, full size fp8, per size; profiles
       run bench_velocity "${VELOCITY_LIMIT:-200}" python3 benchmarks/bench_velocity.py --profile ${VELOCITY_ARGS:-} ;;
-    session-door)  # a ComfyUI server session on the full-size fp8 files: DOOR_SAMPLER (ksampler or qwen21), card sizes
-      # DOOR_CAPS (GiB, one server each; none: the whole card), guidance scales DOOR_CFGS, DOOR_PROMPTS prompts per
-      # scale, DOOR_ARGS more flags (--extra-args=--lowvram); the log is $OUT/DOOR_NAME.log
+    session-door)  # a ComfyUI server session on the full-size files: DOOR_DIT (fp8 and/or q4_k_m, a GGUF DiT),
+      # DOOR_SAMPLER (ksampler or qwen21), card sizes DOOR_CAPS (GiB, one server each; none: the whole card), guidance
+      # scales DOOR_CFGS, DOOR_PROMPTS prompts per scale, DOOR_ARGS more flags (--extra-args=--lowvram); the log is
+      # $OUT/DOOR_NAME.log
       unpack_comfyui
       comfyui_run "${DOOR_NAME:-bench_door}" "${DOOR_LIMIT:-590}" python3 benchmarks/bench_comfyui_session.py \
-        --samplers "${DOOR_SAMPLER:-ksampler}" --caps "${DOOR_CAPS:-none}" --cfgs "${DOOR_CFGS:-1,4}" \
+        --dit "${DOOR_DIT:-fp8}" --samplers "${DOOR_SAMPLER:-ksampler}" --caps "${DOOR_CAPS:-none}" --cfgs "${DOOR_CFGS:-1,4}" \
         --limit "${DOOR_PROMPTS:-12}" --log-dir "$OUT" ${DOOR_ARGS:-} ;;
     loader-node)  # the loader node's load on the full-size ComfyUI files, fresh processes (ComfyUI's tokenizer from
       # .carry/comfyui); LOADER_NODE_ARGS="--pack-dirs . /path/old" alternates two packages

@@ -608,6 +608,72 @@ def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     assert matmuls["controlled"] > matmuls["plain"]  # the branch's blocks and after_proj are in the recorded steps
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_bench_gguf_random_rows_read_back_with_the_spread_asked_for(monkeypatch, qtype):
+    """random_gguf_rows: blocks that gguf's own dequantiser reads as finite values centred on 0 (within an eighth of
+    the spread, Q4_0 half a code off) with the standard deviation asked for (within 5%)."""
+    gguf = pytest.importorskip("gguf")
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    from bench_gguf import random_gguf_rows
+
+    rows = random_gguf_rows(qtype, 32, 1024, 0.02, "cpu", torch.Generator().manual_seed(0))
+    values = gguf.quants.dequantize(rows.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    assert values.shape == (32, 1024) and bool(torch.from_numpy(values).isfinite().all())
+    assert abs(float(values.mean())) < 0.12 * 0.02 and float(values.std()) == pytest.approx(0.02, rel=0.05)
+
+
+def test_bench_comfyui_session_writes_a_q4_k_m_gguf_our_loader_keeps_quantised(tmp_path, monkeypatch):
+    """write_gguf_dit: ComfyUI-GGUF's layout with Q4_K blocks, Q6_K for to_v and the MLP out in every other block,
+    the rest as it was (bf16 matrices, F32 vectors), loaded by our loader with its blocks as stored."""
+    pytest.importorskip("gguf")
+    monkeypatch.syspath_prepend(str(BENCH_VAE.parent))
+    import bench_comfyui_session as bench
+    from qwen21_nodes.qwen21_core.checkpoints import loading
+    from qwen21_nodes.qwen21_core.config import TransformerConfig
+    from qwen21_nodes.qwen21_core.dit.transformer import QwenImage21Transformer
+    from qwen21_nodes.qwen21_core.quant.gguf_linear import GGUFLinear
+
+    torch.manual_seed(0)  # inner width 256: one K-quant block per row
+    dit = QwenImage21Transformer(TransformerConfig(num_layers=2, num_attention_heads=2, context_in_dim=256))
+    bench.write_gguf_dit(tmp_path / "dit.gguf", dit.to(torch.bfloat16))
+    loaded, info = loading.load_transformer(tmp_path / "dit.gguf", "cpu", torch.bfloat16)
+    assert (info["layout"], info["stored"]) == ("comfyui", "GGUF")
+    types = {name: layer.fmt.types for name, layer in loaded.named_modules() if isinstance(layer, GGUFLinear)}
+    assert types["transformer_blocks.0.attn.to_qkv"] == ("Q4_K", "Q4_K", "Q6_K")
+    assert types["transformer_blocks.0.img_mlp.out"] == ("Q6_K",)
+    assert types["transformer_blocks.1.attn.to_qkv"] == ("Q4_K",) * 3
+    assert types["transformer_blocks.1.img_mlp.out"] == ("Q4_K",)
+    assert len(types) == 8  # every block Linear
+    assert torch.equal(loaded.img_in.weight, dit.img_in.weight) and not (tmp_path / "dit.gguf.part").exists()
+
+
+def test_door_ratios_compare_each_session_with_the_uncapped_baselines_of_its_run():
+    """door_ratios: every session against the uncapped Qwen21 Sampler one on the fp8 file of the same package and
+    control setting (the first with a steady image), a GGUF session also against its own file's uncapped one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("door_ratios", BENCH_VAE.parent / "door_ratios.py")
+    door = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(door)
+
+    def summary(sampler, dit, cap, steady, code="a", control=False):
+        return dict(what="session_summary", sampler=sampler, dit=dit, cap_gib=cap, cfg=1.0, steady_image_s=steady,
+                    code=code, control=control, comfyui_flags=[], prompts=12, errors=0)  # fmt: skip
+
+    lines = [summary("qwen21", "fp8", None, None), summary("qwen21", "fp8", None, 2.0),
+             summary("qwen21", "fp8", None, 9.0, code="b"), summary("qwen21", "fp8", None, 3.0, control=True),
+             summary("ksampler", "fp8", 16.0, 2.5), summary("qwen21", "q4_k_m", None, 2.2),
+             summary("ksampler", "q4_k_m", 8.0, 3.3), summary("ksampler", "fp8", 16.0, 3.6, control=True)]  # fmt: skip
+    rows = door.ratios(lines)
+    by = {(r["sampler"], r["dit"], r["cap_gib"], r["control"]): r for r in rows if r["steady_image_s"]}
+    assert by[("ksampler", "fp8", 16.0, False)]["ratio"] == 1.25
+    assert by[("ksampler", "fp8", 16.0, True)]["ratio"] == 1.2  # against the controlled baseline
+    gguf = by[("ksampler", "q4_k_m", 8.0, False)]
+    assert (gguf["ratio"], gguf["same_dit_ratio"]) == (1.65, 1.5)
+    assert by[("qwen21", "q4_k_m", None, False)]["ratio"] == 1.1
+    assert ("qwen21", "fp8", None, False) not in by  # the baseline itself
+
+
 def test_bench_gguf_smoke_times_each_type_and_the_k_quants_first_kernel():
     """bench_gguf --tiny on the CPU: the kernel-only lines per type (the K-quants also through their first, flat
     kernel, bit-identical), then the step line per variant with its ratios to bf16."""
