@@ -19,10 +19,13 @@ CHILD = Path(__file__).with_name("comfyui_child.py")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.comfyui,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU; this machine has none (run on the H200)"),
-    pytest.mark.skipif(not (COMFYUI_DIR and os.path.isfile(os.path.join(COMFYUI_DIR, "main.py"))),
-                       reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)"
+    ),
+    pytest.mark.skipif(
+        not (COMFYUI_DIR and os.path.isfile(os.path.join(COMFYUI_DIR, "main.py"))),
+        reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its interpreter)",
+    ),
 ]
 
 
@@ -49,6 +52,14 @@ def test_ksampler_on_a_card_without_room_for_both_models_keeps_the_dit_on_the_gp
     assert line["errors"] == {} and line["devices"] == ["cuda:0"] and line["calls"] >= 6, line  # every call, both runs
     assert line["effect"] > 1e-3  # cfg 4 differs from cfg 1: the negative was used
     assert line["difference"] == {"cfg1": 0.0, "cfg4": 0.0}, line  # the uncapped run's latents, bit for bit
+
+
+def test_ksampler_on_a_gguf_model_on_a_card_without_room_for_both_keeps_its_dit_on_the_gpu(tmp_path):
+    """The same with the GGUF DiT (its blocks as stored): the 8 GB card's case."""
+    line = run_child(tmp_path, ["small_card_gguf"])["small_card_gguf"]
+    assert "failed" not in line, line.get("failed")
+    assert line["errors"] == {} and line["devices"] == ["cuda:0"] and line["calls"] >= 6, line
+    assert line["effect"] > 1e-3 and line["difference"] == {"cfg1": 0.0, "cfg4": 0.0}, line
 
 
 def test_a_partly_loaded_text_encoder_encodes_where_it_is(tmp_path):
