@@ -4,6 +4,7 @@
     python benchmarks/bench_control.py --sizes 1024x1024,1344x768 --steps 20
     python benchmarks/bench_control.py --tiny --device cpu --steps 3      # smoke test
     python benchmarks/bench_control.py --profile                          # + where a controlled step's time goes
+    python benchmarks/bench_control.py --control-stream                   # + the control blocks on a second stream
 
 Per size, the same prompt and noise through our sampler: plain; controlled over the whole schedule; controlled over
 its first half (start 0, end 0.5); controlled with a prompt never seen before (a changed prompt: both prefixes, the
@@ -15,6 +16,10 @@ decode-graph outcome.
 With quantised weights the branch's skips (after_proj) are first kept in bf16 (the previous path) for one controlled
 run, then quantised as the loader now quantises them (`quantised_skips_speedup`: the bf16-skip step over the
 quantised one; `quantised_skips_rel_rms`: the controlled latents' difference, relative RMS).
+
+--control-stream: after those runs, the controlled run again with QWEN21_CONTROL_STREAM on (the control blocks run
+ahead on a second CUDA stream): `control_stream_speedup` (the one-stream step over it), `control_stream_identical`
+(its latents against the one-stream run's, bit for bit) and its peak.
 
 Ratios printed (issue 52's targets): controlled step / plain step (<= 1.5: the branch is half the base's blocks);
 the changed-prompt controlled run / its steps at the controlled step's cost (<= 1.10); half-range run / (half plain +
@@ -216,11 +221,24 @@ def measure(pipe, config, net, args, size: str):
         timed("controlled_bf16_skips", sampler_run, full)
         skips_kept = sampler_run.latents.float()
         net.quantize_linears(control_plan(FORMATS[args.weights], len(net.control_blocks)))
+    one_stream = None
     for name, (run, control) in runs.items():
         timed(name, run, control)
+        if name == "controlled":
+            one_stream = sampler_run.latents
         if name == "controlled" and skips_kept is not None:
             diff = sampler_run.latents.float() - skips_kept
             row["quantised_skips_rel_rms"] = round((diff.pow(2).mean() / skips_kept.pow(2).mean()).sqrt().item(), 5)
+    if args.control_stream:  # the same controlled run with the control blocks on a second stream
+        from qwen21_nodes.qwen21_core import settings
+
+        before = settings.replace(control_stream=True)
+        try:
+            timed("controlled_stream", sampler_run, full)
+        finally:
+            settings.use(before)
+        row["control_stream_identical"] = bool(torch.equal(sampler_run.latents, one_stream))
+        row["control_stream_speedup"] = round(row["controlled_step_ms"] / row["controlled_stream_step_ms"], 3)
     if skips_kept is not None:
         row["quantised_skips_speedup"] = round(row["controlled_bf16_skips_step_ms"] / row["controlled_step_ms"], 3)
     row["controlled_step_ratio"] = round(row["controlled_step_ms"] / row["plain_step_ms"], 3)
@@ -239,6 +257,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_arguments(parser, sizes="1024x1024", steps=40)
     parser.add_argument("--profile", action="store_true", help="eager steps' kernels, plain and controlled")
+    parser.add_argument("--control-stream", action="store_true",
+                        help="also the controlled run with the control blocks on a second CUDA stream")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     with torch.inference_mode():

@@ -48,9 +48,9 @@ _K_SCALES = {
 
 def random_gguf_rows(qtype: str, rows: int, columns: int, std: float, device, generator=None) -> torch.Tensor:
     """[rows, row bytes] uint8: random `qtype` blocks whose values have spread `std` and are centred on 0 (Q4_0 and
-    Q5_0 half a code off: they have no minimum to centre with), from uniform random codes under fixed scales. Full size on a GPU in a
-    moment, where a real quantiser would take minutes; the benchmarks time the layers, so the values need only be
-    finite and of a realistic size."""
+    Q5_0 half a code off: they have no minimum to centre with), from uniform random codes under fixed scales. Full
+    size on a GPU in a moment, where a real quantiser would take minutes; the benchmarks time the layers, so the
+    values need only be finite and of a realistic size."""
     from qwen21_nodes.kernels.dequantize_gguf import BLOCKS, row_bytes
 
     block_values, block_bytes_ = BLOCKS[qtype]

@@ -37,6 +37,7 @@ QUANT_GEMM = "QWEN21_QUANT_GEMM"
 PARALLEL_TIMEOUT = "QWEN21_PARALLEL_TIMEOUT"
 PARALLEL_LOAD_TIMEOUT = "QWEN21_PARALLEL_LOAD_TIMEOUT"
 MODELS = "QWEN21_MODELS"
+CONTROL_STREAM = "QWEN21_CONTROL_STREAM"
 
 QUANT_GEMM_CHOICES = ("weight_only", "emulate")
 
@@ -53,6 +54,7 @@ class Settings:
     parallel_timeout_s: float = 300.0  # QWEN21_PARALLEL_TIMEOUT
     parallel_load_timeout_s: float = 1800.0  # QWEN21_PARALLEL_LOAD_TIMEOUT
     models_dir: str | None = None  # QWEN21_MODELS
+    control_stream: bool = False  # QWEN21_CONTROL_STREAM
 
 
 def _switch(raw: str) -> bool:
@@ -98,6 +100,7 @@ VARIABLES: dict[str, tuple[str, Callable[[str], object]]] = {
     "parallel_timeout_s": (PARALLEL_TIMEOUT, _seconds),
     "parallel_load_timeout_s": (PARALLEL_LOAD_TIMEOUT, _seconds),
     "models_dir": (MODELS, _path),
+    "control_stream": (CONTROL_STREAM, _switch),
 }
 assert set(VARIABLES) == {f.name for f in dataclasses.fields(Settings)}
 

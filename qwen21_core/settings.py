@@ -3,6 +3,7 @@ because kernels read switches too and import nothing above them; its docstring s
 
 from ..kernels.settings import (  # noqa: F401 - re-exported
     AUTOTUNE,
+    CONTROL_STREAM,
     FAST_LAUNCH,
     KERNEL_WARMUP,
     KERNEL_WARMUP_THREADS,

@@ -579,7 +579,7 @@ def test_bench_comfyui_session_runs_fun_control_through_both_samplers(tmp_path):
 def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     """bench_control --tiny on the CPU: the plain, controlled, half-range, changed-prompt and KSampler-way runs each
     report how many steps ran controlled, and the ratios are the figures they are computed from."""
-    lines = _bench("bench_control.py", "--tiny", "--device", "cpu", "--steps", "3", "--profile")
+    lines = _bench("bench_control.py", "--tiny", "--device", "cpu", "--steps", "3", "--profile", "--control-stream")
     (row,) = lines["control_vs_plain"]
     assert row["plain_control"] == "off"
     assert row["controlled_control"] == row["changed_prompt_controlled_control"] == "3/3 steps at strength 1"
@@ -595,6 +595,10 @@ def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     assert 0 < row["quantised_skips_rel_rms"] < 0.1
     ratio = row["controlled_bf16_skips_step_ms"] / row["controlled_step_ms"]
     assert row["quantised_skips_speedup"] == pytest.approx(ratio, abs=1e-3)
+    # --control-stream: the controlled run again with the setting on (on a CPU one stream: the same latents)
+    assert row["controlled_stream_control"] == "3/3 steps at strength 1" and row["control_stream_identical"] is True
+    ratio = row["controlled_step_ms"] / row["controlled_stream_step_ms"]
+    assert row["control_stream_speedup"] == pytest.approx(ratio, abs=1e-3)
     # --profile: one line per path, its kinds summing to the step's total, the controlled step holding more work
     plain, controlled = lines["control_profile"]
     assert (plain["path"], controlled["path"]) == ("plain", "controlled")

@@ -479,6 +479,118 @@ def test_a_streamed_control_branch_gives_the_resident_step_exactly(resident):
     assert net.streamer is None and torch.equal(got, want)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The control blocks run ahead (QWEN21_CONTROL_STREAM): on the CPU the reordering, on the GPU a second stream
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_control_blocks_run_ahead_give_the_interleaved_step_bit_for_bit(monkeypatch):
+    """The control chain enqueued before the base's blocks (on the CPU in order, the reordering the side stream
+    makes), the base taking block k's output after base block 2k: the interleaved step exactly, every output taken
+    once and nothing held after the step."""
+    from qwen21_nodes.qwen21_core.dit.control import ControlState
+
+    dit, net = _random_pair()
+    mask, embeds, cond_tokens, x, context = _inputs()
+    layout = build_layout(mask, [(4, 4)], (4, 6))
+    branch = _controlled_branch(dit, net, layout, 2, 0.7, context)
+    taken = []
+    real_take = ControlState.take
+
+    def take(self, k):
+        taken.append(k)
+        return real_take(self, k)
+
+    with torch.inference_mode():
+        dit.prefill(branch, embeds, cond_tokens)
+        t = torch.full((2,), 0.6)
+        want = dit.decode(branch, x, t)
+        monkeypatch.setattr(ControlState, "runs_ahead", lambda self, h, base_streams: True)
+        monkeypatch.setattr(ControlState, "take", take)
+        got = dit.decode(branch, x, t)
+    assert torch.equal(got, want)
+    assert taken == list(range(CONTROL_BLOCKS)) and branch.control._ahead is None
+
+
+def test_the_control_blocks_run_ahead_only_where_asked_on_a_gpu_with_nothing_streamed(use_settings):
+    """runs_ahead: off unless QWEN21_CONTROL_STREAM=1, and even then only for CUDA tensors with no block of either
+    model streaming and the control cache on the GPU."""
+    dit, net = _random_pair()
+    mask, _, _, _, context = _inputs()
+    branch = _controlled_branch(dit, net, build_layout(mask, [(4, 4)], (4, 6)), 2, 0.7, context)
+    on_cpu, on_gpu = torch.zeros(1), type("CudaTensor", (), {"is_cuda": True})()  # runs_ahead reads is_cuda only
+    use_settings(control_stream=True)
+    assert not branch.control.runs_ahead(on_cpu, base_streams=False)
+    assert branch.control.runs_ahead(on_gpu, base_streams=False)
+    assert not branch.control.runs_ahead(on_gpu, base_streams=True)
+    net.stream_blocks(1)  # some control blocks stream
+    try:
+        assert net.streamer is not None and not branch.control.runs_ahead(on_gpu, base_streams=False)
+    finally:
+        net.place("cpu")
+    branch.control.cache.placement = "cpu"
+    assert not branch.control.runs_ahead(on_gpu, base_streams=False)
+    branch.control.cache.placement = "gpu"
+    use_settings(control_stream=False)
+    assert not branch.control.runs_ahead(on_gpu, base_streams=False)
+
+
+def test_a_control_stream_run_is_sized_for_the_outputs_it_holds(use_settings):
+    """With QWEN21_CONTROL_STREAM=1 a controlled run asks for one image-row activation per control block more and a
+    second step's working set (memory/sizing.py); a plain run asks for what it did."""
+    from qwen21_nodes.qwen21_core.memory import sizing
+
+    dit, _ = _random_pair()
+    args = (dit.config, torch.bfloat16, [40], 256, 1)
+    _, before = sizing.job_bytes(*args, control_layers=CONTROL_BLOCKS)
+    _, plain_before = sizing.job_bytes(*args)
+    use_settings(control_stream=True)
+    _, after = sizing.job_bytes(*args, control_layers=CONTROL_BLOCKS)
+    _, plain_after = sizing.job_bytes(*args)
+    unit = 256 * dit.config.inner_dim * 2
+    assert after - before == (CONTROL_BLOCKS + sizing.ACTIVATION_FACTOR) * unit and plain_after == plain_before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)")
+def test_control_blocks_on_a_second_stream_give_the_one_stream_step_bit_for_bit(use_settings):
+    """On the GPU in bf16 with QWEN21_CONTROL_STREAM=1: the control blocks run on the side stream (its events waited
+    for by the base), eager and captured into a real CUDA graph, and the step is the one-stream step's bits."""
+    from qwen21_nodes.qwen21_core.dit import control as control_module
+
+    dit, net = _random_pair()
+    dit, net = dit.to("cuda", torch.bfloat16), net.to("cuda", torch.bfloat16)
+    mask, embeds, cond_tokens, x, context = _inputs()
+    layout = build_layout(mask, [(4, 4)], (4, 6))
+    xt = (x * 0.6).to("cuda", torch.bfloat16)
+    tt = torch.full((2,), 0.6, device="cuda", dtype=torch.bfloat16)
+    branch = _controlled_branch(dit, net, layout, 2, 0.9, context)
+    dit.prefill(branch, embeds.cuda(), cond_tokens.cuda())
+    want = dit.decode(branch, xt, tt)
+    use_settings(control_stream=True)
+    sides = []
+    real = control_module.side_stream
+
+    def side(device):
+        sides.append(real(device))
+        return sides[-1]
+
+    control_module.side_stream, restore = side, real
+    try:
+        for _ in range(3):  # memory the side stream freed is reused in the later steps
+            assert torch.equal(dit.decode(branch, xt, tt), want)
+        graphs = DecodeGraphs(dit, launch_bound_share=0)
+        captured = graphs.new_branch(layout, 2, "auto", "positive", control=Control(net, 0.9, image=DUMMY_IMAGE))
+        captured.control.set_context(context.cuda())
+        dit.prefill(captured, embeds.cuda(), cond_tokens.cuda())
+        for _ in range(3):
+            assert torch.equal(graphs(captured, xt, tt), want)
+        graphs.release(captured)
+    finally:
+        control_module.side_stream = restore
+    assert sides and all(s is sides[0] for s in sides) and sides[0] != torch.cuda.current_stream()
+
+
 @pytest.mark.parametrize("start,end", [(0.0, 1.0), (0.25, 0.5)])
 def test_a_controlled_run_is_sized_for_what_its_branches_allocate(start, end):
     """memory/sizing.py counts a controlled branch's caches (the control blocks' K/V, the stream's start) and, where

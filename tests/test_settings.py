@@ -25,6 +25,7 @@ EVERY_VARIABLE_SET = {
     "QWEN21_PARALLEL_TIMEOUT": "12.5",
     "QWEN21_PARALLEL_LOAD_TIMEOUT": " 60 ",
     "QWEN21_MODELS": "/data/models",
+    "QWEN21_CONTROL_STREAM": "1",
 }
 
 
@@ -34,6 +35,7 @@ def test_unset_variables_give_the_defaults():
     defaults = settings.Settings()
     assert defaults.kernel_warmup is True and defaults.autotune is False and defaults.fast_launch is None
     assert defaults.kernel_warmup_threads is None and defaults.quant_gemm is None and defaults.models_dir is None
+    assert defaults.control_stream is False
     assert (defaults.parallel_timeout_s, defaults.parallel_load_timeout_s) == (300.0, 1800.0)
 
 
@@ -41,7 +43,7 @@ def test_every_variable_parses_into_its_typed_field():
     parsed = settings.read(EVERY_VARIABLE_SET)
     assert parsed == settings.Settings(kernel_warmup=False, kernel_warmup_threads=3, autotune=True, fast_launch=False,
                                        quant_gemm="emulate", parallel_timeout_s=12.5, parallel_load_timeout_s=60.0,
-                                       models_dir="/data/models")  # fmt: skip
+                                       models_dir="/data/models", control_stream=True)  # fmt: skip
     assert {variable for variable, _ in settings.VARIABLES.values()} == set(EVERY_VARIABLE_SET)
 
 
@@ -53,6 +55,7 @@ def test_every_variable_parses_into_its_typed_field():
         ("QWEN21_KERNEL_WARMUP_THREADS", "two", "a whole number > 0"),
         ("QWEN21_AUTOTUNE", "yes", "0 or 1"),
         ("QWEN21_FAST_LAUNCH", "2", "0 or 1"),
+        ("QWEN21_CONTROL_STREAM", "on", "0 or 1"),
         ("QWEN21_QUANT_GEMM", "scaled_mm", "weight_only or emulate"),
         ("QWEN21_PARALLEL_TIMEOUT", "-5", "a number of seconds > 0"),
         ("QWEN21_PARALLEL_LOAD_TIMEOUT", "nan", "a number of seconds > 0"),

@@ -21,16 +21,23 @@ blocks are the DiT's own `Block` (fused QKV and gate+up, quantisable and streama
 branch quantises its skips too (`after_proj`, a D x D GEMM per control block on every image row, which in bf16
 would run at half the speed of the fp8 blocks' GEMMs): `QuantizedSkip`, its bias and the strength-weighted add in
 the GEMM's epilogue (kernels/linear_epilogue.py).
+
+The control stream's target rows depend on the base's only through the block-0 input, so with QWEN21_CONTROL_STREAM=1
+(a trial, off by default) a decode step enqueues all control blocks first on a second CUDA stream and the base takes
+block k's output when it needs it (`ControlState.run_ahead`, `take`, `join`): the two chains' kernels can fill each
+other's idle moments. The same kernels on the same inputs: the result is the one-stream step's, bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from ...kernels.linear_epilogue import linear_epilogue
+from .. import settings
 from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer
@@ -167,13 +174,27 @@ class FunControlNet(BlockStack, nn.Module):
         return ControlState(self, cache, start, float(strength), {layer: k for k, layer in enumerate(inject)}, gate)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for the control blocks run ahead of the base's: one per device, at the highest priority,
+    so that the chain the base waits for keeps ahead of it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index), priority=-1)
+    return _SIDE_STREAMS[index]
+
+
 def control_key(control) -> tuple | None:
     """What a decode graph of a controlled branch is built on beyond the base's key: the branch's weights (by address:
-    a graph reads them there), which of its blocks stream, and the strength (a constant in the graph)."""
+    a graph reads them there), which of its blocks stream, the strength (a constant in the graph) and whether its
+    blocks run on a second stream (QWEN21_CONTROL_STREAM, which a benchmark changes in one process)."""
     if control is None:
         return None
     net = control.net
-    return (id(net), tuple(p.data_ptr() for p in net.parameters()), net.streaming_signature(), float(control.strength))
+    return (id(net), tuple(p.data_ptr() for p in net.parameters()), net.streaming_signature(), float(control.strength),
+            settings.current().control_stream)  # fmt: skip
 
 
 @dataclass
@@ -189,6 +210,58 @@ class ControlState:
     inject: dict[int, int]
     gate: torch.Tensor | None = None  # [batch, D]: the strength for a quantised skip's fused add (add_skip)
     context_id: object = None  # what `start` was made from (the caller's key): set_context skips a repeat
+    # a decode step's control outputs run ahead (run_ahead): (event or None, c) per control block, and the side stream
+    _ahead: list | None = field(default=None, repr=False)
+    _side: torch.cuda.Stream | None = field(default=None, repr=False)
+
+    def runs_ahead(self, h: torch.Tensor, base_streams: bool) -> bool:
+        """Whether this step's control blocks run ahead on a side stream (QWEN21_CONTROL_STREAM=1, on CUDA, no block
+        of either model streaming and this cache on the GPU: the streamers and host caches pace themselves by the one
+        stream they run on)."""
+        return (settings.current().control_stream and h.is_cuda and not base_streams and self.net.streamer is None
+                and self.cache.placement == "gpu")  # fmt: skip
+
+    def run_ahead(self, h: torch.Tensor, mod, branch, fns, in_graph: bool, beside: bool = True) -> None:
+        """Enqueue every control block of this decode step on its target rows (h: the base's block-0 input). beside:
+        on the device's side stream, where they run beside the base's blocks, which take block k's output with
+        `take(k)`; `join()` ends the step. beside False: in order on the current stream, before the base's blocks
+        (the same results; the CPU tests' way)."""
+        stream = side_stream(h.device) if beside else None
+        self._ahead, self._side = [], stream
+        if stream is None:
+            context = contextlib.nullcontext()
+        else:
+            fork = torch.cuda.Event()
+            fork.record(torch.cuda.current_stream(h.device))
+            h.record_stream(stream)  # the base's tensor, read on the side stream: not reused before that read
+            context = torch.cuda.stream(stream)
+        with context:
+            if stream is not None:
+                stream.wait_event(fork)
+            c = h + self.start
+            for k, block in self.net.stack_blocks():
+                c = block.decode(c, mod, branch, k, fns, in_graph, cache=self.cache)
+                done = None
+                if stream is not None:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                self._ahead.append((done, c))
+
+    def take(self, k: int) -> torch.Tensor:
+        """Control block k's output of the step `run_ahead` enqueued, ready for the current stream to read."""
+        done, c = self._ahead[k]
+        self._ahead[k] = None
+        if done is not None:
+            current = torch.cuda.current_stream(c.device)
+            current.wait_event(done)
+            c.record_stream(current)  # the side stream's tensor: its memory waits for the base's reads of it
+        return c
+
+    def join(self, device: torch.device) -> None:
+        """End the step `run_ahead` began: the current stream waits for the side stream's work."""
+        if self._side is not None:
+            torch.cuda.current_stream(device).wait_stream(self._side)
+        self._ahead, self._side = None, None
 
     @torch.no_grad()
     def set_context(self, context: torch.Tensor, context_id=None) -> None:

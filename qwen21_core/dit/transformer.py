@@ -607,19 +607,30 @@ class QwenImage21Transformer(BlockStack, nn.Module):
         h = self.img_in((x if split is None else split.rows(x)).to(self.dtype))
         branch.cache.begin_step()
         control = branch.control
+        ahead = False
         if control is not None:  # the control stream's target rows, beside the base's (see dit/control.py)
             control.cache.begin_step()
-            c = h + control.start
-            blocks = control.net.stack_blocks()
+            ahead = control.runs_ahead(h, base_streams=self.streamer is not None)
+            if not ahead:
+                c = h + control.start
+                blocks = control.net.stack_blocks()
         with backend_context(branch.attention_backend):
             fns = self.block_functions
+            if ahead:
+                control.run_ahead(h, mod, branch, fns, in_graph, beside=h.is_cuda)
             for i, block in self.stack_blocks():
                 h = block.decode(h, mod, branch, i, fns, in_graph)
                 if control is not None and i in control.inject:
-                    k, control_block = next(blocks)  # control.inject lists the control blocks in order
-                    c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
+                    if ahead:
+                        k = control.inject[i]
+                        c = control.take(k)
+                    else:
+                        k, control_block = next(blocks)  # control.inject lists the control blocks in order
+                        c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
                     h = control.add_skip(h, k, c)
-        if control is not None:
+        if ahead:
+            control.join(h.device)
+        elif control is not None:
             for _ in blocks:  # the streamer's hooks after the last control block
                 pass
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
