@@ -2,14 +2,18 @@
 
     python benchmarks/bench_gguf.py                         # H200: 1024^2, Q8_0 and Q4_K against bf16 and fp8
     python benchmarks/bench_gguf.py --types Q8_0,Q4_K,Q6_K --steps 20
+    python benchmarks/bench_gguf.py --eager --prefetch      # eager steps, each GGUF type also with the prefetch
     python benchmarks/bench_gguf.py --tiny --device cpu     # smoke test
 
-Each variant shares the bf16 model's non-block weights; its block Linears are GGUF layers of random blocks (finite
-scales: the speed is what is measured, not the picture), fp8 ones quantised from the bf16 weights. A run samples
---steps steps of a 1024x1024 text-to-image request through our sampler (prefix cache and decode graphs on); the
-line gives each variant's mean step (the prefix step left out), its ratio to bf16's and to fp8's, its block weights'
-bytes and the run's peak VRAM. --kernel-only times one layer's dequantisation against its GEMM per type (the K-quants
-also against their first, flat kernel: `tiled_over_flat`).
+Each variant shares the bf16 model's non-block weights; its block Linears are GGUF layers of random blocks (random
+codes with the random init's spread: the speed is what is measured, not the picture), fp8 ones quantised from the
+bf16 weights. A run samples --steps steps of a 1024x1024 text-to-image request through our sampler (prefix cache and
+decode graphs on); the line gives each variant's median step (the prefix step left out), its ratio to bf16's and to
+fp8's, its block weights' bytes and the run's peak VRAM. --eager: decode graphs off (a changed prompt's steps at
+1024^2 run eagerly). --prefetch: each GGUF variant also with QWEN21_GGUF_PREFETCH on, in the same process
+(`prefetch_speedup`: the plain step over it; `prefetch_identical`: the same latents bit for bit). --kernel-only
+times one layer's dequantisation against its GEMM per type (the K-quants also against their first, flat kernel:
+`tiled_over_flat`).
 """
 
 from __future__ import annotations
@@ -94,9 +98,10 @@ def block_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for b in model.transformer_blocks for p in b.parameters())
 
 
-def step_ms(model, args, device) -> tuple[float, float, str]:
+def step_ms(model, args, device) -> tuple[float, float, str, torch.Tensor]:
     from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
     from qwen21_nodes.qwen21_core.config import SchedulerConfig
+    from qwen21_nodes.qwen21_core.options import SampleOptions
     from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
     from qwen21_nodes.qwen21_core.request import SampleRequest
 
@@ -120,11 +125,12 @@ def step_ms(model, args, device) -> tuple[float, float, str]:
             torch.cuda.reset_peak_memory_stats(device)
         sync(device)
         last[0] = time.perf_counter()
-        pipe.sample_request(cond, SampleRequest(height=args.size, width=args.size, steps=args.steps, seed=repeat,
-                                                callback=callback))  # fmt: skip
+        latents = pipe.sample_request(cond, SampleRequest(height=args.size, width=args.size, steps=args.steps,
+                                                          seed=repeat, callback=callback),
+                                      SampleOptions(decode_graphs=not args.eager))  # fmt: skip
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     steps = sorted(times[1:])
-    return 1000 * steps[len(steps) // 2], peak, str(pipe.last_sample_stats.get("decode_graph"))[:60]
+    return 1000 * steps[len(steps) // 2], peak, str(pipe.last_sample_stats.get("decode_graph"))[:60], latents
 
 
 def kernel_only(args, device) -> None:
@@ -163,6 +169,11 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kernel-only", action="store_true")
+    parser.add_argument("--eager", action="store_true", help="decode graphs off: every step eager, as a changed "
+                        "prompt's steps at 1024^2 run")  # fmt: skip
+    parser.add_argument("--prefetch", action="store_true",
+                        help="each GGUF variant again with QWEN21_GGUF_PREFETCH on (the next layer dequantised on a "
+                        "second stream): prefetch_speedup, prefetch_identical")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     from qwen21_nodes.qwen21_core.config import TransformerConfig
@@ -187,9 +198,20 @@ def main():
             variants[qtype] = gguf_twin(bf16, qtype)
         rows = {}
         for name, model in variants.items():
-            ms, peak, graphs = step_ms(model, args, device)
+            ms, peak, graphs, latents = step_ms(model, args, device)
             rows[name] = dict(step_ms=round(ms, 2), peak_gib=round(peak, 2),
                               block_gib=round(block_bytes(model) / GIB, 2), decode_graph=graphs)  # fmt: skip
+            if args.prefetch and name in args.types.split(","):  # the same run, the next layer dequantised ahead
+                from qwen21_nodes.qwen21_core import settings
+
+                before = settings.replace(gguf_prefetch=True)
+                try:
+                    ms_ahead, peak_ahead, _, ahead = step_ms(model, args, device)
+                finally:
+                    settings.use(before)
+                rows[name].update(prefetch_step_ms=round(ms_ahead, 2), prefetch_peak_gib=round(peak_ahead, 2),
+                                  prefetch_speedup=round(ms / ms_ahead, 3),
+                                  prefetch_identical=bool(torch.equal(ahead, latents)))  # fmt: skip
         base, fp8 = rows["bf16"]["step_ms"], rows.get("fp8", {}).get("step_ms")
         for name, row in rows.items():
             emit(what="gguf_step", variant=name, size=args.size, steps=args.steps, **row,

@@ -38,6 +38,7 @@ PARALLEL_TIMEOUT = "QWEN21_PARALLEL_TIMEOUT"
 PARALLEL_LOAD_TIMEOUT = "QWEN21_PARALLEL_LOAD_TIMEOUT"
 MODELS = "QWEN21_MODELS"
 CONTROL_STREAM = "QWEN21_CONTROL_STREAM"
+GGUF_PREFETCH = "QWEN21_GGUF_PREFETCH"
 
 QUANT_GEMM_CHOICES = ("weight_only", "emulate")
 
@@ -55,6 +56,7 @@ class Settings:
     parallel_load_timeout_s: float = 1800.0  # QWEN21_PARALLEL_LOAD_TIMEOUT
     models_dir: str | None = None  # QWEN21_MODELS
     control_stream: bool = False  # QWEN21_CONTROL_STREAM
+    gguf_prefetch: bool = False  # QWEN21_GGUF_PREFETCH
 
 
 def _switch(raw: str) -> bool:
@@ -101,6 +103,7 @@ VARIABLES: dict[str, tuple[str, Callable[[str], object]]] = {
     "parallel_load_timeout_s": (PARALLEL_LOAD_TIMEOUT, _seconds),
     "models_dir": (MODELS, _path),
     "control_stream": (CONTROL_STREAM, _switch),
+    "gguf_prefetch": (GGUF_PREFETCH, _switch),
 }
 assert set(VARIABLES) == {f.name for f in dataclasses.fields(Settings)}
 

@@ -5,6 +5,7 @@ from ..kernels.settings import (  # noqa: F401 - re-exported
     AUTOTUNE,
     CONTROL_STREAM,
     FAST_LAUNCH,
+    GGUF_PREFETCH,
     KERNEL_WARMUP,
     KERNEL_WARMUP_THREADS,
     MODELS,

@@ -689,8 +689,13 @@ def test_bench_gguf_smoke_times_each_type_and_the_k_quants_first_kernel():
         assert line["bit_identical"] is True
         ratio = line["dequant_ms"] / line["flat_dequant_ms"]
         assert line["tiled_over_flat"] == pytest.approx(ratio, rel=0.02, abs=2e-3)
-    steps = _bench("bench_gguf.py", "--tiny", "--device", "cpu", "--types", "Q8_0", "--steps", "3", "--repeats", "1")
+    steps = _bench("bench_gguf.py", "--tiny", "--device", "cpu", "--types", "Q8_0", "--steps", "3", "--repeats", "1",
+                   "--eager", "--prefetch")  # fmt: skip
     rows = {row["variant"]: row for row in steps["gguf_step"]}
     assert set(rows) == {"bf16", "Q8_0"} and rows["bf16"]["vs_bf16"] == 1.0
+    # --prefetch: the GGUF variant again with the setting on (on a CPU the plain path: the same latents)
+    assert "prefetch_step_ms" not in rows["bf16"] and rows["Q8_0"]["prefetch_identical"] is True
+    ratio = rows["Q8_0"]["step_ms"] / rows["Q8_0"]["prefetch_step_ms"]
+    assert rows["Q8_0"]["prefetch_speedup"] == pytest.approx(ratio, abs=2e-3)
     assert rows["Q8_0"]["vs_bf16"] == pytest.approx(rows["Q8_0"]["step_ms"] / rows["bf16"]["step_ms"], abs=1e-3)
     assert rows["Q8_0"]["block_gib"] < rows["bf16"]["block_gib"]

@@ -285,3 +285,81 @@ def test_gguf_blocks_of_other_types_stream_and_compute_the_same(tmp_path):
     assert torch.equal(_forward(model), whole)
     model.place("cpu", None)
     assert torch.equal(_forward(model), whole)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# QWEN21_GGUF_PREFETCH: the next layer dequantised ahead (quant/gguf_prefetch.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_the_next_layer_dequantised_ahead_gives_the_plain_step_bit_for_bit(tmp_path, monkeypatch):
+    """A decode step with the prefetch pipeline (on the CPU in order, the bookkeeping the side stream runs): every
+    GGUF layer takes its weight from the pipeline in call order, and the sampled latents are the plain path's."""
+    from qwen21_nodes.qwen21_core.dit import transformer
+    from qwen21_nodes.qwen21_core.quant import gguf_prefetch
+
+    path, _held = dit_gguf(tmp_path / "dit.gguf", _small_state_dict(), "Q4_K")
+    model, _ = loading.load_transformer(path, "cpu", torch.float32)
+    plain = _forward(model)
+    steps = []
+
+    def in_order(model, x):
+        layers = [m for b in model.transformer_blocks for m in b.linears().values() if isinstance(m, GGUFLinear)]
+        steps.append(gguf_prefetch.GGUFPrefetch(layers, x.device, x.dtype, streams=False))
+        return steps[-1]
+
+    monkeypatch.setattr(transformer, "step_prefetch", in_order)
+    assert torch.equal(_forward(model), plain)
+    assert len(steps) == 2  # one per decode step (2 steps; the prefill runs the plain path)
+    assert all(step.on and step.expected == len(step.layers) == 8 for step in steps)
+    assert gguf_prefetch.active_prefetch() is None and all(step.buffers is None for step in steps)
+
+
+def test_a_layer_called_out_of_order_takes_the_plain_path_for_the_rest_of_the_step(tmp_path):
+    """Out of order (another layer than the next one): no weight from the pipeline, then none for any layer."""
+    from qwen21_nodes.qwen21_core.quant.gguf_prefetch import GGUFPrefetch, active_prefetch
+
+    path, _held = dit_gguf(tmp_path / "dit.gguf", _small_state_dict(), "Q8_0")
+    model, _ = loading.load_transformer(path, "cpu", torch.float32)
+    layers = [m for b in model.transformer_blocks for m in b.linears().values()]
+    prefetch = GGUFPrefetch(layers, torch.device("cpu"), torch.float32, streams=False)
+    try:
+        assert active_prefetch() is prefetch
+        first = prefetch.weight(layers[0], torch.float32)
+        assert torch.equal(first, layers[0].dequantized_weight(torch.float32))
+        assert prefetch.weight(layers[2], torch.float32) is None  # layer 1 was next
+        assert prefetch.weight(layers[1], torch.float32) is None and not prefetch.on
+        x = torch.randn(3, layers[1].in_features)
+        assert torch.equal(layers[1].weight_only(x), x @ layers[1].dequantized_weight(torch.float32).T)
+    finally:
+        prefetch.close()
+    assert active_prefetch() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none (run on the H200)")
+def test_gguf_layers_dequantised_on_a_second_stream_give_the_plain_step_bit_for_bit(tmp_path, use_settings):
+    """On the GPU in bf16 with QWEN21_GGUF_PREFETCH=1: eager decode steps fill every layer's weight on the side
+    stream, and the latents equal the plain path's bit for bit (three runs: the buffers' memory reused)."""
+    from qwen21_nodes.qwen21_core.quant import gguf_prefetch
+
+    path, _held = dit_gguf(tmp_path / "dit.gguf", _small_state_dict(), "Q4_K")
+    model, _ = loading.load_transformer(path, "cuda", torch.bfloat16)
+    plain = _forward(model).cpu()
+    use_settings(gguf_prefetch=True)
+    made = []
+    real = gguf_prefetch.GGUFPrefetch
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    gguf_prefetch.GGUFPrefetch = Counted
+    try:
+        for _ in range(3):
+            assert torch.equal(_forward(model).cpu(), plain)
+    finally:
+        gguf_prefetch.GGUFPrefetch = real
+    eager = [step for step in made if step.side is not None]
+    assert eager and all(step.expected == len(step.layers) for step in eager)

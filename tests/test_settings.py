@@ -26,6 +26,7 @@ EVERY_VARIABLE_SET = {
     "QWEN21_PARALLEL_LOAD_TIMEOUT": " 60 ",
     "QWEN21_MODELS": "/data/models",
     "QWEN21_CONTROL_STREAM": "1",
+    "QWEN21_GGUF_PREFETCH": "1",
 }
 
 
@@ -35,7 +36,7 @@ def test_unset_variables_give_the_defaults():
     defaults = settings.Settings()
     assert defaults.kernel_warmup is True and defaults.autotune is False and defaults.fast_launch is None
     assert defaults.kernel_warmup_threads is None and defaults.quant_gemm is None and defaults.models_dir is None
-    assert defaults.control_stream is False
+    assert defaults.control_stream is False and defaults.gguf_prefetch is False
     assert (defaults.parallel_timeout_s, defaults.parallel_load_timeout_s) == (300.0, 1800.0)
 
 
@@ -43,7 +44,8 @@ def test_every_variable_parses_into_its_typed_field():
     parsed = settings.read(EVERY_VARIABLE_SET)
     assert parsed == settings.Settings(kernel_warmup=False, kernel_warmup_threads=3, autotune=True, fast_launch=False,
                                        quant_gemm="emulate", parallel_timeout_s=12.5, parallel_load_timeout_s=60.0,
-                                       models_dir="/data/models", control_stream=True)  # fmt: skip
+                                       models_dir="/data/models", control_stream=True,
+                                       gguf_prefetch=True)  # fmt: skip
     assert {variable for variable, _ in settings.VARIABLES.values()} == set(EVERY_VARIABLE_SET)
 
 

@@ -44,6 +44,7 @@ from ..memory.streaming import LayerStreamer
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
+from ..startup.streams import CONTROL, side_stream
 from .block_stack import BlockStack
 from .kv_cache import KVCacheSpec, PrefixKVCache
 from .transformer import QUANTIZABLE, Block
@@ -174,18 +175,6 @@ class FunControlNet(BlockStack, nn.Module):
         return ControlState(self, cache, start, float(strength), {layer: k for k, layer in enumerate(inject)}, gate)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for the control blocks run ahead of the base's: one per device, at the highest priority,
-    so that the chain the base waits for keeps ahead of it."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index), priority=-1)
-    return _SIDE_STREAMS[index]
-
-
 def control_key(control) -> tuple | None:
     """What a decode graph of a controlled branch is built on beyond the base's key: the branch's weights (by address:
     a graph reads them there), which of its blocks stream, the strength (a constant in the graph) and whether its
@@ -226,7 +215,7 @@ class ControlState:
         on the device's side stream, where they run beside the base's blocks, which take block k's output with
         `take(k)`; `join()` ends the step. beside False: in order on the current stream, before the base's blocks
         (the same results; the CPU tests' way)."""
-        stream = side_stream(h.device) if beside else None
+        stream = side_stream(h.device, CONTROL) if beside else None
         self._ahead, self._side = [], stream
         if stream is None:
             context = contextlib.nullcontext()

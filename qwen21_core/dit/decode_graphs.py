@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.launch import direct_launches
+from .. import settings
 from ..memory.planner import graph_pool_idle_bytes
 from ..quant.linear import LowRankSidePath
 from ..startup.streams import CAPTURE, side_stream
@@ -226,6 +227,7 @@ class DecodeGraphs:
             tr.compiled,  # compiled and eager block code are different graphs
             kv or KVCacheSpec(), tr.streaming_signature(),  # the cache and the streamed blocks are in the graph
             control_key(control),  # a controlled step runs the control blocks too
+            settings.current().gguf_prefetch,  # a GGUF step's fills on a second stream are in its graph
         )  # fmt: skip
 
     def new_branch(self, layout, batch: int, backend: str = "auto", role: str = "positive",

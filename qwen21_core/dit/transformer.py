@@ -31,6 +31,7 @@ from ..config import TransformerConfig
 from ..memory.host_copy import HostCopy
 from ..memory.streaming import LayerStreamer
 from ..quant.gguf_linear import GGUFLinear, GGUFSlot
+from ..quant.gguf_prefetch import step_prefetch
 from ..quant.linear import QuantLinear
 from ..quant.slots import QuantSlot
 from ..quant.weights import QuantFormat
@@ -614,20 +615,25 @@ class QwenImage21Transformer(BlockStack, nn.Module):
             if not ahead:
                 c = h + control.start
                 blocks = control.net.stack_blocks()
-        with backend_context(branch.attention_backend):
-            fns = self.block_functions
-            if ahead:
-                control.run_ahead(h, mod, branch, fns, in_graph, beside=h.is_cuda)
-            for i, block in self.stack_blocks():
-                h = block.decode(h, mod, branch, i, fns, in_graph)
-                if control is not None and i in control.inject:
-                    if ahead:
-                        k = control.inject[i]
-                        c = control.take(k)
-                    else:
-                        k, control_block = next(blocks)  # control.inject lists the control blocks in order
-                        c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
-                    h = control.add_skip(h, k, c)
+        prefetch = step_prefetch(self, h)  # QWEN21_GGUF_PREFETCH: the next GGUF layer dequantised ahead
+        try:
+            with backend_context(branch.attention_backend):
+                fns = self.block_functions
+                if ahead:
+                    control.run_ahead(h, mod, branch, fns, in_graph, beside=h.is_cuda)
+                for i, block in self.stack_blocks():
+                    h = block.decode(h, mod, branch, i, fns, in_graph)
+                    if control is not None and i in control.inject:
+                        if ahead:
+                            k = control.inject[i]
+                            c = control.take(k)
+                        else:
+                            k, control_block = next(blocks)  # control.inject lists the control blocks in order
+                            c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
+                        h = control.add_skip(h, k, c)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
         if ahead:
             control.join(h.device)
         elif control is not None:

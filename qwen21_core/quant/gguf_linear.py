@@ -102,11 +102,12 @@ class GGUFLinear(QuantLinear):
     def project(self, q, scale, backend):
         raise RuntimeError("a GGUF layer multiplies in the activation dtype: it has no quantised-input GEMM")
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized_weight(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weight [N, K] in `dtype`, each segment's rows written by its dequantisation (fp32 math, one
-        rounding): transient, for one GEMM."""
+        rounding): transient, for one GEMM; into `out` (contiguous [N, K]) where given."""
         first = self.get_parameter("qweight")
-        out = torch.empty(self._out, self._in, dtype=dtype, device=first.device)
+        if out is None:
+            out = torch.empty(self._out, self._in, dtype=dtype, device=first.device)
         start = 0
         for index, (rows, qtype) in enumerate(self.segments):
             dequantize_gguf(self.get_parameter(self.segment_name(index)), qtype, self._in, dtype,
@@ -115,7 +116,11 @@ class GGUFLinear(QuantLinear):
         return out
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        from .gguf_prefetch import active_prefetch  # it imports this module
+
+        prefetch = active_prefetch()
+        weight = prefetch.weight(self, x.dtype) if prefetch is not None else None
+        return F.linear(x, weight if weight is not None else self.dequantized_weight(x.dtype))
 
     def float_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantized_weight(torch.float32).to(dtype)
