@@ -35,6 +35,7 @@ from ..qwen21_core.memory.manager import (  # noqa: F401 - the nodes' one door t
 from ..qwen21_core.memory.out_of_memory import SMALLER_PLAN_FACTOR
 from ..qwen21_core.memory.sizing import job_bytes  # noqa: F401 - for the MODEL's memory_required
 from ..qwen21_core.memory.streaming import StreamableStack
+from ..qwen21_core.quant.gguf_prefetch import gguf_transient_bytes  # noqa: F401 - for memory_required too
 from . import host
 
 log = logging.getLogger(__name__)

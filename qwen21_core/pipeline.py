@@ -35,6 +35,7 @@ from .memory.manager import OwnPlacement, text_encoder_placed
 from .memory.pinned_buffers import HOST_KV_BUFFERS
 from .memory.planner import SamplingPlan, plan_for_transformer
 from .options import SampleOptions
+from .quant.gguf_prefetch import gguf_transient_bytes
 from .quant.plan import WeightFormats
 from .reference_cache import ReferenceCache
 from .request import SampleRequest
@@ -145,15 +146,18 @@ class Qwen21Pipeline:
     # ---- memory of a run ----------------------------------------------------------------------------
     def sampling_bytes(self, cond: Conditioning, request: SampleRequest, options: SampleOptions | None = None,
                        kv_placement: str | None = None) -> int:  # fmt: skip
-        """Device memory a run of `request` needs beyond the weights (memory/sizing.py sampling_bytes)."""
-        return sizing.sampling_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers,
-                                     kv_placement)  # fmt: skip
+        """Device memory a run of `request` needs beyond the weights (memory/sizing.py sampling_bytes; a GGUF DiT's
+        dequantised weights of a step too)."""
+        needed = sizing.sampling_bytes(self.transformer.config, self.dtype, cond, request, options, self.workers,
+                                       kv_placement)  # fmt: skip
+        return needed + gguf_transient_bytes(self.transformer)
 
     def plan_sampling(self, cond, request: SampleRequest, options: SampleOptions) -> SamplingPlan:
         """Where this run's prefix K/V go and how many DiT blocks stay resident, from the memory available now
         (memory/planner.py plan_for_transformer)."""
         caches, activations = sizing.request_bytes(self.transformer.config, self.dtype, cond, request, options,
                                                    self.workers)  # fmt: skip
+        activations += gguf_transient_bytes(self.transformer)
         return plan_for_transformer(self.transformer, self.device, self.vram_budget, self.idle_cache_bytes(), caches,
                                     activations, self.manage_weights, options.kv_placement)  # fmt: skip
 

@@ -487,7 +487,12 @@ def check_gguf_model():
     (with_lora,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, Path(NAMES["lora"]).name, 0.7)
     lora_latent = custom_advanced(with_lora, positive, negative, latent)
     plain_again = custom_advanced(model, positive, negative, latent)
-    emit(check="gguf_model", layers=len(layers), types=sorted({t for m in layers for t in m.fmt.types}),
+    shape = [1, 64, 8, 8]  # memory_required of the GGUF MODEL against the float one's (the same config and dtype)
+    _h, float_model, _v = load()
+    required = model.model.memory_required(shape) - float_model.model.memory_required(shape)
+    largest = max(m.out_features * m.in_features for m in layers) * handle.pipe.dtype.itemsize
+    emit(check="gguf_model", required_extra=required, largest_weight=largest,
+         layers=len(layers), types=sorted({t for m in layers for t in m.fmt.types}),
          relative=relative(theirs, ours_latent), lora_effect=(lora_latent - theirs).abs().max().item(),
          blocks_untouched=all(torch.equal(a, b.qweight) for a, b in zip(blocks, layers, strict=True)),
          plain_again=(plain_again - theirs).abs().max().item())  # fmt: skip

@@ -169,6 +169,7 @@ def test_a_gguf_dit_behind_comfyuis_model_samples_and_takes_comfyuis_lora_beside
     assert line["layers"] == 8 and line["types"] == ["Q8_0"]
     assert line["relative"] <= 1e-4  # KSampler's loop on the GGUF MODEL = Qwen21 Sampler's (fp32 compute)
     assert line["lora_effect"] > 1e-3 and line["blocks_untouched"] and line["plain_again"] == 0
+    assert line["required_extra"] == line["largest_weight"] > 0  # memory_required holds one dequantised layer
 
 
 def test_the_log_says_which_model_is_loaded_after_comfyuis_model_type_line(results):

@@ -363,3 +363,27 @@ def test_gguf_layers_dequantised_on_a_second_stream_give_the_plain_step_bit_for_
         gguf_prefetch.GGUFPrefetch = real
     eager = [step for step in made if step.side is not None]
     assert eager and all(step.expected == len(step.layers) for step in eager)
+
+
+def test_a_gguf_runs_memory_estimate_holds_its_dequantised_weights(tmp_path, use_settings):
+    """The largest GGUF layer's weight in the compute dtype (two with QWEN21_GGUF_PREFETCH) is in what a run asks
+    for: our pipeline's estimate adds it (and the ComfyUI MODEL's memory_required, test_comfyui_types); a float DiT
+    adds nothing."""
+    from qwen21_nodes.qwen21_core.conditioning import Conditioning, PromptEmbedding
+    from qwen21_nodes.qwen21_core.config import SchedulerConfig
+    from qwen21_nodes.qwen21_core.memory import sizing
+    from qwen21_nodes.qwen21_core.pipeline import Qwen21Pipeline
+    from qwen21_nodes.qwen21_core.quant.gguf_prefetch import gguf_transient_bytes
+    from qwen21_nodes.qwen21_core.request import SampleRequest
+
+    path, held = dit_gguf(tmp_path / "dit.gguf", _small_state_dict(), "Q4_K")
+    model, _ = loading.load_transformer(path, "cpu", torch.float32)
+    largest = max(m.out_features * m.in_features for b in model.transformer_blocks for m in b.linears().values())
+    assert gguf_transient_bytes(model) == largest * 4 and gguf_transient_bytes(_float_model(held)) == 0
+    use_settings(gguf_prefetch=True)
+    assert gguf_transient_bytes(model) == 2 * largest * 4
+    pipe = Qwen21Pipeline(model, torch.nn.Linear(1, 1), None, SchedulerConfig())
+    cond = Conditioning(PromptEmbedding(torch.randn(12, SMALL_DIT.context_in_dim), torch.zeros(12, dtype=torch.bool)))
+    request = SampleRequest(height=64, width=64, steps=2)
+    plain = sizing.sampling_bytes(model.config, model.dtype, cond, request)
+    assert pipe.sampling_bytes(cond, request) == plain + 2 * largest * 4

@@ -148,10 +148,10 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
 
     def memory_required(self, input_shape, cond_shapes={}):  # noqa: B006 - ComfyUI's signature
         """Device bytes a sampling run needs beside the weights (memory/sizing.py): the prefix K/V of the
-        conditionings (two branches when ComfyUI asks for a doubled batch, its CFG estimate) and a step's
-        activations, for the K/V on the GPU (the larger placement); in a run with Fun-Control the branch's caches and
-        activations too (its weights ComfyUI counts as the additional model's): our OUTER_SAMPLE wrapper sets
-        RUN_CONTROL_SIZING around the run, since ComfyUI passes only shapes."""
+        conditionings (two branches when ComfyUI asks for a doubled batch, its CFG estimate), a step's activations
+        (a GGUF DiT's dequantised weights too), for the K/V on the GPU (the larger placement); in a run with
+        Fun-Control the branch's caches and activations too (its weights ComfyUI counts as the additional model's):
+        our OUTER_SAMPLE wrapper sets RUN_CONTROL_SIZING around the run, since ComfyUI passes only shapes."""
         prefixes = [shape[-1] for shape in cond_shapes.get("qwen21_prefix", [])] or [1]
         rows, _, h, w = input_shape[:4]
         branches = sorted(prefixes, reverse=True)[: 2 if len(prefixes) > 1 else 1]
@@ -162,7 +162,7 @@ class Qwen21ComfyModel(comfy.model_base.BaseModel):
                                                        h * w, batch, options.kv_cache, options.kv_layout,
                                                        control_layers=control_layers,
                                                        plain_beside=plain_beside)  # fmt: skip
-        return caches["gpu"] + activations
+        return caches["gpu"] + activations + memory_adapter.gguf_transient_bytes(self.pipe.transformer)
 
     # ---- LoRAs ----------------------------------------------------------------------------------------------
 
