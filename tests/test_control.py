@@ -510,6 +510,21 @@ def test_control_blocks_run_ahead_give_the_interleaved_step_bit_for_bit(monkeypa
         got = dit.decode(branch, x, t)
     assert torch.equal(got, want)
     assert taken == list(range(CONTROL_BLOCKS)) and branch.control._ahead is None
+    # an error in the middle of a step (out of memory in a base block): the step is ended, the next one works
+    real_decode = type(dit.transformer_blocks[1]).decode
+
+    def failing(self, *args, **kwargs):
+        if self is dit.transformer_blocks[1]:
+            raise torch.OutOfMemoryError("CUDA out of memory (made by the test)")
+        return real_decode(self, *args, **kwargs)
+
+    with torch.inference_mode():
+        monkeypatch.setattr(type(dit.transformer_blocks[1]), "decode", failing)
+        with pytest.raises(torch.OutOfMemoryError):
+            dit.decode(branch, x, t)
+        assert branch.control._ahead is None
+        monkeypatch.setattr(type(dit.transformer_blocks[1]), "decode", real_decode)
+        assert torch.equal(dit.decode(branch, x, t), want)
 
 
 def test_the_control_blocks_run_ahead_only_where_asked_on_a_gpu_with_nothing_streamed(use_settings):

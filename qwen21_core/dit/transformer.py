@@ -616,6 +616,7 @@ class QwenImage21Transformer(BlockStack, nn.Module):
                 c = h + control.start
                 blocks = control.net.stack_blocks()
         prefetch = step_prefetch(self, h)  # QWEN21_GGUF_PREFETCH: the next GGUF layer dequantised ahead
+        step_device = h.device
         try:
             with backend_context(branch.attention_backend):
                 fns = self.block_functions
@@ -631,12 +632,12 @@ class QwenImage21Transformer(BlockStack, nn.Module):
                             k, control_block = next(blocks)  # control.inject lists the control blocks in order
                             c = control_block.decode(c, mod, branch, k, fns, in_graph, cache=control.cache)
                         h = control.add_skip(h, k, c)
-        finally:
+        finally:  # also after an error (out of memory): the side streams joined, nothing left pending
             if prefetch is not None:
                 prefetch.close()
-        if ahead:
-            control.join(h.device)
-        elif control is not None:
+            if ahead:
+                control.join(step_device)
+        if control is not None and not ahead:
             for _ in blocks:  # the streamer's hooks after the last control block
                 pass
         scale = self.norm_out.linear(F.silu(temb))[:, None, :]
