@@ -628,7 +628,8 @@ def run_session(args, files: dict[str, str], flags: list[str], cap: float | None
     started = time.perf_counter()
     pack = Path(args.pack_dir).resolve() if args.pack_dir else REPO
     name = (
-        f"comfyui_session_server_{args.sampler}_{args.dit}_{'none' if cap is None else cap}"
+        f"comfyui_session_server_{args.sampler}{'' if args.dit == PRECISION else '_' + args.dit}_"
+        f"{'none' if cap is None else cap}"
         f"{'_control' * args.control}.txt"
     )
     server = ComfyUI(Path(args.comfyui_dir), args.comfyui_python, Path(args.models_dir), flags, log_dir / name, pack,

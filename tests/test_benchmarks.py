@@ -576,6 +576,31 @@ def test_bench_comfyui_session_runs_fun_control_through_both_samplers(tmp_path):
     assert "Qwen21ApplyControlModel" in prompts[3]["cached"]  # the second prompt reuses the applied MODEL
 
 
+@pytest.mark.slow
+@pytest.mark.comfyui
+@needs_comfyui_server
+def test_bench_comfyui_session_runs_a_gguf_dit_through_both_samplers(tmp_path):
+    """--dit q4_k_m on the tiny files: the loader reads make_tiny's GGUF DiT (weight_dtype auto), every prompt through
+    Qwen21 Sampler and KSampler ends in success, the lines name the file, and door_ratios compares the KSampler
+    session with the same file's uncapped Qwen21 Sampler one."""
+    pytest.importorskip("websocket", reason="bench_comfyui_session needs websocket-client")
+    by_what = _bench("bench_comfyui_session.py", "--tiny", "--device", "cpu", "--limit", "2", "--dit", "q4_k_m",
+                     "--samplers", "qwen21,ksampler", "--log-dir", str(tmp_path))  # fmt: skip
+    prompts = by_what["session_prompt"]
+    assert len(prompts) == 4 and not [p for p in prompts if "error" in p]
+    assert {p["dit"] for p in prompts} == {"q4_k_m"}
+    log = (tmp_path / "comfyui_session_server_qwen21_q4_k_m_none.txt").read_text()
+    assert "qwen_image_2.1_tiny_Q8_0.gguf" in log and "(weights auto)" in log
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("door_ratios", BENCH_VAE.parent / "door_ratios.py")
+    door = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(door)
+    (row,) = door.ratios(by_what["session_summary"])  # no fp8 baseline here: the same file's
+    assert row["sampler"] == "ksampler" and row["dit"] == "q4_k_m" and row["ratio"] is None
+    assert row["same_dit_ratio"] == pytest.approx(row["steady_image_s"] / row["same_dit_steady_s"], abs=2e-3)
+
+
 def test_bench_control_smoke_runs_every_path_with_its_control_counts():
     """bench_control --tiny on the CPU: the plain, controlled, half-range, changed-prompt and KSampler-way runs each
     report how many steps ran controlled, and the ratios are the figures they are computed from."""
