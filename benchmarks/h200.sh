@@ -5,7 +5,7 @@
 #   vae-mem vae-placeholders vae-profile qk te te-dequant load lora server-gpu tests-memory e2e tune cold overhead
 #   tests-kernels-gpu tests-graphs session session-turbo session-comfyui comfyui-restart tests-gpu-all copy-rates
 #   attention-lengths save-png loader-node session-comfyui-ksampler tests-door velocity session-door gguf control
-#   tests-control gguf-kernel
+#   tests-control gguf-kernel tests-gguf
 # The machine has torch, triton and transformers; diffusers 0.42.1 (the reference) travels as a wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -162,6 +162,9 @@ for part in "$@"; do
       run bench_gguf "${GGUF_LIMIT:-300}" python3 benchmarks/bench_gguf.py ${GGUF_ARGS:-} ;;
     gguf-kernel)  # each GGUF type's dequantisation against its GEMM (the K-quants' tiled kernel against the flat one)
       run bench_gguf_kernel 120 python3 benchmarks/bench_gguf.py --kernel-only --types Q8_0,Q6_K,Q5_K,Q4_K,Q4_0 ;;
+    tests-gguf)  # GGUF on CUDA: the kernel bit for bit against gguf's dequantiser, the prefetch trial's GPU test
+      run tests_gguf "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+        tests/test_gguf.py ;;
     tests-control)  # Fun-Control's GPU tests and the door's small-card test (0.3.64 in-process, tiny model)
       unpack_comfyui
       comfyui_run tests_control "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_control.py \
