@@ -100,9 +100,9 @@ def gguf_transient_bytes(model) -> int:
     """Device bytes a decode step of `model` holds in dequantised GGUF weights at once, beyond its activations: the
     largest GGUF layer in the compute dtype, twice with QWEN21_GGUF_PREFETCH (two step buffers); 0 without GGUF
     layers. The memory estimates of a run add it (pipeline.py, the ComfyUI MODEL's memory_required)."""
-    blocks = getattr(model, "transformer_blocks", ())  # a stand-in with a config only (tests, sizing): none
-    sizes = [layer.out_features * layer.in_features for block in blocks for layer in block.linears().values()
-             if isinstance(layer, GGUFLinear)]  # fmt: skip
+    if not isinstance(model, torch.nn.Module):  # a stand-in (tests of the sizing): no layers
+        return 0
+    sizes = [layer.out_features * layer.in_features for layer in model.modules() if isinstance(layer, GGUFLinear)]
     if not sizes:
         return 0
     element = torch.empty(0, dtype=model.dtype).element_size()
