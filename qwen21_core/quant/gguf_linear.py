@@ -15,6 +15,7 @@ first segment is `qweight`, the others `qweight_1`, ..., so that merge code that
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,18 @@ from torch import nn
 from ...kernels.dequantize_gguf import BLOCKS, dequantize_gguf, row_bytes
 from .linear import QuantLinear
 from .slots import QuantSlot
+
+# The decode step's GGUFPrefetch (quant/gguf_prefetch.py) on the thread running it: the layers take their weight
+# from it while it is set
+_active = threading.local()
+
+
+def active_prefetch():
+    return getattr(_active, "prefetch", None)
+
+
+def set_active_prefetch(prefetch) -> None:
+    _active.prefetch = prefetch
 
 
 @dataclass(frozen=True)
@@ -116,8 +129,6 @@ class GGUFLinear(QuantLinear):
         return out
 
     def weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        from .gguf_prefetch import active_prefetch  # it imports this module
-
         prefetch = active_prefetch()
         weight = prefetch.weight(self, x.dtype) if prefetch is not None else None
         return F.linear(x, weight if weight is not None else self.dequantized_weight(x.dtype))

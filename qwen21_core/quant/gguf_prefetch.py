@@ -14,19 +14,13 @@ the graph. Not while blocks stream (a streamed block's weights arrive at its own
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import settings
 from ..startup.streams import GGUF, side_stream
-from .gguf_linear import GGUFLinear
+from .gguf_linear import GGUFLinear, active_prefetch, set_active_prefetch
 
-_active = threading.local()  # the step's GGUFPrefetch on the thread running it, None elsewhere
-
-
-def active_prefetch() -> GGUFPrefetch | None:
-    return getattr(_active, "prefetch", None)
+__all__ = ["GGUFPrefetch", "active_prefetch", "gguf_transient_bytes", "step_prefetch"]
 
 
 class GGUFPrefetch:
@@ -46,7 +40,7 @@ class GGUFPrefetch:
         self.expected = 0
         self.on = True
         self._fill(0)
-        _active.prefetch = self
+        set_active_prefetch(self)
 
     def _fill(self, j: int) -> None:
         layer = self.layers[j]
@@ -80,7 +74,7 @@ class GGUFPrefetch:
 
     def close(self) -> None:
         """End the step: the compute stream waits for the side stream, and the buffers go back to the allocator."""
-        _active.prefetch = None
+        set_active_prefetch(None)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.buffers = self.filled = None
