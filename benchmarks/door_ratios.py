@@ -38,7 +38,7 @@ def ratios(lines: list[dict]) -> list[dict]:
         group = (summary.get("code"), bool(summary.get("control")))
         dit, cfg = summary.get("dit", "fp8"), summary["cfg"]
         base, own = uncapped.get((*group, "fp8", cfg)), uncapped.get((*group, dit, cfg))
-        if summary is base or (base is None and own in (None, summary)):  # nothing to compare it with
+        if summary is base or (base is None and (own is None or own is summary)):  # nothing to compare it with
             continue
         steady = summary.get("steady_image_s")
         row = dict(what="door_ratio", dit=dit, sampler=summary.get("sampler"), cap_gib=summary.get("cap_gib"),

@@ -25,8 +25,6 @@ from ..request import SampleRequest
 ACTIVATION_FACTOR = 16
 # A controlled step also holds the control stream's hidden state and its skip beside the base's (same units)
 CONTROL_ACTIVATION_FACTOR = 4
-# With the control blocks run ahead on a side stream (QWEN21_CONTROL_STREAM): each block's output until the base takes
-# it (one unit per control block) and a second block's working set beside the base's, counted as a whole step's
 PLACEMENTS = ("gpu", "cpu")
 
 
@@ -47,6 +45,8 @@ def job_bytes(config, dtype: torch.dtype, prefix_lengths: Sequence[int], target_
     caches, activations = dict.fromkeys(PLACEMENTS, 0), 0
     factor = ACTIVATION_FACTOR + (CONTROL_ACTIVATION_FACTOR if control_layers else 0)
     if control_layers and settings.current().control_stream:
+        # the control blocks run ahead on a side stream: each block's output until the base takes it (one unit per
+        # control block) and a second block's working set beside the base's, counted as a whole step's
         factor += control_layers + ACTIVATION_FACTOR
     for prefix in prefix_lengths:
         shapes = [CacheShape(config.num_layers, batch, prefix, target_tokens, heads, config.attention_head_dim, dtype)]
